@@ -1,0 +1,145 @@
+"""`vllm-exl3` command line: parse arguments, call the modules that do the work, render the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from .format import Exl3FormatError, Pack
+
+console = Console()
+err_console = Console(stderr=True)
+
+_COMMANDS: dict[str, Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {}
+
+
+def command(name: str):
+    """Register `fn(parser) -> handler` as the subcommand `name`."""
+
+    def deco(fn):
+        _COMMANDS[name] = fn
+        return fn
+
+    return deco
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@command("inspect")
+def _inspect(p: argparse.ArgumentParser):
+    """Architecture, layers, bits/codebook histogram, bytes by group, effective bits per weight."""
+    p.add_argument("pack", help="EXL3 model directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(a: argparse.Namespace) -> int:
+        from .report import summarize
+
+        s = summarize(Pack.open(a.pack))
+        if a.json:
+            print(json.dumps(s.to_json(), indent=2))
+            return 0
+        console.print(f"[bold]{s.path}[/]")
+        console.print(f"architecture {s.architecture} ({s.model_type}), {s.num_layers} layers, hidden {s.hidden_size}"
+                      + (f", {s.num_experts} experts (top-{s.experts_per_token})" if s.num_experts else ""))
+        console.print("quantization " + ", ".join(f"{k}={v}" for k, v in s.quantization.items()))
+        hist = Table(title="EXL3 tensors by bits and codebook")
+        hist.add_column("bits codebook")
+        hist.add_column("tensors", justify="right")
+        for k, v in s.bits_histogram.items():
+            hist.add_row(k, str(v))
+        console.print(hist)
+        t = Table(title="bytes by group")
+        for col in ("group", "tensors", "bytes", "bits/weight"):
+            t.add_column(col, justify="left" if col == "group" else "right")
+        for name, g in s.groups.items():
+            t.add_row(name, str(g.tensors), _gib(g.bytes), f"{g.bits_per_weight:.3f}")
+        t.add_row("unquantized", str(s.unquantized_tensors), _gib(s.unquantized_bytes), "-")
+        t.add_row("[bold]total[/]", "", _gib(s.total_bytes), f"{s.exl3_bits_per_weight:.3f} (EXL3 only)")
+        console.print(t)
+        return 0
+
+    return run
+
+
+@command("verify")
+def _verify(p: argparse.ArgumentParser):
+    """Full structural validation of every file and tensor; exit 0 when the pack is sound, 1 otherwise."""
+    p.add_argument("pack", help="EXL3 model directory")
+
+    def run(a: argparse.Namespace) -> int:
+        from .format import verify_pack
+
+        pack, problems = verify_pack(a.pack)
+        for e in problems:
+            err_console.print(f"[red]FAIL[/] {e}", highlight=False, soft_wrap=True)
+        if problems:
+            err_console.print(f"{len(problems)} problem(s) in {a.pack}")
+            return 1
+        n = len(pack.linears())
+        console.print(f"[green]OK[/] {a.pack}: {len(pack.files)} file(s), {len(pack.tensors)} tensors, "
+                      f"{n} EXL3 linears")
+        return 0
+
+    return run
+
+
+@command("dequant")
+def _dequant(p: argparse.ArgumentParser):
+    """Write decoded weights as `<linear prefix>.weight` to a safetensors file."""
+    p.add_argument("pack", help="EXL3 model directory")
+    p.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    p.add_argument("--tensor", metavar="GLOB", help="only linears whose prefix (or prefix.weight) matches")
+    p.add_argument("--rotated", action="store_true",
+                   help="write Ŵ (fp16, (in, out), padded), bit-exact with ExLlamaV3's reconstruct")
+    p.add_argument("--padded", action="store_true", help="keep the padded geometry in full-weight mode")
+
+    def run(a: argparse.Namespace) -> int:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from . import dequant
+
+        pack = Pack.open(a.pack)
+        items = dequant.plan(pack, a.tensor, a.rotated, a.padded)
+        if not items:
+            err_console.print(f"no EXL3 linear matches {a.tensor!r}")
+            return 1
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=err_console, disable=not err_console.is_terminal) as prog:
+            task = prog.add_task("dequantizing", total=len(items))
+            nbytes = dequant.write(items, a.output, a.rotated, progress=lambda _: prog.advance(task))
+        console.print(f"wrote {len(items)} tensors ({_gib(nbytes)}) to {a.output}")
+        return 0
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-exl3", description="EXL3 packs on vLLM: inspect, verify, serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, setup in _COMMANDS.items():
+        sp = sub.add_parser(name, help=(setup.__doc__ or "").strip().splitlines()[0],
+                            description=(setup.__doc__ or "").strip())
+        sp.set_defaults(handler=setup(sp))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except Exl3FormatError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
