@@ -1,0 +1,179 @@
+"""One dispatch interface for EXL3 compute; backends: `native` (our csrc), `exllamav3` (ExLlamaV3's kernels),
+`torch` (the reference, always available).
+
+Python decides *which* backend runs a layer (once, at load time, from `VLLM_EXL3_KERNEL`); the backend decides
+*how* (e.g. GEMV vs GEMM by row count) inside the custom op, at run time, because branches on the token count
+in traced Python code are frozen at trace time (vllm-cpu-032.md §4.2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..format import Exl3Weights
+
+logger = logging.getLogger("vllm_exl3.kernels")
+
+KERNEL_ENV = "VLLM_EXL3_KERNEL"
+CHOICES = ("auto", "native", "exllamav3", "torch")
+PREFERENCE = ("native", "exllamav3", "torch")  # `auto` takes the first that is available and supports the layer
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """What a backend needs to know to accept or refuse a dense EXL3 linear."""
+
+    codebook: str
+    bits: float
+    in_padded: int  # K of the stored (block-aligned) slice
+    out_padded: int  # N of the stored slice
+    act_dtype: torch.dtype
+    device_type: str
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What a backend needs to know to accept or refuse a routed-experts layer."""
+
+    codebooks: tuple[str, ...]
+    bits: tuple[float, ...]
+    hidden_padded: int
+    intermediate_padded: int
+    num_local_experts: int
+    activation: str
+    act_dtype: torch.dtype
+    device_type: str
+
+
+class Backend:
+    """A kernel backend. Subclasses override what they implement; a `None` reason means "yes"."""
+
+    name = "?"
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    # -- dense linears ------------------------------------------------------------------------------------
+    def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
+        return "dense linears not implemented"
+
+    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
+        """Once per layer after loading: any derived tensor the backend wants (a decoded cache, a repacked
+        trellis). Returned tensor is kept on the layer and handed back to `linear`; empty when unused."""
+        return torch.empty(0, device=w.trellis.device)
+
+    def linear(self, x: torch.Tensor, w: Exl3Weights, prepared: torch.Tensor, in_offset: int, out_offset: int,
+               out_features: int) -> torch.Tensor:
+        """y = x·W for a layer stored as the 128-aligned block range around its logical slice.
+
+        x: [M, in] in the activation dtype, placed at columns [in_offset, in_offset + in) of a zero input of
+        width w.in_padded; returns [M, out_features] = columns [out_offset, out_offset + out_features) of the
+        output, in x's dtype, without bias. Must not sync the host or allocate by tensor *values* (CUDA graphs).
+        """
+        raise NotImplementedError
+
+    # -- routed experts -----------------------------------------------------------------------------------
+    def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
+        return "routed experts not implemented"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    _load_backends()
+    return _REGISTRY[name]
+
+
+def _load_backends() -> None:
+    if _REGISTRY:
+        return
+    from . import torch_backend  # noqa: F401  (registers "torch")
+
+    for module in ("native", "exllamav3_backend"):
+        try:
+            __import__(f"{__name__}.{module}")
+        except ImportError as e:  # a backend module itself must import; its *library* may be missing
+            logger.debug("backend module %s not importable: %s", module, e)
+
+
+def requested_kernel() -> str:
+    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={value!r}: expected one of {', '.join(CHOICES)}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Decisions: which backend serves which layer, and why the preferred ones did not. Logged once per layer type,
+# counted for metrics.
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    layer_type: str  # e.g. "linear:mul1:4b" or "moe:mcg:3b"
+    backend: str
+    fallback_reasons: tuple[tuple[str, str], ...]  # (backend, why not) for each preferred backend skipped
+
+
+_lock = threading.Lock()
+_decision_counts: Counter[Decision] = Counter()
+
+
+def decision_counts() -> dict[Decision, int]:
+    with _lock:
+        return dict(_decision_counts)
+
+
+def _record(decision: Decision) -> None:
+    with _lock:
+        first = decision not in _decision_counts
+        _decision_counts[decision] += 1
+    if first:
+        if decision.fallback_reasons:
+            why = "; ".join(f"{b}: {r}" for b, r in decision.fallback_reasons)
+            logger.info("EXL3 %s -> %s backend (skipped %s)", decision.layer_type, decision.backend, why)
+        else:
+            logger.info("EXL3 %s -> %s backend", decision.layer_type, decision.backend)
+
+
+def _choose(layer_type: str, reason_of) -> Backend:
+    _load_backends()
+    requested = requested_kernel()
+    candidates = PREFERENCE if requested == "auto" else (requested,)
+    skipped: list[tuple[str, str]] = []
+    for name in candidates:
+        backend = _REGISTRY.get(name)
+        reason = "not installed" if backend is None else backend.unavailable_reason() or reason_of(backend)
+        if reason is None:
+            _record(Decision(layer_type, name, tuple(skipped)))
+            return backend
+        skipped.append((name, reason))
+    if requested != "auto":
+        # An explicit choice that cannot serve the layer is an error, not a silent fallback: the user asked
+        # for that kernel (e.g. to compare backends) and must know it is not what runs.
+        raise RuntimeError(f"{KERNEL_ENV}={requested} cannot serve {layer_type}: {skipped[-1][1]}. "
+                           f"Use {KERNEL_ENV}=auto to fall back automatically.")
+    raise RuntimeError(f"no EXL3 backend serves {layer_type}: {skipped}")
+
+
+def choose_linear_backend(spec: LinearSpec) -> Backend:
+    layer_type = f"linear:{spec.codebook}:{spec.bits:g}b:{spec.device_type}"
+    return _choose(layer_type, lambda b: b.linear_unsupported_reason(spec))
+
+
+def choose_moe_backend(spec: MoESpec) -> Backend:
+    cbs = "+".join(sorted(set(spec.codebooks)))
+    bits = "+".join(f"{b:g}" for b in sorted(set(spec.bits)))
+    layer_type = f"moe:{cbs}:{bits}b:{spec.device_type}"
+    return _choose(layer_type, lambda b: b.moe_unsupported_reason(spec))
