@@ -121,6 +121,15 @@ def _dequant(p: argparse.ArgumentParser):
     return run
 
 
+@command("launch")
+def _launch(p: argparse.ArgumentParser):
+    """Check the pack, network and memory, then run `vllm serve` for a role (single, head, worker) and preset."""
+    from . import launch
+
+    launch.add_arguments(p)
+    return launch.run
+
+
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-exl3", description="EXL3 packs on vLLM: inspect, verify, serve.")
