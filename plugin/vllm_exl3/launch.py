@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import preflight
+from .health import PID_FILE
 from .memory_plan import MemoryFigures, PlanSettings, Request
 
 try:
@@ -36,7 +37,6 @@ EXIT_REFUSED = 78
 DEFAULT_MODEL_DIR = "/model"  # where compose mounts the pack, read-only
 DEFAULT_MASTER_PORT = 29501  # vLLM's own default for --master-port
 DEFAULT_HEAD_WAIT_S = 900.0
-PID_FILE = "vllm.pid"  # in $VLLM_EXL3_RUN_DIR; read by healthchecks/healthcheck
 IMAGE_PRESET_DIR = Path("/etc/vllm-exl3/presets")
 SOURCE_PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"
 
@@ -70,6 +70,13 @@ ENV_FLAGS = (
     ("VLLM_EXL3_MASTER_PORT", "master-port", True, False),
 )
 PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
+# The appliance's own variables, consumed by the launcher, supervisord and the health checks. They are taken out
+# of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
+# (VLLM_EXL3_KERNEL, ...) stay.
+APPLIANCE_VARIABLES = {var for var, *_ in ENV_FLAGS} | {
+    "VLLM_EXL3_ROLE", "VLLM_EXL3_PRESET", "VLLM_EXL3_PRESET_DIR", "VLLM_EXL3_MODEL", "VLLM_EXL3_EXTRA_ARGS",
+    "VLLM_EXL3_HEAD_WAIT", "VLLM_EXL3_RUN_DIR", "VLLM_EXL3_SUPERVISOR_D", "VLLM_EXL3_RENDEZVOUS_GRACE",
+    "VLLM_EXL3_HEALTH_TIMEOUT"}
 
 
 class LaunchError(ValueError):
@@ -339,5 +346,5 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         return 0
     write_pid_file(env)
     target = exec_argv(argv)
-    os.execvpe(target[0], target, env)
+    os.execvpe(target[0], target, {k: v for k, v in env.items() if k not in APPLIANCE_VARIABLES})
     return 0  # not reached
