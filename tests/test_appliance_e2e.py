@@ -11,10 +11,15 @@ import signal
 
 import pytest
 
-from appliance import (alive, appliance_env, completion, health, kill_group, supervised, tail, tool, wait_until)
+from appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
 from servers import free_port
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(tool("supervisord") is None, reason="supervisord not installed")]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def supervisord():
+    return required("supervisord (PyPI supervisor)", tool("supervisord"))
 
 
 def test_supervised_single_serves_recovers_from_a_crash(tmp_path):

@@ -182,12 +182,17 @@ def stop_process_group(pid: int, log) -> None:
         pass
 
 
-def watch(env, log=lambda m: print(m, file=sys.stderr, flush=True)) -> int:
+def stderr_log(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def watch(env, log=stderr_log) -> int:
     if env.get("VLLM_EXL3_ROLE") != "worker":
         log(f"watch: role {env.get('VLLM_EXL3_ROLE')}: no rendezvous to watch")
         return 0
     head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", "29501"))
     grace = float(env.get("VLLM_EXL3_RENDEZVOUS_GRACE", "30"))
+    interval = min(WATCH_INTERVAL_S, grace / 2)
     joined, lost_since = None, None  # the pid that has been connected; when it lost the connection
     while True:
         pid = vllm_pid(env)
@@ -202,7 +207,7 @@ def watch(env, log=lambda m: print(m, file=sys.stderr, flush=True)) -> int:
                     "supervisord restarts it and it joins the head again")
                 stop_process_group(pid, log)
                 joined, lost_since = None, None
-        time.sleep(WATCH_INTERVAL_S)
+        time.sleep(interval)
 
 
 def main(argv: list[str]) -> int:
