@@ -102,6 +102,7 @@ def test_too_big_for_one_spark_is_refused_with_advice_and_fits_on_two():
     assert "exceed" in one.problems[0]
     assert any("drop_caches" in a for a in one.advice)  # 6 GiB of page cache is reclaimable
     assert any("two Sparks" in a for a in one.advice)
+    assert not any("fp8" in a for a in one.advice)  # weights alone do not fit: KV settings would not help
     two = plan(spark(112), large_moe(110), Request(tp=2, max_model_len=131072), settings)
     assert two.fits and two.max_model_len == 131072  # 55 GiB per node
 
@@ -110,6 +111,7 @@ def test_explicit_values_are_checked_not_replaced():
     shape = large_moe(40)
     too_much = plan(spark(50), shape, Request(gpu_memory_utilization=0.9), NO_SLACK)
     assert not too_much.fits and "vLLM refuses at start" in too_much.problems[0]  # 0.9 * 119.7 > 50
+    assert "lower --gpu-memory-utilization to 0.41 or less" in too_much.advice[0]  # floor(50 / 119.7, 2)
     pinned = plan(spark(50), shape, Request(max_model_len=10_000_000, max_model_len_pinned=True), NO_SLACK)
     assert not pinned.fits and "--max-model-len 10000000" in pinned.problems[0]
     assert any("lower --max-model-len" in a for a in pinned.advice)

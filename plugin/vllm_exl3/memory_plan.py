@@ -233,15 +233,19 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
         short = need - budget
         lines.append(f"to boot with {floor} tokens: {gib(need)} needed, {gib(budget)} available to vLLM "
                      f"(short by {gib(max(short, 0))})")
+        if req.gpu_memory_utilization is not None and util * mem.total > mem.free:
+            fitting = math.floor((mem.free - headroom) / mem.total * 100) / 100
+            advice.append(f"lower --gpu-memory-utilization to {fitting:.2f} or less, or leave it to the plan")
         if mem.reclaimable > GIB:
             advice.append(f"{gib(mem.reclaimable)} is page cache: free it with "
                           "`sudo sh -c 'sync; echo 3 > /proc/sys/vm/drop_caches'` and start again")
         advice.append("stop other GPU/memory users on this machine (`nvidia-smi`, `free -g`)")
-        if req.kv_cache_dtype in ("auto", "bfloat16", "float16", "half") and model.dtype_bytes >= 2:
+        kv_bound = kv_bytes > 0  # the fixed costs fit: it is the context that does not
+        if kv_bound and req.kv_cache_dtype in ("auto", "bfloat16", "float16", "half") and model.dtype_bytes >= 2:
             advice.append("halve KV per token with `--kv-cache-dtype fp8` (preset long-context does)")
-        if req.max_model_len_pinned:
+        if kv_bound and req.max_model_len_pinned:
             advice.append(f"lower --max-model-len (about {max(kv_tokens, 0)} tokens fit now)")
-        else:
+        elif kv_bound:
             advice.append("lower the preset's [memory] min-context if less context is acceptable")
         if tp == 1:
             advice.append("split the model over two Sparks (roles head + worker, TP 2): weights per node halve")
