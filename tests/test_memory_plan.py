@@ -13,7 +13,7 @@ import pytest
 from conftest import pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.format import Pack
-from vllm_exl3.memory_plan import GIB, MemoryFigures, ModelShape, PlanSettings, Request, plan
+from vllm_exl3.memory_plan import GIB, MemoryFigures, ModelShape, PlanSettings, Request, model_max_len, plan
 from vllm_exl3.preflight import model_shape
 
 # What a DGX Spark reports: ~119.7 GiB of 128 GB visible to the OS.
@@ -130,3 +130,15 @@ def test_plan_settings_from_preset_table():
     assert s.max_gpu_memory_utilization == 0.8 and s.min_context == 2048 and s.headroom_gib == 6.0
     with pytest.raises(ValueError, match="unknown \\[memory\\] key"):
         PlanSettings.from_table({"headroom": 1})
+
+
+def test_model_max_len_as_vllm_derives_it():
+    assert model_max_len({"max_position_embeddings": 40960}) == 40960
+    assert model_max_len({"max_position_embeddings": 40960, "seq_length": 8192}) == 8192  # the smallest key
+    linear = {"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    assert model_max_len(linear) == 16384
+    yarn = {"max_position_embeddings": 131072, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    assert model_max_len(yarn) == 131072  # YaRN configs already carry the scaled length
+    assert model_max_len({"max_position_embeddings": 40960}, {"model_max_length": 32768}) == 32768
+    assert model_max_len({}) is None
+    assert model_shape(Pack.open(demo.PACK)).max_position_embeddings == 1024

@@ -275,7 +275,7 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
         # vLLM's CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE, not from a memory fraction.
         report.notes.append("no NVIDIA GPU visible: unified-memory plan not enforced; context capped to the "
                             "model's maximum")
-        model_max = pack.text_config.get("max_position_embeddings")
+        model_max = preflight.pack_max_len(pack)
         wanted = [v for v in (plan_request(spec).max_model_len, model_max) if v]
         return report, apply_plan(spec, min(wanted)) if wanted else spec
     mem = MemoryFigures.from_meminfo(meminfo or root / "proc/meminfo")

@@ -41,6 +41,28 @@ LOGIT_BYTES_PER_VOCAB_ENTRY = 8
 ACTIVATION_BYTES = 2
 
 
+# Config keys vLLM reads a model's maximum length from (the smallest present wins), and the RoPE scalings whose
+# factor extends it (YaRN and friends already carry the scaled length): vllm/config/model.py _get_and_verify_max_len.
+MAX_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                   "max_seq_length")
+LENGTH_SCALING_ROPE_TYPES = ("linear", "dynamic")
+
+
+def model_max_len(text_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None) -> int | None:
+    """The longest context vLLM will accept for this model, as vLLM derives it from the configs."""
+    lengths = [int(text_config[k]) for k in MAX_LENGTH_KEYS if isinstance(text_config.get(k), (int, float))]
+    if not lengths:
+        return None
+    length = float(min(lengths))
+    rope = text_config.get("rope_scaling") or text_config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) in LENGTH_SCALING_ROPE_TYPES and rope.get("factor"):
+        length *= float(rope["factor"])
+    tokenizer_max = (tokenizer_config or {}).get("model_max_length")
+    if isinstance(tokenizer_max, (int, float)):
+        length = min(length, tokenizer_max)
+    return int(length)
+
+
 @dataclass(frozen=True)
 class MemoryFigures:
     """Memory as the kernel reports it (bytes). On unified memory this is also the GPU's memory."""
@@ -103,8 +125,8 @@ class ModelShape:
     experts_per_token: int = 0
 
     @classmethod
-    def from_config(cls, text_config: dict[str, Any], weight_bytes: int,
-                    largest_linear_bytes: int = 0) -> "ModelShape":
+    def from_config(cls, text_config: dict[str, Any], weight_bytes: int, largest_linear_bytes: int = 0,
+                    max_len: int | None = None) -> "ModelShape":
         tc = text_config
         heads = int(tc.get("num_attention_heads") or 1)
         head_dim = int(tc.get("head_dim") or tc["hidden_size"] // heads)
@@ -121,7 +143,7 @@ class ModelShape:
             head_dim=head_dim,
             hidden_size=int(tc["hidden_size"]),
             vocab_size=int(tc.get("vocab_size") or 0),
-            max_position_embeddings=tc.get("max_position_embeddings"),
+            max_position_embeddings=max_len or model_max_len(tc),
             dtype_bytes=MODEL_DTYPE_BYTES.get(dtype, 2),
             mla_kv_width=mla,
             moe_intermediate=int(tc.get("moe_intermediate_size") or 0),

@@ -13,6 +13,7 @@ fixture packs, the machine's own loopback interface and fake sysfs trees or memi
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .format import Pack, verify_pack
-from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib
+from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib, model_max_len
 from .memory_plan import plan as make_plan
 
 # A refusal should fit on a screen: the first problems of a broken pack say enough.
@@ -79,7 +80,18 @@ def model_shape(pack: Pack) -> ModelShape:
 
     summary = summarize(pack)
     largest = max((lin.in_padded * lin.out_padded for lin in pack.linears().values()), default=0)
-    return ModelShape.from_config(pack.text_config, summary.total_bytes, largest_linear_bytes=2 * largest)
+    return ModelShape.from_config(pack.text_config, summary.total_bytes, largest_linear_bytes=2 * largest,
+                                  max_len=pack_max_len(pack))
+
+
+def pack_max_len(pack: Pack) -> int | None:
+    """The model's maximum context, from its config and its tokenizer's (the pack ships both)."""
+    tokenizer_config = pack.root / "tokenizer_config.json"
+    try:
+        tok = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else None
+    except (OSError, ValueError):
+        tok = None
+    return model_max_len(pack.text_config, tok)
 
 
 # ---------------------------------------------------------------------------------------------------------------
