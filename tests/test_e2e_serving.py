@@ -7,6 +7,7 @@ import math
 import shutil
 import statistics
 import subprocess
+import sys
 
 import pytest
 import requests
@@ -122,3 +123,22 @@ def test_broken_pack_fails_startup_with_our_error(tmp_path):
     assert "model.layers.1.mlp.experts.3.up_proj.svh" in out and "missing companion" in out
     assert "cannot be served" in out  # our own log line, before vLLM wraps the error
     assert "Loading weights" not in out  # refused while building the config, before any weight was read
+
+
+def test_cli_serve_demo_answers(tmp_path):
+    """README's main job: `vllm-exl3 serve --demo --once` serves the bundled pack and answers."""
+    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--once", "--port",
+                           str(free_port())], env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "healthy after" in proc.stdout and "completion (" in proc.stdout and "chat (" in proc.stdout
+
+
+def test_cli_serve_refuses_a_broken_pack_before_starting_vllm(tmp_path):
+    pack = tmp_path / "broken"
+    shutil.copytree(demo.PACK, pack)
+    (pack / "model.safetensors").write_bytes((pack / "model.safetensors").read_bytes()[:-4096])
+    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", str(pack)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "refusing to serve" in proc.stderr and "past end-of-file" in proc.stderr
+    assert "starting vLLM" not in proc.stdout
