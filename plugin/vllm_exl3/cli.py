@@ -173,6 +173,35 @@ def _serve(p: argparse.ArgumentParser):
     return run
 
 
+@command("info")
+def _info(p: argparse.ArgumentParser):
+    """Kernel backends this install can run (and why not), the native build's targets, the CUDA devices."""
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(a: argparse.Namespace) -> int:
+        from .info import collect
+
+        info = collect()
+        if a.json:
+            print(json.dumps(info.to_json(), indent=2))
+            return 0
+        console.print(f"vllm-exl3 {info.version}, torch {info.torch} (CUDA {info.torch_cuda or 'none'}), "
+                      f"VLLM_EXL3_KERNEL={info.kernel_env}")
+        for d in info.devices or ["no CUDA device"]:
+            console.print(f"  {d}")
+        t = Table(title="kernel backends (auto prefers them in this order)")
+        for col in ("backend", "available", "why not"):
+            t.add_column(col)
+        for b in info.backends:
+            t.add_row(b.name, "[green]yes[/]" if b.available else "[red]no[/]", b.reason or "")
+        console.print(t)
+        if info.native_build:
+            console.print(f"native build: {info.native_build}")
+        return 0
+
+    return run
+
+
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-exl3", description="EXL3 packs on vLLM: inspect, verify, serve.")
