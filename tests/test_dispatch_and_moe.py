@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -39,12 +40,39 @@ def test_auto_picks_an_available_backend_and_records_why_others_were_skipped(mon
     assert all(reason for _, reason in decision.fallback_reasons)
 
 
-def test_explicit_backend_that_cannot_serve_is_an_error_not_a_fallback(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("native may be available on a GPU machine")
+def test_explicit_backend_that_is_unavailable_is_an_error(monkeypatch):
     monkeypatch.setenv(kernels.KERNEL_ENV, "native")
-    with pytest.raises(RuntimeError, match="VLLM_EXL3_KERNEL=native cannot serve linear:mul1:4b:cpu"):
+    monkeypatch.setattr(kernels.get_backend("torch"), "unavailable_reason", lambda: None)
+    native = kernels._REGISTRY.get("native")
+    if native is not None:
+        monkeypatch.setattr(native, "unavailable_reason", lambda: "no CUDA device")
+    with pytest.raises(RuntimeError, match="VLLM_EXL3_KERNEL=native, but that backend is unavailable"):
         kernels.choose_linear_backend(spec())
+
+
+class _NoMoE(kernels.Backend):
+    name = "exllamav3"
+
+    def linear_unsupported_reason(self, spec):
+        return None
+
+
+def test_explicit_backend_falls_back_for_layer_types_it_lacks_unless_strict(monkeypatch, caplog):
+    """The exllamav3 compose profile must still boot a model whose experts that backend cannot run."""
+    monkeypatch.setitem(kernels._REGISTRY, "exllamav3", _NoMoE())
+    monkeypatch.setenv(kernels.KERNEL_ENV, "exllamav3")
+    moe = kernels.MoESpec(("mcg",), (3.0,), 256, 128, 8, "silu", torch.bfloat16, "cpu")
+    assert kernels.choose_linear_backend(spec()).name == "exllamav3"
+    log = logging.getLogger("vllm_exl3.kernels")  # the plugin's logger may not propagate (register())
+    log.addHandler(caplog.handler)
+    try:
+        assert kernels.choose_moe_backend(moe).name == "torch"
+    finally:
+        log.removeHandler(caplog.handler)
+    assert "exllamav3 backend cannot serve it" in caplog.text
+    monkeypatch.setenv(kernels.STRICT_ENV, "1")
+    with pytest.raises(RuntimeError, match="forbids falling back"):
+        kernels.choose_moe_backend(moe)
 
 
 def test_unknown_kernel_name(monkeypatch):
