@@ -42,29 +42,33 @@ def gencode_flags(arch_list: str) -> tuple[list[str], str]:
     return flags, " ".join(names)
 
 
+def extension_args(arch_list: str | None = None) -> dict:
+    """Sources and flags of vllm_exl3._C (also used by bench/device_run.sh's JIT build)."""
+    gencode, names = gencode_flags(arch_list or os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS)
+    # A bare token (no quotes or spaces to survive the build's shell); csrc/launch.cu turns it into a string.
+    archs_define = "-DVLLM_EXL3_ARCHS=" + names.replace(" ", "__").replace("+", "_")
+    return {
+        "sources": sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu")) + ["csrc/bindings.cpp"],
+        "include_dirs": [str(CSRC)],
+        "libraries": ["cublas"],
+        "cxx": ["-O3", "-std=c++17", archs_define],
+        # Our own -gencode flags also keep torch from parsing the arch list (it rejects arches it does not know).
+        # No --use_fast_math: the Hadamard transforms and the mul1 epilogue rely on IEEE fp32.
+        "nvcc": ["-O3", "-std=c++17", "-lineinfo", archs_define, *gencode],
+    }
+
+
 def cuda_extensions():
     if os.environ.get("VLLM_EXL3_BUILD_CUDA", "0") != "1":
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    # Our own -gencode flags also keep torch from parsing the arch list (it rejects arches it does not know yet).
-    gencode, names = gencode_flags(os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS))
-    sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu")) + ["csrc/bindings.cpp"]
-    # A bare token (no quotes or spaces to survive the build's shell); csrc/launch.cu turns it into a string.
-    archs_define = "-DVLLM_EXL3_ARCHS=" + names.replace(" ", "__").replace("+", "_")
-    ext = CUDAExtension(
-        name="vllm_exl3._C",
-        sources=sources,
-        include_dirs=[str(CSRC)],
-        libraries=["cublas"],
-        extra_compile_args={
-            "cxx": ["-O3", "-std=c++17", archs_define],
-            # No --use_fast_math: the Hadamard transforms and the mul1 epilogue rely on IEEE fp32.
-            "nvcc": ["-O3", "-std=c++17", "-lineinfo", archs_define, *gencode],
-        },
-    )
+    a = extension_args()
+    ext = CUDAExtension(name="vllm_exl3._C", sources=a["sources"], include_dirs=a["include_dirs"],
+                        libraries=a["libraries"], extra_compile_args={"cxx": a["cxx"], "nvcc": a["nvcc"]})
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
-ext_modules, cmdclass = cuda_extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+if __name__ == "__main__":  # setuptools runs this file as __main__; importing it (device_run.sh) only reads flags
+    ext_modules, cmdclass = cuda_extensions()
+    setup(ext_modules=ext_modules, cmdclass=cmdclass)

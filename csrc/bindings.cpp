@@ -41,10 +41,7 @@ int64_t skinny_max_rows() {
   static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 128);
   return rows;
 }
-bool use_pdl() {
-  static const bool pdl = env_int("VLLM_EXL3_PDL", 1) != 0;
-  return pdl;
-}
+bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
 
 exl3::TrellisView trellis_view(const at::Tensor& t, int64_t codebook) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kShort && t.dim() == 3, "trellis must be a CUDA int16 [K/16, N/16, 16*bits] tensor");

@@ -83,6 +83,10 @@ SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup) {
   const long long items = static_cast<long long>(p.row_chunks) * a.groups;
   const long long units = items * a.kb_count * kTilesPerHad;
   const int dev = current_device();
+  // Prepare both row-chunk variants now: a later call with another row count may come during CUDA-graph capture,
+  // where attribute changes are best avoided.
+  const SkinnyKernel other = pick(a, p.rows_per_chunk == 8 ? 2 : 1, p.dup);
+  if (other.fn) prepare_kernel(other, dev);
   const SkinnyKernel k = pick(a, p.rows_per_chunk / 8, p.dup);
   const int per_sm = k.fn ? prepare_kernel(k, dev) : 0;
   const long long slots = static_cast<long long>(per_sm > 0 ? per_sm : 1) * sm_count(dev);
