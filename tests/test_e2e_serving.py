@@ -3,41 +3,27 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import statistics
 import subprocess
+import sys
 
 import pytest
 import requests
 from safetensors.torch import load_file, save_file
 
 from conftest import PACKS, pack_dir
-from vllm_exl3 import demo
+from vllm_exl3 import demo, parity
 from servers import cpu_env, free_port, server_argv, vllm_server
 
 pytestmark = pytest.mark.e2e
 
 EAGER_FP32 = ("--dtype", "float32", "--enforce-eager")
-TOP_K = 20
 PROMPTS = ["def fibonacci(n):", "The history of the city begins"]
 
 
 def logprob_report(server, golden) -> tuple[float, float]:
-    """Top-1 agreement with ExLlamaV3's logits, and the median |Δ log p| of ExLlamaV3's argmax token."""
-    agree, deltas = 0, []
-    for ids, logits in zip(golden["input_ids"].tolist(), golden["logits"]):
-        r = server.post("/v1/completions", prompt=ids, max_tokens=1, temperature=0, logprobs=TOP_K,
-                        prompt_logprobs=TOP_K, return_tokens_as_token_ids=True)["choices"][0]
-        # position t predicts token t+1: prompt_logprobs[1:] then the generated token's distribution
-        ours = [{int(k): v["logprob"] for k, v in d.items()} for d in r["prompt_logprobs"][1:]]
-        ours.append({int(k.split(":")[1]): v for k, v in r["logprobs"]["top_logprobs"][0].items()})
-        ref = logits.double().log_softmax(-1)
-        for t, dist in enumerate(ours):
-            best = int(ref[t].argmax())
-            agree += max(dist, key=dist.get) == best
-            deltas.append(abs(dist[best] - ref[t, best].item()) if best in dist else math.inf)
-    return agree / len(deltas), statistics.median(deltas)
+    report = parity.compare(server.base_url, server.model, golden["input_ids"], golden["logits"])
+    return report.top1_agreement, report.median_abs_logprob_delta
 
 
 @pytest.mark.parametrize("pack", PACKS)
@@ -122,3 +108,56 @@ def test_broken_pack_fails_startup_with_our_error(tmp_path):
     assert "model.layers.1.mlp.experts.3.up_proj.svh" in out and "missing companion" in out
     assert "cannot be served" in out  # our own log line, before vLLM wraps the error
     assert "Loading weights" not in out  # refused while building the config, before any weight was read
+
+
+def test_cli_serve_demo_answers(tmp_path):
+    """README's main job: `vllm-exl3 serve --demo --once` serves the bundled pack and answers."""
+    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--once", "--port",
+                           str(free_port())], env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "healthy after" in proc.stdout and "completion (" in proc.stdout and "chat (" in proc.stdout
+
+
+def test_cli_serve_refuses_a_broken_pack_before_starting_vllm(tmp_path):
+    pack = tmp_path / "broken"
+    shutil.copytree(demo.PACK, pack)
+    (pack / "model.safetensors").write_bytes((pack / "model.safetensors").read_bytes()[:-4096])
+    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", str(pack)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "refusing to serve" in proc.stderr and "past end-of-file" in proc.stderr
+    assert "starting vLLM" not in proc.stdout
+
+
+def test_extended_contract_routed_experts_only_pack(tmp_path):
+    """A pack in the extended contract other EXL3 tools write: routed experts (and the head) in EXL3, the
+    attention of layer 1 as plain BF16 (`non_routed_dtype_policy: bf16_as_stored`), layer 0's q in EXL3 with
+    k/v as BF16 shards of the same fused module (`non_routed_exl3` long form), `layer_bits` declared."""
+    from vllm_exl3 import dequant
+    from vllm_exl3.format import Pack
+
+    src = pack_dir("qwen3moe-a-exl3-mul1-b4")
+    pack = tmp_path / "experts-only"
+    shutil.copytree(src, pack, ignore=shutil.ignore_patterns("golden", "quantization_config.json"))
+    tensors = load_file(pack / "model.safetensors")
+    plain = ["model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"] + [
+        f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    items = [i for i in dequant.plan(Pack.open(src), None, rotated=False, padded=False)
+             if i.linear.prefix in plain]
+    dequant.write(items, tmp_path / "plain.safetensors", rotated=False)
+    for name, w in load_file(tmp_path / "plain.safetensors").items():
+        prefix = name.removesuffix(".weight")
+        for suffix in ("trellis", "suh", "svh", "mul1"):
+            del tensors[f"{prefix}.{suffix}"]
+        tensors[name] = w.bfloat16()
+    save_file(tensors, str(pack / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((pack / "config.json").read_text())
+    config["quantization_config"].update({
+        "codebook": "mul1", "layer_bits": {"0": 4, "1": 4}, "non_routed_dtype_policy": "bf16_as_stored",
+        "non_routed_exl3": {"layers": {"model.layers.0.self_attn.qkv_proj": {"bits": 4, "bf16_shards": [1, 2]}}}})
+    (pack / "config.json").write_text(json.dumps(config))
+    golden = load_file(src / "golden" / "logits.safetensors")
+    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
+        agree, median = logprob_report(server, golden)
+    assert agree >= 0.97, agree
+    assert median <= 0.05, median

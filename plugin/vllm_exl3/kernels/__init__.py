@@ -21,6 +21,7 @@ from ..format import Exl3Weights
 logger = logging.getLogger("vllm_exl3.kernels")
 
 KERNEL_ENV = "VLLM_EXL3_KERNEL"
+STRICT_ENV = "VLLM_EXL3_KERNEL_STRICT"
 CHOICES = ("auto", "native", "exllamav3", "torch")
 PREFERENCE = ("native", "exllamav3", "torch")  # `auto` takes the first that is available and supports the layer
 
@@ -202,22 +203,29 @@ def _record(decision: Decision) -> None:
 
 
 def _choose(layer_type: str, reason_of) -> Backend:
+    """`auto`: the first of PREFERENCE that is available and serves the layer. A named backend comes first and
+    must be installed (else an error: the user asked for it); a layer type it does not implement falls back down
+    the preference order with a warning, unless STRICT_ENV=1 makes that an error too (for A/B measurements)."""
     _load_backends()
     requested = requested_kernel()
-    candidates = PREFERENCE if requested == "auto" else (requested,)
+    candidates = PREFERENCE if requested == "auto" else (requested,) + tuple(p for p in PREFERENCE if p != requested)
     skipped: list[tuple[str, str]] = []
     for name in candidates:
         backend = _REGISTRY.get(name)
-        reason = "not installed" if backend is None else backend.unavailable_reason() or reason_of(backend)
+        unavailable = "not installed" if backend is None else backend.unavailable_reason()
+        if unavailable and name == requested:
+            raise RuntimeError(f"{KERNEL_ENV}={requested}, but that backend is unavailable: {unavailable}")
+        reason = unavailable or reason_of(backend)
         if reason is None:
+            if requested not in ("auto", name):
+                if os.environ.get(STRICT_ENV) == "1":
+                    raise RuntimeError(f"{KERNEL_ENV}={requested} cannot serve {layer_type} ({skipped[0][1]}) and "
+                                       f"{STRICT_ENV}=1 forbids falling back")
+                logger.warning("EXL3 %s: %s backend cannot serve it (%s); using %s", layer_type, requested,
+                               skipped[0][1], name)
             _record(Decision(layer_type, name, tuple(skipped)))
             return backend
         skipped.append((name, reason))
-    if requested != "auto":
-        # An explicit choice that cannot serve the layer is an error, not a silent fallback: the user asked
-        # for that kernel (e.g. to compare backends) and must know it is not what runs.
-        raise RuntimeError(f"{KERNEL_ENV}={requested} cannot serve {layer_type}: {skipped[-1][1]}. "
-                           f"Use {KERNEL_ENV}=auto to fall back automatically.")
     raise RuntimeError(f"no EXL3 backend serves {layer_type}: {skipped}")
 
 

@@ -1,0 +1,328 @@
+// Skinny GEMM for decode batches: y = x · W for 1..16 activation rows per row chunk, EXL3 tiles decoded in
+// registers and fed to tensor cores. Included by one translation unit per codebook family.
+//
+// Design (bench/NOTES.md has the numbers behind it):
+// * Transposed product: each decoded 16x16 tile is the *A* operand (W^T, m16 x k16) of mma.m16n8k16 and eight
+//   activation rows are B (k16 x n8). The format's tile order is exactly the A-fragment order (§1.4), so a lane
+//   decodes the 8 weights it feeds and nothing moves between lanes.
+// * Duplicated activations: a tile's codeword registers go to the tensor cores as they are (one weight per 32-bit
+//   register, two fp16 halves that sum to the weight), against activations duplicated into both halves. That
+//   drops the pack/round instructions from the decode (integer issue is the bottleneck on Hopper) at the price of
+//   a second MMA per tile, which the idle tensor pipe absorbs. For mul1 the half holds 1024 + bytesum and the
+//   affine step is applied once per output: z = inv_scale * acc + bias * sum_k(xh).
+// * Work split: the (row chunk, 128-column group, k-tile) space is cut into equal contiguous ranges, one per block
+//   (stream-K), so every SM gets the same number of tiles for any shape. Eight warps of a block split the k-tiles
+//   of each column group they visit; each warp streams its tiles *and* the matching activations through a private
+//   cp.async ring (several k-tiles deep: loads are latency-bound otherwise). A block that holds only part of a
+//   column group parks its partial sum in its own fp32 slot; the block that completes the group (counter) sums
+//   the slots in a fixed order (deterministic, no float atomics), then applies the output Hadamard and svh. When
+//   there is enough work, each block owns whole groups and writes directly.
+#pragma once
+
+#include <climits>
+
+#include "exl3_decode.cuh"
+#include "exl3_device.cuh"
+#include "exl3_kernels.h"
+
+namespace exl3 {
+
+constexpr int kSkinnyWarps = 8;
+constexpr int kSkinnyThreads = kSkinnyWarps * kWarp;
+constexpr int kSkinnyInFlight = 6144;  // bytes of trellis each warp keeps in flight (bench/NOTES.md)
+
+template <int kBits2, bool kMul1, int kMT, bool kDup>
+struct SkinnyTraits {
+  using TB = TileBits<kBits2>;
+  static constexpr int kRows = 8 * kMT;                // activation rows per row chunk
+  static constexpr int kNT = kTilesPerHad;             // a warp covers one 128-column group
+  static constexpr int kItemBytes = kNT * TB::kBytes;  // one k-tile row of the group
+  static constexpr int kXBytes = kRows * kTile * 2;    // the activations of that k-tile (fp16)
+  static constexpr int kStageBytes = kItemBytes + kXBytes;
+  static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
+  static constexpr int kStages = kStagesRaw < 3 ? 3 : (kStagesRaw > 12 ? 12 : kStagesRaw);
+  static constexpr int kRingBytes = kSkinnyWarps * kStages * kStageBytes;
+  static constexpr int kBufStride = kHadBlock + 4;  // floats; the padding makes fragment stores conflict-free
+  static constexpr int kBufBytes = kRows * kBufStride * 4;
+  static constexpr int kSmemBytes = kRingBytes + kBufBytes + 16;
+  static constexpr int kCopyIters = (kNT * TB::kChunks16 + kWarp - 1) / kWarp;
+  static constexpr int kXChunks = kXBytes / 16;        // two 16-byte chunks per activation row
+  static_assert(kXChunks <= kWarp, "one x chunk per lane");
+  static constexpr bool kAffineEpilogue = kMul1 && kDup;  // mul1 codewords carry 1024 + bytesum
+};
+
+// Stream-K bookkeeping shared by kernel and host: unit u (row chunk, column group, k-tile; k-tile fastest) lives in
+// block floor(u * grid / units) .. ; block b starts at floor(b * units / grid).
+__host__ __device__ inline int skinny_block_of(long long u, long long units, long long grid) {
+  return static_cast<int>(((u + 1) * grid + units - 1) / units - 1);
+}
+
+template <int kBits2, bool kMul1, int kMT, bool kDup>
+__global__ void __launch_bounds__(kSkinnyThreads, 2)
+    skinny_kernel(const SkinnyArgs a, const int units) {
+  using T = SkinnyTraits<kBits2, kMul1, kMT, kDup>;
+  using TB = typename T::TB;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g8 = lane >> 2, c4 = lane & 3;
+  unsigned char* ring = smem + warp * T::kStages * T::kStageBytes;
+  float* buf = reinterpret_cast<float*>(smem + T::kRingBytes);
+  int* last_flag = reinterpret_cast<int*>(smem + T::kRingBytes + T::kBufBytes);
+
+  const int kta = a.kb_count * kTilesPerHad;  // active k-tiles
+  const int u_begin = static_cast<int>(static_cast<long long>(blockIdx.x) * units / gridDim.x);
+  const int u_end = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * units / gridDim.x);
+  const long long xh_stride = static_cast<long long>(a.kb_count) * kHadBlock;
+  const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
+
+  // This warp's work items: every 8th k-tile of each segment (a maximal run of units in one column group of one
+  // row chunk), segments in order. Divisions happen once per segment, not per item.
+  struct Item {
+    int u, seg_end;
+    const int16_t* src;  // first tile of this item's k-tile row in the column group
+    const __half* xsrc;  // first activation row of the row chunk at this k-tile
+  };
+  const long long item_step = static_cast<long long>(kSkinnyWarps) * a.w.row_stride;
+  auto locate = [&](int s, Item& it) {  // first item of this warp at or after unit s
+    it.u = INT_MAX;
+    while (s < u_end) {
+      const int rg = s / kta, e = min(u_end, (rg + 1) * kta);
+      if (s + warp < e) {
+        const int kt = s + warp - rg * kta;
+        it.u = s + warp;
+        it.seg_end = e;
+        it.src = a.w.data + (static_cast<long long>(a.kb0) * kTilesPerHad + kt) * a.w.row_stride +
+                 static_cast<long long>(a.g0 + rg % a.groups) * kTilesPerHad * a.w.tile_stride;
+        it.xsrc = static_cast<const __half*>(a.xh) + (rg / a.groups) * T::kRows * xh_stride + kt * kTile;
+        return;
+      }
+      s = e;
+    }
+  };
+  auto advance = [&](Item& it) {
+    it.u += kSkinnyWarps;
+    it.src += item_step;
+    it.xsrc += kSkinnyWarps * kTile;
+    if (it.u >= it.seg_end) locate(it.seg_end, it);
+  };
+  // Each lane copies 16-byte chunks lane, lane + 32, ... of an item's tiles (packed in shared memory) and chunk
+  // `lane` of its activations (row lane / 2, half lane % 2 of the 16 k).
+  int copy_src[T::kCopyIters];
+#pragma unroll
+  for (int i = 0; i < T::kCopyIters; ++i) {
+    const int c = lane + i * kWarp;
+    copy_src[i] = (c / TB::kChunks16) * a.w.tile_stride + (c % TB::kChunks16) * 8;
+  }
+  const long long x_copy_src = (lane / 2) * xh_stride + (lane % 2) * 8;
+  auto copy_tiles = [&](const Item& it, int slot) {
+    if (it.u == INT_MAX) return;
+    unsigned char* dst = ring + slot * T::kStageBytes + lane * 16;
+#pragma unroll
+    for (int i = 0; i < T::kCopyIters; ++i)
+      if ((T::kNT * TB::kChunks16) % kWarp == 0 || lane + i * kWarp < T::kNT * TB::kChunks16)
+        cp_async16(dst + i * kWarp * 16, it.src + copy_src[i]);
+  };
+  auto copy_x = [&](const Item& it, int slot) {
+    if (it.u != INT_MAX && lane < T::kXChunks)
+      cp_async16(ring + slot * T::kStageBytes + T::kItemBytes + lane * 16, it.xsrc + x_copy_src);
+  };
+
+  LaneWindows<kBits2> lw;
+  lw.init(lane);
+
+  // Prologue: the weights do not depend on the previous kernel, so they stream before we wait for it; the
+  // activations (written by the input-transform kernel) follow once it has finished.
+  Item pf;
+  locate(u_begin, pf);
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    copy_tiles(pf, s);
+    cp_async_commit();
+    if (pf.u != INT_MAX) advance(pf);
+  }
+  griddep_wait();  // xh, rowsum parts and the zeroed counters come from the input-transform kernel
+  {
+    Item q;
+    locate(u_begin, q);
+    for (int s = 0; s < T::kStages - 1 && q.u != INT_MAX; ++s) {
+      copy_x(q, s);
+      advance(q);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // once: from here on each stage's tiles and activations share one commit group
+    __syncwarp();
+  }
+
+  int slot = 0, pf_slot = T::kStages - 1;
+  for (int seg = u_begin; seg < u_end;) {
+    const int rg_seg = seg / kta;
+    const int seg_end = min(u_end, (rg_seg + 1) * kta);
+    const int chunk = rg_seg / a.groups, group = rg_seg % a.groups;
+    float acc[T::kNT][kMT][4];
+#pragma unroll
+    for (int nt = 0; nt < T::kNT; ++nt)
+#pragma unroll
+      for (int rg = 0; rg < kMT; ++rg)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][rg][e] = 0.f;
+
+    for (int u = seg + warp; u < seg_end; u += kSkinnyWarps) {
+      cp_async_wait<T::kStages - 2>();
+      __syncwarp();
+      copy_tiles(pf, pf_slot);  // refills the slot consumed last iteration
+      copy_x(pf, pf_slot);
+      cp_async_commit();
+      if (pf.u != INT_MAX) advance(pf);
+      pf_slot = pf_slot + 1 == T::kStages ? 0 : pf_slot + 1;
+
+      const unsigned char* st = ring + slot * T::kStageBytes;
+      // Activation fragments: row 8*rg + lane/4 of the chunk, k = 2*(lane%4) + {0,1} and {8,9} of the k-tile.
+      uint32_t b0[kMT][2], b1[kMT][2];  // dup: even / odd k of each pair; plain: b0 only
+#pragma unroll
+      for (int rg = 0; rg < kMT; ++rg) {
+        const unsigned char* xs = st + T::kItemBytes + (rg * 8 + g8) * (kTile * 2) + 4 * c4;
+        const uint32_t x0 = lds32(xs), x1 = lds32(xs + 16);
+        if constexpr (kDup) {
+          b0[rg][0] = __byte_perm(x0, 0u, 0x1010);
+          b0[rg][1] = __byte_perm(x1, 0u, 0x1010);
+          b1[rg][0] = __byte_perm(x0, 0u, 0x3232);
+          b1[rg][1] = __byte_perm(x1, 0u, 0x3232);
+        } else {
+          b0[rg][0] = x0;
+          b0[rg][1] = x1;
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < T::kNT; ++nt) {
+        uint32_t w[TB::kLoadWords];
+#pragma unroll
+        for (int i = 0; i < TB::kLoadWords; ++i) w[i] = lds32(st + nt * TB::kBytes + lw.word_byte[i]);
+        uint32_t s[kLanePositions], cw[kLanePositions];
+        lw.states(w, s);
+#pragma unroll
+        for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+#pragma unroll
+        for (int rg = 0; rg < kMT; ++rg) {
+          if constexpr (kDup) {
+            mma_16816(acc[nt][rg], cw[0], cw[4], cw[2], cw[6], b0[rg][0], b0[rg][1]);
+            mma_16816(acc[nt][rg], cw[1], cw[5], cw[3], cw[7], b1[rg][0], b1[rg][1]);
+          } else {
+            mma_16816(acc[nt][rg], rounded_pair<kMul1>(cw[0], cw[1]), rounded_pair<kMul1>(cw[4], cw[5]),
+                      rounded_pair<kMul1>(cw[2], cw[3]), rounded_pair<kMul1>(cw[6], cw[7]), b0[rg][0], b0[rg][1]);
+          }
+        }
+      }
+      slot = slot + 1 == T::kStages ? 0 : slot + 1;
+    }
+
+    // ---- segment epilogue: sum the warps' partials in shared memory (fixed order: deterministic) ----
+    __syncthreads();  // the previous segment's epilogue is done with buf
+#pragma unroll 1
+    for (int round = 0; round < kSkinnyWarps; ++round) {
+      if (warp == round) {
+#pragma unroll
+        for (int nt = 0; nt < T::kNT; ++nt)
+#pragma unroll
+          for (int rg = 0; rg < kMT; ++rg) {
+            // C fragment: c0 (row 2c, col g), c1 (row 2c+1, col g), c2/c3 the same rows at col g+8
+            float* p = buf + (rg * 8 + 2 * c4) * T::kBufStride + nt * kTile + g8;
+            if (round == 0) {
+              p[0] = acc[nt][rg][0], p[T::kBufStride] = acc[nt][rg][1];
+              p[8] = acc[nt][rg][2], p[T::kBufStride + 8] = acc[nt][rg][3];
+            } else {
+              p[0] += acc[nt][rg][0], p[T::kBufStride] += acc[nt][rg][1];
+              p[8] += acc[nt][rg][2], p[T::kBufStride + 8] += acc[nt][rg][3];
+            }
+          }
+      }
+      __syncthreads();
+    }
+
+    const int row0 = chunk * T::kRows;
+    const int valid_rows = min(T::kRows, a.rows - row0);
+    const bool whole = (seg % kta == 0) && (seg_end - seg == kta);
+    bool finalize = whole;
+    if (!whole) {
+      // Split column group: park this block's partial sum in its own slot; the block that completes the group
+      // adds the slots in slot order, so the result does not depend on which block finishes last.
+      const int first = skinny_block_of(static_cast<long long>(rg_seg) * kta, units, gridDim.x);
+      const int nslots = skinny_block_of(static_cast<long long>(rg_seg + 1) * kta - 1, units, gridDim.x) - first + 1;
+      float* slots = a.partials + static_cast<long long>(rg_seg) * a.max_slots * T::kRows * kHadBlock;
+      float* mine = slots + static_cast<long long>(blockIdx.x - first) * T::kRows * kHadBlock;
+      for (int i = threadIdx.x; i < valid_rows * (kHadBlock / 4); i += kSkinnyThreads) {
+        const int r = i / (kHadBlock / 4), q = i % (kHadBlock / 4);
+        const float* p = buf + r * T::kBufStride + 4 * q;
+        __stcg(reinterpret_cast<float4*>(mine + r * kHadBlock) + q, make_float4(p[0], p[1], p[2], p[3]));
+      }
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int done = atomicAdd(a.counters + rg_seg, seg_end - seg) + (seg_end - seg);
+        *last_flag = done == kta;
+      }
+      __syncthreads();
+      finalize = *last_flag;
+      if (finalize) {
+        __threadfence();
+        for (int i = threadIdx.x; i < valid_rows * (kHadBlock / 4); i += kSkinnyThreads) {
+          const int r = i / (kHadBlock / 4), q = i % (kHadBlock / 4);
+          float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int k = 0; k < nslots; ++k) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(slots + (k * T::kRows + r) * kHadBlock) + q);
+            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+          }
+          float* p = buf + r * T::kBufStride + 4 * q;
+          p[0] = sum.x, p[1] = sum.y, p[2] = sum.z, p[3] = sum.w;
+        }
+        __syncthreads();
+      }
+    }
+    if (finalize) {
+      // y = H(z) * svh for this group's 128 columns, one warp per row.
+      const int n0 = (a.g0 + group) * kHadBlock + 4 * lane;
+      float sv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sv[e] = kHadScale * __half2float(static_cast<const __half*>(a.svh)[n0 + e]);
+      const int oc = n0 - a.out_offset;
+      const int lo = max(0, -oc), hi = min(4, a.out_features - oc);
+      for (int r = warp; r < valid_rows; r += kSkinnyWarps) {
+        const int row = row0 + r;
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = buf[r * T::kBufStride + 4 * lane + e];
+        if constexpr (T::kAffineEpilogue) {
+          float rs = 0.f;
+          for (int p = lane; p < a.parts; p += kWarp) rs += a.rowsum_parts[row * a.parts + p];
+          rs = warp_sum(rs) * kMul1Bias;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v[e] = fmaf(v[e], kMul1InvScale, rs);
+        }
+        fwht128_warp(v, lane);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] *= sv[e];
+        if (lo < hi) {
+          const long long o = row * a.y_stride + oc;
+          store_act4(a.y, o, v, a.y_dtype, (o & 3) == 0, lo, hi);
+        }
+      }
+    }
+    seg = seg_end;
+  }
+}
+
+// Host side of one instantiation: kernel pointer and dynamic shared memory.
+struct SkinnyKernel {
+  const void* fn;
+  int smem;
+};
+
+template <int kBits2, bool kMul1, int kMT, bool kDup>
+SkinnyKernel skinny_kernel_ref() {
+  return {reinterpret_cast<const void*>(&skinny_kernel<kBits2, kMul1, kMT, kDup>),
+          SkinnyTraits<kBits2, kMul1, kMT, kDup>::kSmemBytes};
+}
+
+// Per-family lookup (one definition per translation unit). dup: duplicated-activation codeword path.
+SkinnyKernel skinny_kernel_mul1(int bits2, int mt, bool dup);
+SkinnyKernel skinny_kernel_xcg(int bits2, int mt, bool dup);
+
+}  // namespace exl3
