@@ -27,14 +27,17 @@ ARG TORCH_CUDA_ARCH_LIST=12.1a
 ARG EXTRA_CUDA_ARCHS=
 # Parallel nvcc jobs: each takes several GiB, and the builder shares the Spark's memory with everything else.
 ARG MAX_JOBS=8
+# ExLlamaV3 from PyPI, checked against the hash of the wheel this Dockerfile was written for (change both together).
 ARG EXLLAMAV3_VERSION=1.6.5
+ARG EXLLAMAV3_SHA256=550c0d04c755f249840e5c1edc26b0e80c7342c33b5d99ad17479abb407e8ded
 
 ENV MAX_JOBS=${MAX_JOBS} \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip download --no-deps --dest /dist "exllamav3==${EXLLAMAV3_VERSION}" \
+    pip download --no-deps --only-binary=:all: --dest /dist "exllamav3==${EXLLAMAV3_VERSION}" \
+    && echo "${EXLLAMAV3_SHA256}  /dist/exllamav3-${EXLLAMAV3_VERSION}-py3-none-any.whl" | sha256sum --check \
     && pip install --no-deps /dist/exllamav3-*.whl
 
 COPY pyproject.toml setup.py README.md LICENSE NOTICE THIRD_PARTY_NOTICES.md ./
@@ -79,13 +82,18 @@ LABEL org.opencontainers.image.title="vllm-exl3" \
       org.opencontainers.image.base.name="${BASE_IMAGE}${BASE_DIGEST}"
 
 # The SHA256SUMS copy makes the wheels part of this layer's cache key (a bind mount alone is not), so a warm
-# BuildKit cache can never install stale wheels.
+# BuildKit cache can never install stale wheels. Every package the base image has keeps its version (its own
+# list is the constraint): our wheels may add packages (marisa-trie, supervisor) but never move vLLM's, and a
+# conflict fails the build instead of breaking vLLM at run time.
 COPY --from=builder /dist/SHA256SUMS /opt/vllm-exl3/SHA256SUMS
 RUN --mount=type=cache,target=/root/.cache/pip \
     --mount=type=bind,from=builder,source=/dist,target=/dist \
     sha256sum --check --quiet /opt/vllm-exl3/SHA256SUMS \
-    && pip install --no-deps /dist/vllm_exl3-*.whl /dist/exllamav3_ext_prebuilt-*.whl \
-    && pip install /dist/exllamav3-*.whl supervisor==4.3.0 \
+    && pip list --format=freeze > /tmp/base-image-versions.txt \
+    && pip install --constraint /tmp/base-image-versions.txt \
+         /dist/vllm_exl3-*.whl /dist/exllamav3-*.whl supervisor==4.3.0 \
+    && pip install --no-deps /dist/exllamav3_ext_prebuilt-*.whl \
+    && rm /tmp/base-image-versions.txt \
     && python3 -c "import importlib.util as u; s = u.find_spec('exllamav3_ext'); \
 assert s and s.origin.endswith('.so'), 'exllamav3 would JIT-compile: no prebuilt exllamav3_ext'"
 
