@@ -46,7 +46,7 @@ rc=$?
 echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
 if [ $rc != 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1; fi
 SO=$(ls plugin/vllm_exl3/_C*.so)
-python3 tools/check-cubins "$SO" sm_${ARCH//./} | tee -a "$OUT/build.log"
+python3 tools/check-cubins "$SO" "sm_${ARCH//./}" | tee -a "$OUT/build.log"
 python3 -m vllm_exl3.cli info 2>&1 | tail -12
 
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
