@@ -62,6 +62,7 @@ def appliance_env(role: str, run_dir: Path, **extra: str) -> dict[str, str]:
         VLLM_EXL3_SERVED_NAME=SERVED_NAME, VLLM_EXL3_HOST="127.0.0.1",
         VLLM_EXL3_SUPERVISOR_D=str(ROOT / "deploy" / "supervisor.d"),
         VLLM_EXL3_EXTRA_ARGS="--enforce-eager",  # a CI box has 2 cores: skip torch.compile
+        VLLM_EXL3_KERNEL="native",  # as the image sets it; on CPU the plugin falls back to its torch backend
     )
     env.pop("VLLM_CPU_SIM_MULTI_NUMA", None)  # each "node" binds its own core instead (see two_node_env)
     env.update(extra)
@@ -90,8 +91,9 @@ def health(env: dict[str, str], mode: str = "readiness") -> subprocess.Completed
                           timeout=30)
 
 
-def completion(port: int, prompt: str = "Hello", max_tokens: int = 8) -> dict:
+def completion(port: int, prompt: str = "Hello", max_tokens: int = 8, api_key: str | None = None) -> dict:
     r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
                       json={"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     r.raise_for_status()
     return r.json()

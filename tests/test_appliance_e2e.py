@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+import requests
 
 from appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
 from servers import free_port
@@ -23,12 +24,14 @@ def supervisord():
 
 
 def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
-    port = free_port()
-    env = appliance_env("single", tmp_path / "run", VLLM_EXL3_PORT=str(port))
+    port, key = free_port(), "appliance-test-key"
+    env = appliance_env("single", tmp_path / "run", VLLM_EXL3_PORT=str(port), VLLM_API_KEY=key)
     with supervised(env, tmp_path / "supervisord.log") as box:
         assert not box.healthy()  # nothing answers before vLLM is up
-        box.wait_healthy()
-        text = completion(port)["choices"][0]["text"]
+        box.wait_healthy()  # with the key: vLLM guards /v1/models with it
+        with pytest.raises(requests.HTTPError, match="401"):
+            completion(port)
+        text = completion(port, api_key=key)["choices"][0]["text"]
         assert text
         first = box.vllm_pid
         assert health(env, "liveness").returncode == 0
@@ -38,7 +41,7 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
         assert not box.healthy()
         wait_until("a new vLLM", lambda: box.vllm_pid not in (None, first), 60, box.proc, box.log)
         box.wait_healthy()
-        assert completion(port)["choices"][0]["text"] == text  # same pack, greedy: same tokens
+        assert completion(port, api_key=key)["choices"][0]["text"] == text  # same pack, greedy: same tokens
         log = box.log.read_text()
         assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
 

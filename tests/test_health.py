@@ -64,9 +64,12 @@ def test_no_process_is_unhealthy_in_both_modes(tmp_path):
 
 class Answers(http.server.BaseHTTPRequestHandler):
     routes: dict[str, tuple[int, bytes]] = {}
+    key: str | None = None  # like vLLM with --api-key: /v1/* needs it, /health does not
 
     def do_GET(self):
         status, body = self.routes.get(self.path, (404, b""))
+        if self.key and self.path.startswith("/v1/") and self.headers.get("Authorization") != f"Bearer {self.key}":
+            status, body = 401, b""
         self.send_response(status)
         self.end_headers()
         self.wfile.write(body)
@@ -76,8 +79,8 @@ class Answers(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def http_server(routes):
-    Answers.routes = routes
+def http_server(routes, key=None):
+    Answers.routes, Answers.key = routes, key
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -109,6 +112,16 @@ def test_api_roles(tmp_path, routes, live, ready, says):
             results = run_check("liveness", env), run_check("readiness", env)
     assert [r.returncode for r in results] == [live, ready], [r.stdout for r in results]
     assert any(says in r.stdout for r in results)
+
+
+def test_api_key_is_sent_to_v1(tmp_path):
+    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "single", "VLLM_EXL3_SERVED_NAME": "demo"}
+    with http_server({"/health": (200, b""), "/v1/models": (200, MODELS)}, key="s3cret") as port:
+        env["VLLM_EXL3_PORT"] = str(port)
+        without = run_check("readiness", env | {"VLLM_API_KEY": ""})
+        assert without.returncode == 1 and "not 'demo'" in without.stdout
+        assert run_check("readiness", env | {"VLLM_API_KEY": "s3cret"}).returncode == 0
+        assert run_check("readiness", env | {"VLLM_API_KEY": "s3cret", "VLLM_EXL3_HOST": "127.0.0.1"}).returncode == 0
 
 
 @contextmanager

