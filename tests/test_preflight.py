@@ -12,8 +12,8 @@ import time
 import pytest
 
 from vllm_exl3 import demo
-from vllm_exl3.preflight import (check_head_is_local, check_head_reachable, check_network, check_pack, gpu_present,
-                                 interface_addresses, nccl_interfaces, route_source, wait_for_port)
+from vllm_exl3.preflight import (check_head_is_local, check_head_reachable, check_kernel, check_network, check_pack,
+                                 gpu_present, interface_addresses, nccl_interfaces, route_source, wait_for_port)
 
 NOT_OURS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never assigned to a real machine; no packet is sent to it
 
@@ -161,3 +161,12 @@ def test_gpu_detection(tmp_path):
     assert not gpu_present(tmp_path)
     (tmp_path / "proc/driver/nvidia/gpus/0000:01:00.0").mkdir(parents=True)
     assert gpu_present(tmp_path)
+
+
+def test_kernel_backend_named_must_be_usable_here():
+    assert check_kernel({}) is None and check_kernel({"VLLM_EXL3_KERNEL": "auto"}) is None
+    assert check_kernel({"VLLM_EXL3_KERNEL": "torch"}).ok
+    native = check_kernel({"VLLM_EXL3_KERNEL": "native"})  # this machine: no CUDA build, no GPU
+    assert not native.ok and native.detail.startswith("native: ")
+    bad = check_kernel({"VLLM_EXL3_KERNEL": "triton"})
+    assert not bad.ok and "expected one of" in bad.detail

@@ -261,6 +261,8 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
     log = preflight.log_stderr
     pack_check, pack = preflight.check_pack(spec.model)
     report.checks.append(pack_check)
+    if (kernel := preflight.check_kernel(env)) is not None:
+        report.checks.append(kernel)
     report.checks += preflight.check_network(env, root)
     if spec.role.nnodes > 1:
         head = str(spec.flags["master-addr"])

@@ -1,6 +1,7 @@
 """Checks that run before a long boot, so a bad setup fails in seconds with a message that says what to change.
 
 - the pack verifies (format.verify_pack: every file and tensor header, codebook markers);
+- the kernel backend named in VLLM_EXL3_KERNEL is usable here (built for this GPU, installed);
 - the network names exist: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME interfaces, NCCL_IB_HCA devices, and
   VLLM_HOST_IP is an address of this machine on the interface NCCL was told to use;
 - two nodes: on the head, the head address is its own; on the worker, traffic to the head leaves through that
@@ -92,6 +93,27 @@ def pack_max_len(pack: Pack) -> int | None:
     except (OSError, ValueError):
         tok = None
     return model_max_len(pack.text_config, tok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel backend
+# ---------------------------------------------------------------------------------------------------------------
+def check_kernel(env: Mapping[str, str]) -> Check | None:
+    """A backend named in VLLM_EXL3_KERNEL must be usable here: the plugin refuses it at load time otherwise,
+    minutes into the boot (`auto` always finds one, down to the torch reference)."""
+    from .kernels import CHOICES, KERNEL_ENV, get_backend
+
+    name = env.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if name not in CHOICES:
+        return Check("kernel backend", False, f"{KERNEL_ENV}={name!r}: expected one of {', '.join(CHOICES)}")
+    if name == "auto":
+        return None
+    try:
+        reason = get_backend(name).unavailable_reason()
+    except KeyError:
+        reason = "not installed"
+    return Check("kernel backend", reason is None, f"{name}: {reason or 'available'}"
+                 + ("; use the image's build for this GPU, or another KERNEL" if reason else ""))
 
 
 # ---------------------------------------------------------------------------------------------------------------
