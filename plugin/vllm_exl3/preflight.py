@@ -101,13 +101,13 @@ def pack_max_len(pack: Pack) -> int | None:
 def check_kernel(env: Mapping[str, str]) -> Check | None:
     """A backend named in VLLM_EXL3_KERNEL must be usable here: the plugin refuses it at load time otherwise,
     minutes into the boot (`auto` always finds one, down to the torch reference)."""
+    name = env.get("VLLM_EXL3_KERNEL", "auto").strip().lower() or "auto"
+    if name == "auto":
+        return None  # without importing torch: the launcher stays quick when nothing needs checking
     from .kernels import CHOICES, KERNEL_ENV, get_backend
 
-    name = env.get(KERNEL_ENV, "auto").strip().lower() or "auto"
     if name not in CHOICES:
         return Check("kernel backend", False, f"{KERNEL_ENV}={name!r}: expected one of {', '.join(CHOICES)}")
-    if name == "auto":
-        return None
     try:
         reason = get_backend(name).unavailable_reason()
     except KeyError:
