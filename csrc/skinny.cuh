@@ -49,9 +49,12 @@ struct SkinnyTraits {
   static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
   static constexpr int kStagesFit = (kSmemBudget - kBufBytes - 16) / (kSkinnyWarps * kStageBytes);
   static constexpr int kStagesWanted = kStagesRaw > 12 ? 12 : kStagesRaw;
-  static constexpr int kStages = kStagesWanted < kStagesFit ? (kStagesWanted < 3 ? 3 : kStagesWanted) : kStagesFit;
-  static_assert(kStages >= 3, "ring too shallow");
+  static constexpr int kStagesCapped = kStagesWanted < kStagesFit ? kStagesWanted : kStagesFit;
+  // At least 4: nvcc 13.0's cicc segfaults on the sm_121a build of a 3-stage ring (reproducible, sm_90a is fine);
+  // the widest tiles then fit two blocks per SM instead of three.
+  static constexpr int kStages = kStagesCapped < 4 ? 4 : kStagesCapped;
   static constexpr int kRingBytes = kSkinnyWarps * kStages * kStageBytes;
+  static_assert(kRingBytes + kBufBytes + 16 <= 226 * 1024, "shared memory per block");
   static constexpr int kSmemBytes = kRingBytes + kBufBytes + 16;
   static constexpr int kCopyIters = (kNT * TB::kChunks16 + kWarp - 1) / kWarp;
   static constexpr int kXChunks = kRows * 2;           // two 16-byte chunks per activation row
