@@ -149,7 +149,19 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="also time kernel variants (paths, grids) for tuning")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
+    ap.add_argument("--ncu-target", metavar="K,N,BITS,CB,ROWS",
+                    help="only run a few calls of one case (for Nsight Compute), e.g. 4096,14336,4,mul1,1")
     args = ap.parse_args()
+    if err := native.unavailable_reason():
+        raise SystemExit(f"native kernels unavailable: {err}")
+    if args.ncu_target:
+        k, n, bits, cb, rows = args.ncu_target.split(",")
+        case = Case(int(k), int(n), float(bits), cb)
+        x = torch.randn(int(rows), int(k), device=DEV, dtype=torch.float16)
+        for w in case.ws[:4]:
+            native.linear(x, w, 0, 0, int(n))
+        torch.cuda.synchronize()
+        return 0
 
     props = torch.cuda.get_device_properties(0)
     result = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,

@@ -36,9 +36,10 @@ int64_t env_int(const char* name, int64_t fallback) {
   return v && *v ? std::atoll(v) : fallback;
 }
 
-// Rows above which reconstruct + cuBLAS beats the skinny kernel (measured; bench/NOTES.md).
+// Rows above which reconstruct + cuBLAS beats the skinny kernel: measured on the H200 between 32 and 64 rows
+// (4096x14336, bench/NOTES.md).
 int64_t skinny_max_rows() {
-  static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 128);
+  static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 48);
   return rows;
 }
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it

@@ -87,32 +87,34 @@ __device__ __forceinline__ float load_act(const void* base, long long i, int dty
   return __half2float(static_cast<const __half*>(base)[i]);
 }
 
-// Store four consecutive outputs (8 bytes; caller guarantees alignment when `aligned`).
+// fp32 -> activation type, one value or a pair.
+__device__ __forceinline__ void to_act(float v, __half* p) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void to_act(float v, __nv_bfloat16* p) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ uint32_t to_act2(float a, float b, __half*) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t to_act2(float a, float b, __nv_bfloat16*) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4], bool aligned, int valid_lo, int valid_hi) {
+  if (aligned && valid_lo == 0 && valid_hi == 4) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(to_act2(v[0], v[1], p), to_act2(v[2], v[3], p));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (e >= valid_lo && e < valid_hi) to_act(v[e], p + e);
+  }
+}
+
+// Store outputs valid_lo .. valid_hi-1 of four consecutive ones at base[i..i+3] (one 8-byte store when `aligned`).
 __device__ __forceinline__ void store_act4(void* base, long long i, const float (&v)[4], int dtype, bool aligned,
                                            int valid_lo, int valid_hi) {
-  if (dtype == kActBF16) {
-    __nv_bfloat16* p = static_cast<__nv_bfloat16*>(base) + i;
-    if (aligned && valid_lo == 0 && valid_hi == 4) {
-      __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-      uint2 u = {*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi)};
-      *reinterpret_cast<uint2*>(p) = u;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (e >= valid_lo && e < valid_hi) p[e] = __float2bfloat16_rn(v[e]);
-    }
-  } else {
-    __half* p = static_cast<__half*>(base) + i;
-    if (aligned && valid_lo == 0 && valid_hi == 4) {
-      __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
-      uint2 u = {*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi)};
-      *reinterpret_cast<uint2*>(p) = u;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (e >= valid_lo && e < valid_hi) p[e] = __float2half_rn(v[e]);
-    }
-  }
+  if (dtype == kActBF16) store4(static_cast<__nv_bfloat16*>(base) + i, v, aligned, valid_lo, valid_hi);
+  else store4(static_cast<__half*>(base) + i, v, aligned, valid_lo, valid_hi);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -29,7 +29,7 @@ namespace exl3 {
 
 constexpr int kSkinnyWarps = 8;
 constexpr int kSkinnyThreads = kSkinnyWarps * kWarp;
-constexpr int kSkinnyInFlight = 6144;  // bytes of trellis each warp keeps in flight (bench/NOTES.md)
+constexpr int kSkinnyInFlight = 4096;  // bytes of trellis per warp in flight: 3 blocks/SM must fit (NOTES)
 
 template <int kBits2, bool kMul1, int kMT, bool kDup>
 struct SkinnyTraits {
@@ -37,16 +37,27 @@ struct SkinnyTraits {
   static constexpr int kRows = 8 * kMT;                // activation rows per row chunk
   static constexpr int kNT = kTilesPerHad;             // a warp covers one 128-column group
   static constexpr int kItemBytes = kNT * TB::kBytes;  // one k-tile row of the group
-  static constexpr int kXBytes = kRows * kTile * 2;    // the activations of that k-tile (fp16)
+  static constexpr int kXRowBytes = kTile * 2 + 16;    // one row of the k-tile's activations, padded: the
+                                                       // fragment reads (8 rows x 4 lanes) then hit 32 banks
+  static constexpr int kXBytes = kRows * kXRowBytes;
   static constexpr int kStageBytes = kItemBytes + kXBytes;
-  static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
-  static constexpr int kStages = kStagesRaw < 3 ? 3 : (kStagesRaw > 12 ? 12 : kStagesRaw);
-  static constexpr int kRingBytes = kSkinnyWarps * kStages * kStageBytes;
   static constexpr int kBufStride = kHadBlock + 4;  // floats; the padding makes fragment stores conflict-free
   static constexpr int kBufBytes = kRows * kBufStride * 4;
+  // Ring depth: kSkinnyInFlight bytes of tiles per warp, at least 3 stages, within the shared memory that lets
+  // 3 (1-8 rows) or 2 (9-16 rows) blocks share an SM (228 KB, 1 KB reserved per block).
+  static constexpr int kSmemBudget = (kMT == 1 ? 72 : 108) * 1024;
+  static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
+  static constexpr int kStagesFit = (kSmemBudget - kBufBytes - 16) / (kSkinnyWarps * kStageBytes);
+  static constexpr int kStagesWanted = kStagesRaw > 12 ? 12 : kStagesRaw;
+  static constexpr int kStagesCapped = kStagesWanted < kStagesFit ? kStagesWanted : kStagesFit;
+  // At least 4: nvcc 13.0's cicc segfaults on the sm_121a build of a 3-stage ring (reproducible, sm_90a is fine);
+  // the widest tiles then fit two blocks per SM instead of three.
+  static constexpr int kStages = kStagesCapped < 4 ? 4 : kStagesCapped;
+  static constexpr int kRingBytes = kSkinnyWarps * kStages * kStageBytes;
+  static_assert(kRingBytes + kBufBytes + 16 <= 226 * 1024, "shared memory per block");
   static constexpr int kSmemBytes = kRingBytes + kBufBytes + 16;
   static constexpr int kCopyIters = (kNT * TB::kChunks16 + kWarp - 1) / kWarp;
-  static constexpr int kXChunks = kXBytes / 16;        // two 16-byte chunks per activation row
+  static constexpr int kXChunks = kRows * 2;           // two 16-byte chunks per activation row
   static_assert(kXChunks <= kWarp, "one x chunk per lane");
   static constexpr bool kAffineEpilogue = kMul1 && kDup;  // mul1 codewords carry 1024 + bytesum
 };
@@ -57,8 +68,10 @@ __host__ __device__ inline int skinny_block_of(long long u, long long units, lon
   return static_cast<int>(((u + 1) * grid + units - 1) / units - 1);
 }
 
+// 1-8 rows: three blocks per SM (24 warps; the kernel is latency-bound, ncu: IPC 1.9 at 16 warps); 9-16 rows need
+// the registers of two.
 template <int kBits2, bool kMul1, int kMT, bool kDup>
-__global__ void __launch_bounds__(kSkinnyThreads, 2)
+__global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? 3 : 2)
     skinny_kernel(const SkinnyArgs a, const int units) {
   using T = SkinnyTraits<kBits2, kMul1, kMT, kDup>;
   using TB = typename T::TB;
@@ -124,7 +137,8 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
   };
   auto copy_x = [&](const Item& it, int slot) {
     if (it.u != INT_MAX && lane < T::kXChunks)
-      cp_async16(ring + slot * T::kStageBytes + T::kItemBytes + lane * 16, it.xsrc + x_copy_src);
+      cp_async16(ring + slot * T::kStageBytes + T::kItemBytes + (lane / 2) * T::kXRowBytes + (lane % 2) * 16,
+                 it.xsrc + x_copy_src);
   };
 
   LaneWindows<kBits2> lw;
@@ -179,7 +193,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
       uint32_t b0[kMT][2], b1[kMT][2];  // dup: even / odd k of each pair; plain: b0 only
 #pragma unroll
       for (int rg = 0; rg < kMT; ++rg) {
-        const unsigned char* xs = st + T::kItemBytes + (rg * 8 + g8) * (kTile * 2) + 4 * c4;
+        const unsigned char* xs = st + T::kItemBytes + (rg * 8 + g8) * T::kXRowBytes + 4 * c4;
         const uint32_t x0 = lds32(xs), x1 = lds32(xs + 16);
         if constexpr (kDup) {
           b0[rg][0] = __byte_perm(x0, 0u, 0x1010);

@@ -116,14 +116,11 @@ cudaError_t launch_output_transform(const OutputTransformArgs& a, cudaStream_t s
 // Reconstruct: one block per (16-row k-tile, 128-column group); each warp decodes one tile straight from global
 // memory into registers (the same lane decoder as the GEMM kernels), shared memory turns fragments into rows.
 // ------------------------------------------------------------------------------------------------------------
+// One lane's 8 weights of a tile, bit-exact Ŵ, from the words it loaded.
 template <int kBits2, bool kMul1>
-__device__ __forceinline__ void decode_tile_rounded(const int16_t* rec, const LaneWindows<kBits2>& lw, uint32_t mul,
-                                                    uint32_t add, __half (&v)[kLanePositions]) {
-  using TB = TileBits<kBits2>;
-  uint32_t w[TB::kLoadWords], s[kLanePositions], cw[kLanePositions];
-#pragma unroll
-  for (int i = 0; i < TB::kLoadWords; ++i)
-    w[i] = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const unsigned char*>(rec) + lw.word_byte[i]);
+__device__ __forceinline__ void rounded_weights(const LaneWindows<kBits2>& lw, const uint32_t (&w)[TileBits<kBits2>::kLoadWords],
+                                                uint32_t mul, uint32_t add, __half (&v)[kLanePositions]) {
+  uint32_t s[kLanePositions], cw[kLanePositions];
   lw.states(w, s);
 #pragma unroll
   for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
@@ -134,6 +131,16 @@ __device__ __forceinline__ void decode_tile_rounded(const int16_t* rec, const La
     v[j] = __low2half(h);
     v[j + 1] = __high2half(h);
   }
+}
+
+template <int kBits2, bool kMul1>
+__device__ __forceinline__ void decode_tile_rounded(const int16_t* rec, const LaneWindows<kBits2>& lw, uint32_t mul,
+                                                    uint32_t add, __half (&v)[kLanePositions]) {
+  uint32_t w[TileBits<kBits2>::kLoadWords];
+#pragma unroll
+  for (int i = 0; i < TileBits<kBits2>::kLoadWords; ++i)
+    w[i] = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const unsigned char*>(rec) + lw.word_byte[i]);
+  rounded_weights<kBits2, kMul1>(lw, w, mul, add, v);
 }
 
 // Each warp walks one 16-column tile column down kReconRows k-tiles, keeping kReconDepth tiles of trellis words in
@@ -175,18 +182,11 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
     for (int d = 0; d < kReconDepth; ++d) {
       const int kt = kt0 + d;
       if (kt >= kt_hi) break;
-      uint32_t s[kLanePositions], cw[kLanePositions];
-      lw.states(ring[d], s);
+      __half v[kLanePositions];
+      rounded_weights<kBits2, kMul1>(lw, ring[d], mul, add, v);
       fetch(kt + kReconDepth, ring[d]);
 #pragma unroll
-      for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
-#pragma unroll
-      for (int j = 0; j < kLanePositions; j += 2) {
-        const uint32_t p = rounded_pair<kMul1>(cw[j], cw[j + 1]);
-        const __half2 v = *reinterpret_cast<const __half2*>(&p);
-        sw[tile_row(lane, j) * kTile + tile_col(lane, j)] = __low2half(v);
-        sw[tile_row(lane, j + 1) * kTile + tile_col(lane, j + 1)] = __high2half(v);
-      }
+      for (int j = 0; j < kLanePositions; ++j) sw[tile_row(lane, j) * kTile + tile_col(lane, j)] = v[j];
       __syncwarp();
       const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kTile + h * 8);
       __syncwarp();

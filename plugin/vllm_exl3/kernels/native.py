@@ -4,7 +4,7 @@ Imports fine without the extension (CPU installs); `unavailable_reason()` then s
 live in the `vllm_exl3` namespace next to the Python-defined ones; their fake (shape-only) implementations are
 registered here, so torch.compile traces through them.
 
-Per call, the C++ side picks the kernel by row count: up to VLLM_EXL3_SKINNY_MAX_ROWS rows (default 128) the skinny
+Per call, the C++ side picks the kernel by row count: up to VLLM_EXL3_SKINNY_MAX_ROWS rows (default 48) the skinny
 tensor-core kernel that decodes tiles in registers, above that reconstruct-to-fp16 + cuBLAS (bench/NOTES.md has
 the measured crossover). Both are CUDA-graph safe: no host syncs, workspace sized by shape, current stream.
 """
