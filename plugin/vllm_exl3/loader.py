@@ -266,6 +266,10 @@ def last_load_stats() -> LoadStats | None:
     return _last_stats
 
 
+def format_bytes(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.1f} MB"
+
+
 def _eta(done: int, total: int, elapsed: float) -> str:
     if done <= 0 or elapsed <= 0:
         return "?"
@@ -304,8 +308,9 @@ class ProgressReporter:
         if now - self.last_log >= LOG_EVERY_S:
             self.last_log = now
             elapsed = now - self.start
-            self.log.info("%s: %.2f / %.2f GB (%.0f%%), %.2f GB/s, ETA %s", self.label, done / GB, self.total / GB,
-                          100 * done / max(self.total, 1), done / GB / elapsed, _eta(done, self.total, elapsed))
+            self.log.info("%s: %s / %s (%.0f%%), %.2f GB/s, ETA %s", self.label, format_bytes(done),
+                          format_bytes(self.total), 100 * done / max(self.total, 1), done / GB / elapsed,
+                          _eta(done, self.total, elapsed))
 
     def close(self) -> None:
         if self._bar is not None:
@@ -321,9 +326,6 @@ def read_into(fd: int, buffer: memoryview, offset: int) -> int:
     return os.preadv(fd, [buffer], offset)
 
 
-def _buffer_at(address: int, nbytes: int) -> memoryview:
-    """A writable memoryview over raw memory (a tensor's storage); the owner must outlive it."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 class _OpenFile:
@@ -370,15 +372,16 @@ class _Aborted(Exception):
     """Another worker failed or the consumer stopped: this worker stops without reporting."""
 
 
-class _BounceSlot:
-    """One worker's aligned read buffer (pinned when the destination is a GPU, so the H2D copy is a DMA)."""
+class AlignedBuffer:
+    """An `ALIGN`-aligned read buffer, as a tensor and as a writable memoryview for `os.preadv` (O_DIRECT needs the
+    alignment). Each worker owns one; it is pinned when the destination is a GPU, so the H2D copy is a DMA."""
 
-    def __init__(self, nbytes: int, pinned: bool):
+    def __init__(self, nbytes: int, pinned: bool = False):
         raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
         skip = -raw.data_ptr() % ALIGN
         self.tensor = raw[skip:skip + nbytes]
-        self.view = _buffer_at(self.tensor.data_ptr(), nbytes)
-        self._raw = raw  # the view above points into this storage
+        # `self.tensor` keeps the storage alive as long as this object, and the view never outlives it
+        self.view = memoryview((ctypes.c_char * nbytes).from_address(self.tensor.data_ptr())).cast("B")
 
 
 class ParallelRead:
@@ -439,8 +442,8 @@ class ParallelRead:
             _last_stats = LoadStats(done, seconds, self.options.workers, self.options.chunk_bytes,
                                     self.options.ring_bytes, all(f.direct for f in self._files), len(self.plan.files),
                                     len(self.plan.tensors), waited, str(self.device))
-            logger.info("loaded %.2f GB (%d tensors, %d files) in %.2f s: %.2f GB/s with %d workers%s",
-                        done / GB, len(self.plan.tensors), len(self.plan.files), seconds, _last_stats.gbps,
+            logger.info("loaded %s (%d tensors, %d files) in %.2f s: %.2f GB/s with %d workers%s",
+                        format_bytes(done), len(self.plan.tensors), len(self.plan.files), seconds, _last_stats.gbps,
                         self.options.workers, ", O_DIRECT" if _last_stats.direct_io else "")
         finally:
             self._stop()
@@ -481,7 +484,7 @@ class ParallelRead:
             cuda = self.device.type == "cuda"
             if cuda:
                 torch.cuda.set_device(self.device)  # the current device is per thread; allocations follow it
-            slot = _BounceSlot(self.options.chunk_bytes, pinned=cuda)
+            slot = AlignedBuffer(self.options.chunk_bytes, pinned=cuda)
             stream = torch.cuda.Stream(self.device) if cuda else None
             while True:
                 with self._cond:
@@ -528,7 +531,7 @@ class ParallelRead:
         with torch.cuda.stream(self._consumer_stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _read(self, chunk: Chunk, slot: _BounceSlot) -> None:
+    def _read(self, chunk: Chunk, slot: AlignedBuffer) -> None:
         f = self._files[chunk.file]
         got = 0
         while got < chunk.needed:
@@ -558,7 +561,7 @@ class ParallelRead:
         return PackReadError(self.plan.files[chunk.file], offset, rec.name,
                              f"{chunk.needed - rel} readable bytes", found)
 
-    def _scatter(self, chunk: Chunk, slot: _BounceSlot, stream) -> None:
+    def _scatter(self, chunk: Chunk, slot: AlignedBuffer, stream) -> None:
         if stream is None:
             base = slot.tensor.data_ptr()
             for p in chunk.pieces:
