@@ -545,13 +545,15 @@ class ParallelRead:
                     continue
                 raise self._read_error(chunk, offset, f"{type(e).__name__}: {e}") from e
             if n <= 0:
-                raise self._read_error(chunk, offset, f"end of file after {got} of {chunk.needed} bytes "
-                                                      "(file truncated or replaced while loading)")
+                raise self._read_error(chunk, offset, self._end_of_file(fd))
             got += n
             if direct and n % ALIGN and got < chunk.needed:
                 # O_DIRECT returns a non-block-multiple count only at end of file
-                raise self._read_error(chunk, chunk.offset + got, f"end of file after {got} of {chunk.needed} bytes "
-                                                                  "(file truncated or replaced while loading)")
+                raise self._read_error(chunk, chunk.offset + got, self._end_of_file(fd))
+
+    def _end_of_file(self, fd: int) -> str:
+        return (f"end of file: the file is now {os.fstat(fd).st_size} bytes, not the size its header promised "
+                "(truncated or replaced while loading)")
 
     def _read_error(self, chunk: Chunk, offset: int, found: str) -> PackReadError:
         # name the tensor whose bytes were being read at `offset`
