@@ -27,7 +27,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from . import compat
-from .format import INDEX_FILE, Pack, SafetensorsFile, read_safetensors_header
+from .format import SafetensorsFile, read_safetensors_header
 from .loader import OPTION_KEYS, ParallelRead, ProgressReporter, ReaderOptions, plan_reads
 
 LOAD_FORMAT = "exl3_parallel"
@@ -57,7 +57,7 @@ class ParallelSafetensorsLoader(DefaultModelLoader):
             raise ValueError(f"--load-format {LOAD_FORMAT} reads safetensors checkpoints; "
                              f"{source.model_or_path} has none")
         files = compat.filter_weight_files(self, source, folder, files, index_file)
-        plan = plan_reads(_headers(Path(folder), files, index_file), self.options.chunk_bytes,
+        plan = plan_reads(_headers(files), self.options.chunk_bytes,
                           _expert_filter(self.local_expert_ids))
         progress = ProgressReporter(plan.nbytes) if self.use_progress_bar and _is_first_rank() else None
         if self.counter_before_loading_weights == 0.0:
@@ -66,14 +66,10 @@ class ParallelSafetensorsLoader(DefaultModelLoader):
         return ((source.prefix + name, tensor) for name, tensor in reader)
 
 
-def _headers(folder: Path, files: list[str], index_file: str) -> list[SafetensorsFile]:
-    """Validated headers of `files`, in name order. With an index, every shard it names must exist: vLLM's own
-    index filter silently drops missing ones, and the model would be served without their tensors."""
-    by_path = {}
-    if index_file == INDEX_FILE and (folder / INDEX_FILE).is_file():
-        by_path = {f.path.resolve(): f for f in Pack.open(folder).files}  # raises on a missing shard
-    paths = sorted((Path(f) for f in files), key=lambda p: p.name)
-    return [by_path.get(p.resolve()) or read_safetensors_header(p) for p in paths]
+def _headers(files: list[str]) -> list[SafetensorsFile]:
+    """Validated headers, in name order. (A shard named by the index but missing already fails in vLLM's own
+    index filter, 0.31+; a truncated one fails here, before any tensor is read.)"""
+    return [read_safetensors_header(p) for p in sorted(files, key=lambda f: Path(f).name)]
 
 
 def _expert_filter(local_expert_ids: set[int] | None) -> Callable[[str], bool] | None:
@@ -102,13 +98,28 @@ def _is_first_rank() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def _share_vllm_log_handler() -> None:
-    """vLLM configures only the `vllm` logger; without this, `vllm_exl3.*` progress and receipts are lost."""
-    ours, theirs = logging.getLogger("vllm_exl3"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(theirs.level or logging.INFO)
+class _VllmLogForwarder(logging.Handler):
+    """Hands `vllm_exl3.*` records to the handlers vLLM configured for its own `vllm` logger.
+
+    vLLM configures only `vllm`, and does it after plugins are loaded (and again per process), so copying its
+    handlers at registration would copy nothing; looking them up per record always finds the current ones, and
+    vLLM's level and format apply. Without vLLM handlers (VLLM_CONFIGURE_LOGGING=0) the root logger's are used.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if record.levelno < vllm_logger.getEffectiveLevel():
+            return
+        for handler in vllm_logger.handlers or logging.getLogger().handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def route_logs_to_vllm() -> None:
+    ours = logging.getLogger("vllm_exl3")
+    if not any(isinstance(h, _VllmLogForwarder) for h in ours.handlers):
+        ours.addHandler(_VllmLogForwarder())
+        ours.setLevel(logging.DEBUG)  # the forwarder applies vLLM's level
         ours.propagate = False
 
 
@@ -120,6 +131,6 @@ def register_loader() -> None:
     global _registered
     if _registered:
         return
-    _share_vllm_log_handler()
+    route_logs_to_vllm()
     register_model_loader(LOAD_FORMAT)(ParallelSafetensorsLoader)
     _registered = True
