@@ -82,6 +82,8 @@ BROKEN = {
     "svh length": ({"svh": torch.ones(64).half()}, "model.layers.0.mlp.down_proj.svh", "expected shape [128]"),
     "half-integer without mul1": ({"trellis": torch.zeros(16, 8, 40, dtype=torch.int16).random_()},
                                   "model.layers.0.mlp.down_proj.trellis", "half-integer bits only with the mul1"),
+    "row-codec embedding": ({"trellis": torch.zeros(16, 40, dtype=torch.int16)}, "model.layers.0.mlp.down_proj.trellis",
+                            "row codec for quantized embeddings"),
     "trellis dtype": ({"trellis": torch.zeros(16, 8, 48, dtype=torch.int32)}, "model.layers.0.mlp.down_proj.trellis",
                       "expected dtype I16"),
 }

@@ -2,9 +2,37 @@
 
 __version__ = "0.1.0"
 
+_registered = False
+
 
 def register() -> None:
-    """`vllm.general_plugins` entry point (registration of the `exl3` quant method lands with the plugin)."""
+    """`vllm.general_plugins` entry point: vLLM calls it in every process (API server, engine core, every
+    worker, both nodes of a multi-node run), so it must be idempotent and cheap."""
+    global _registered
+    if _registered:
+        return
+    _attach_logging()
+    from . import compat  # fails here, with the supported range, on an unsupported vLLM
+    from .config import Exl3Config
+    from .kernels import ops  # noqa: F401  (registers the vllm_exl3:: custom ops)
+
+    compat.register_quantization_config("exl3")(Exl3Config)
     from .model_loader import register_loader
 
     register_loader()
+    _registered = True
+
+
+def _attach_logging() -> None:
+    """Show our log lines next to vLLM's (vLLM configures only its own `vllm` logger)."""
+    import logging
+    import os
+
+    log = logging.getLogger("vllm_exl3")
+    if log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("VLLM_EXL3_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "INFO")).upper())
+    log.propagate = False

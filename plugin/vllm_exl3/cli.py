@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -116,6 +118,85 @@ def _dequant(p: argparse.ArgumentParser):
             task = prog.add_task("dequantizing", total=len(items))
             nbytes = dequant.write(items, a.output, a.rotated, progress=lambda _: prog.advance(task))
         console.print(f"wrote {len(items)} tensors ({_gib(nbytes)}) to {a.output}")
+        return 0
+
+    return run
+
+
+@command("serve")
+def _serve(p: argparse.ArgumentParser):
+    """Serve an EXL3 pack with vLLM's OpenAI server; --demo serves the bundled tiny pack (CPU is fine)."""
+    p.add_argument("pack", nargs="?", help="EXL3 model directory (omit with --demo)")
+    p.add_argument("--demo", action="store_true", help="serve the bundled tiny EXL3 pack")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--once", action="store_true", help="answer the demo requests, then stop the server")
+    p.add_argument("--boot-timeout", type=float, default=600, help="seconds to wait for /health")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra `vllm serve` arguments")
+
+    def run(a: argparse.Namespace) -> int:
+        import subprocess
+
+        from . import serve
+        from .format import verify_pack
+
+        extra = tuple(x for x in a.vllm_args if x != "--")
+        if a.demo == bool(a.pack):
+            err_console.print("give a PACK directory or --demo")
+            return 2
+        opts = serve.ServeOptions.for_demo(a.host, a.port, extra) if a.demo else \
+            serve.ServeOptions(Path(a.pack), a.host, a.port, extra_args=extra)
+        _, problems = verify_pack(opts.pack)
+        for e in problems:
+            err_console.print(f"[red]refusing to serve:[/] {e}", highlight=False, soft_wrap=True)
+        if problems:
+            return 1
+        model = opts.served_name or str(opts.pack)
+        base = f"http://{opts.host}:{opts.port}"
+        console.print(f"starting vLLM on {opts.pack} -> {base}", highlight=False)
+        proc = subprocess.Popen(serve.server_command(opts), env=serve.server_env(), start_new_session=True)
+        try:
+            t0 = time.monotonic()
+            serve.wait_healthy(base, proc, a.boot_timeout)
+            console.print(f"[green]healthy[/] after {time.monotonic() - t0:.1f} s; model {model!r}")
+            for kind, text, seconds in serve.demo_requests(base, model):
+                console.print(f"[bold]{kind}[/] ({seconds:.2f} s): {text!r}", highlight=False)
+            if a.once:
+                return 0
+            console.print(f"serving at {base}/v1 (Ctrl-C to stop)")
+            return proc.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            serve.stop(proc)
+
+    return run
+
+
+@command("info")
+def _info(p: argparse.ArgumentParser):
+    """Kernel backends this install can run (and why not), the native build's targets, the CUDA devices."""
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(a: argparse.Namespace) -> int:
+        from .info import collect
+
+        info = collect()
+        if a.json:
+            print(json.dumps(info.to_json(), indent=2))
+            return 0
+        console.print(f"vllm-exl3 {info.version}, torch {info.torch} (CUDA {info.torch_cuda or 'none'}), "
+                      f"VLLM_EXL3_KERNEL={info.kernel_env}")
+        for d in info.devices or ["no CUDA device"]:
+            console.print(f"  {d}")
+        t = Table(title="kernel backends (auto prefers them in this order)")
+        for col in ("backend", "available", "why not"):
+            t.add_column(col)
+        for b in info.backends:
+            t.add_row(b.name, "[green]yes[/]" if b.available else "[red]no[/]", b.reason or "")
+        console.print(t)
+        if info.native_build:
+            console.print(f"native build: {info.native_build}")
         return 0
 
     return run

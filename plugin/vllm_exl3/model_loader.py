@@ -16,7 +16,6 @@ other ranks' experts are skipped before they are read: vLLM's EP weight filter, 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -98,31 +97,6 @@ def _is_first_rank() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-class _VllmLogForwarder(logging.Handler):
-    """Hands `vllm_exl3.*` records to the handlers vLLM configured for its own `vllm` logger.
-
-    vLLM configures only `vllm`, and does it after plugins are loaded (and again per process), so copying its
-    handlers at registration would copy nothing; looking them up per record always finds the current ones, and
-    vLLM's level and format apply. Without vLLM handlers (VLLM_CONFIGURE_LOGGING=0) the root logger's are used.
-    """
-
-    def emit(self, record: logging.LogRecord) -> None:
-        vllm_logger = logging.getLogger("vllm")
-        if record.levelno < vllm_logger.getEffectiveLevel():
-            return
-        for handler in vllm_logger.handlers or logging.getLogger().handlers:
-            if record.levelno >= handler.level:
-                handler.handle(record)
-
-
-def route_logs_to_vllm() -> None:
-    ours = logging.getLogger("vllm_exl3")
-    if not any(isinstance(h, _VllmLogForwarder) for h in ours.handlers):
-        ours.addHandler(_VllmLogForwarder())
-        ours.setLevel(logging.DEBUG)  # the forwarder applies vLLM's level
-        ours.propagate = False
-
-
 _registered = False
 
 
@@ -131,6 +105,5 @@ def register_loader() -> None:
     global _registered
     if _registered:
         return
-    route_logs_to_vllm()
     register_model_loader(LOAD_FORMAT)(ParallelSafetensorsLoader)
     _registered = True

@@ -21,6 +21,7 @@ from ..format import Exl3Weights
 logger = logging.getLogger("vllm_exl3.kernels")
 
 KERNEL_ENV = "VLLM_EXL3_KERNEL"
+STRICT_ENV = "VLLM_EXL3_KERNEL_STRICT"
 CHOICES = ("auto", "native", "exllamav3", "torch")
 PREFERENCE = ("native", "exllamav3", "torch")  # `auto` takes the first that is available and supports the layer
 
@@ -49,6 +50,48 @@ class MoESpec:
     activation: str
     act_dtype: torch.dtype
     device_type: str
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # gated: act(gate) * up
+
+
+@dataclass
+class ExpertStack:
+    """A routed-experts layer's EXL3 weights as one rank stores them.
+
+    gate/up share the input (hidden) and are stacked on dim 1; every tile record is padded to the widest bit
+    width in the stack (`*_words` say how many int16 words each (expert, projection) really uses). Intermediate
+    features follow the same block-range rule as dense layers (geometry.py): gate/up outputs are computed for
+    the stored block range and narrowed at `inter_offset`; the down projection's input is zero-filled there.
+    """
+
+    w13_trellis: torch.Tensor  # int16 [E, 2, H/16, I_blk/16, W13]
+    w13_suh: torch.Tensor  # fp16 [E, 2, H]
+    w13_svh: torch.Tensor  # fp16 [E, 2, I_blk]
+    w2_trellis: torch.Tensor  # int16 [E, I_blk/16, H/16, W2]
+    w2_suh: torch.Tensor  # fp16 [E, I_blk]
+    w2_svh: torch.Tensor  # fp16 [E, H]
+    w13_words: tuple[int, ...]  # [E * 2]
+    w2_words: tuple[int, ...]  # [E]
+    codebooks: tuple[str, ...]  # [E * 3]: gate, up, down of each expert
+    inter_offset: int
+    inter_size: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_trellis.shape[0]
+
+    def weights(self, expert: int, proj: int) -> Exl3Weights:
+        """Views of one projection (0 gate, 1 up, 2 down) of one local expert."""
+        from ..format import bits_from_trellis_dim
+
+        if proj < 2:
+            words = self.w13_words[2 * expert + proj]
+            t, suh, svh = self.w13_trellis[expert, proj], self.w13_suh[expert, proj], self.w13_svh[expert, proj]
+        else:
+            words = self.w2_words[expert]
+            t, suh, svh = self.w2_trellis[expert], self.w2_suh[expert], self.w2_svh[expert]
+        return Exl3Weights(t[..., :words], suh, svh, self.codebooks[3 * expert + proj], bits_from_trellis_dim(words))
 
 
 class Backend:
@@ -81,6 +124,18 @@ class Backend:
     # -- routed experts -----------------------------------------------------------------------------------
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return "routed experts not implemented"
+
+    def prepare_moe(self, experts: ExpertStack) -> list[torch.Tensor]:
+        return []
+
+    def moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            expert_map: torch.Tensor | None, experts: ExpertStack, prepared: list[torch.Tensor], activation: str,
+            router_weight_on_input: bool) -> torch.Tensor:
+        """Σ_k w_k · expert_{id_k}(x) over the experts local to this rank, [M, H] in x's dtype.
+
+        topk_ids are global expert ids; `expert_map` (global -> local, -1 elsewhere) is given under expert
+        parallelism. With `router_weight_on_input` (top-1 models) x is scaled before the experts instead."""
+        raise NotImplementedError
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -148,22 +203,29 @@ def _record(decision: Decision) -> None:
 
 
 def _choose(layer_type: str, reason_of) -> Backend:
+    """`auto`: the first of PREFERENCE that is available and serves the layer. A named backend comes first and
+    must be installed (else an error: the user asked for it); a layer type it does not implement falls back down
+    the preference order with a warning, unless STRICT_ENV=1 makes that an error too (for A/B measurements)."""
     _load_backends()
     requested = requested_kernel()
-    candidates = PREFERENCE if requested == "auto" else (requested,)
+    candidates = PREFERENCE if requested == "auto" else (requested,) + tuple(p for p in PREFERENCE if p != requested)
     skipped: list[tuple[str, str]] = []
     for name in candidates:
         backend = _REGISTRY.get(name)
-        reason = "not installed" if backend is None else backend.unavailable_reason() or reason_of(backend)
+        unavailable = "not installed" if backend is None else backend.unavailable_reason()
+        if unavailable and name == requested:
+            raise RuntimeError(f"{KERNEL_ENV}={requested}, but that backend is unavailable: {unavailable}")
+        reason = unavailable or reason_of(backend)
         if reason is None:
+            if requested not in ("auto", name):
+                if os.environ.get(STRICT_ENV) == "1":
+                    raise RuntimeError(f"{KERNEL_ENV}={requested} cannot serve {layer_type} ({skipped[0][1]}) and "
+                                       f"{STRICT_ENV}=1 forbids falling back")
+                logger.warning("EXL3 %s: %s backend cannot serve it (%s); using %s", layer_type, requested,
+                               skipped[0][1], name)
             _record(Decision(layer_type, name, tuple(skipped)))
             return backend
         skipped.append((name, reason))
-    if requested != "auto":
-        # An explicit choice that cannot serve the layer is an error, not a silent fallback: the user asked
-        # for that kernel (e.g. to compare backends) and must know it is not what runs.
-        raise RuntimeError(f"{KERNEL_ENV}={requested} cannot serve {layer_type}: {skipped[-1][1]}. "
-                           f"Use {KERNEL_ENV}=auto to fall back automatically.")
     raise RuntimeError(f"no EXL3 backend serves {layer_type}: {skipped}")
 
 

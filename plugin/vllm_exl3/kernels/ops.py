@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..format import CODEBOOKS, Exl3Weights, bits_from_trellis_dim
-from . import PREFERENCE, get_backend
+from . import ACTIVATIONS, PREFERENCE, ExpertStack, get_backend
 
 
 @torch.library.custom_op("vllm_exl3::linear", mutates_args=())
@@ -22,3 +22,24 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
 @exl3_linear.register_fake
 def _(x, trellis, suh, svh, prepared, codebook, backend, in_offset, out_offset, out_features):
     return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.custom_op("vllm_exl3::moe", mutates_args=())
+def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor,
+             w13_trellis: torch.Tensor, w13_suh: torch.Tensor, w13_svh: torch.Tensor, w2_trellis: torch.Tensor,
+             w2_suh: torch.Tensor, w2_svh: torch.Tensor, prepared: list[torch.Tensor], w13_words: list[int],
+             w2_words: list[int], codebooks: list[int], activation: int, router_weight_on_input: bool,
+             backend: int, inter_offset: int, inter_size: int) -> torch.Tensor:
+    """Routed experts: [M, H] local partial sum; see Backend.moe. An empty `expert_map` means no expert
+    parallelism; `codebooks` index format.CODEBOOKS per (expert, gate/up/down), `activation` kernels.ACTIVATIONS."""
+    experts = ExpertStack(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, tuple(w13_words),
+                          tuple(w2_words), tuple(CODEBOOKS[c] for c in codebooks), inter_offset, inter_size)
+    return get_backend(PREFERENCE[backend]).moe(x, topk_weights, topk_ids,
+                                                expert_map if expert_map.numel() else None, experts, prepared,
+                                                ACTIVATIONS[activation], router_weight_on_input)
+
+
+@exl3_moe.register_fake
+def _(x, topk_weights, topk_ids, expert_map, w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, prepared,
+      w13_words, w2_words, codebooks, activation, router_weight_on_input, backend, inter_offset, inter_size):
+    return torch.empty_like(x)

@@ -10,7 +10,13 @@ import torch
 
 from ..format import Exl3Weights
 from ..reference import decode_rotated, hadamard_rows
-from . import Backend, LinearSpec, MoESpec, register_backend
+from . import Backend, ExpertStack, LinearSpec, MoESpec, register_backend
+
+_ACTIVATION = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+}
 
 
 def cached_w_hat(w: Exl3Weights) -> torch.Tensor:
@@ -44,6 +50,66 @@ class TorchBackend(Backend):
 
     def linear(self, x, w, prepared, in_offset, out_offset, out_features):
         return rotated_linear(x, w.suh, w.svh, prepared, in_offset, out_offset, out_features)
+
+    def prepare_moe(self, experts: ExpertStack) -> list[torch.Tensor]:
+        """Decoded Ŵ of every (expert, projection): [E, 2, H, I_blk] and [E, I_blk, H]."""
+        e = experts.num_experts
+        w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in (0, 1)]) for i in range(e)])
+        w2 = torch.stack([cached_w_hat(experts.weights(i, 2)) for i in range(e)])
+        return [w13, w2]
+
+    def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+        # CUDA graphs forbid data-dependent shapes, so on CUDA every expert sees every token (weighted 0 when
+        # not routed there); elsewhere only the routed tokens are gathered.
+        run = moe_all_tokens if x.is_cuda else moe_routed_tokens
+        return run(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input)
+
+
+def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: str, hidden: int):
+    w13_hat, w2_hat = prepared
+    act = _ACTIVATION[activation]
+    io, isz = experts.inter_offset, experts.inter_size
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        gate = rotated_linear(xe, experts.w13_suh[e, 0], experts.w13_svh[e, 0], w13_hat[e, 0], 0, io, isz)
+        up = rotated_linear(xe, experts.w13_suh[e, 1], experts.w13_svh[e, 1], w13_hat[e, 1], 0, io, isz)
+        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w2_hat[e], io, 0, hidden)
+
+    return expert
+
+
+def _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input):
+    ids = topk_ids.reshape(-1).long()
+    local = expert_map[ids].long() if expert_map is not None else ids
+    src = x.float() * topk_weights.float() if router_weight_on_input else x.float()
+    return local, topk_weights.reshape(-1).float(), src
+
+
+def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+    m, hidden = x.shape
+    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
+    token = torch.arange(m, device=x.device).repeat_interleave(topk_ids.shape[1])
+    expert = _expert_fn(experts, prepared, activation, hidden)
+    out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
+    for e in range(experts.num_experts):
+        sel = (local == e).nonzero().squeeze(1)
+        if sel.numel():
+            y = expert(e, src[token[sel]])
+            out.index_add_(0, token[sel], y if router_weight_on_input else y * weight[sel, None])
+    return out.to(x.dtype)
+
+
+def moe_all_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+    m, hidden = x.shape
+    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
+    expert = _expert_fn(experts, prepared, activation, hidden)
+    out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
+    for e in range(experts.num_experts):
+        routed = (local == e).view(m, -1)
+        scale = (routed.any(1, keepdim=True).float() if router_weight_on_input
+                 else (routed * weight.view(m, -1)).sum(1, keepdim=True))
+        out += expert(e, src) * scale
+    return out.to(x.dtype)
 
 
 register_backend(TorchBackend())

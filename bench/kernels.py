@@ -1,0 +1,214 @@
+"""EXL3 dense-linear kernels side by side on one GPU: ours (native) vs ExLlamaV3 vs bf16 cuBLAS vs the floors.
+
+    PYTHONPATH=plugin[:<exllamav3 site>] python bench/kernels.py [--exllamav3] [--quick] [--out FILE.json]
+
+Method (../shared/docs/h200-baseline.md, METHOD.md): weights rotated over enough random copies that the L2 cannot
+hold them; each call timed with CUDA events while the GPU works through a queue filled behind a sleep kernel (so
+host launch overhead is not measured); medians of --iters calls after warm-up. Floors: bytes moved at the measured
+device-to-device copy bandwidth, and FLOPs at the measured bf16 cuBLAS rate of the same shape. Prints a table and
+writes everything to JSON (bench/results/<gpu>-kernels.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
+
+from vllm_exl3.format import CODEBOOKS, TILE, Exl3Weights  # noqa: E402
+from vllm_exl3.kernels import get_backend  # noqa: E402
+
+get_backend("torch")
+from vllm_exl3.kernels import native  # noqa: E402
+
+DEV = "cuda"
+L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies until this many bytes are in play (H200 L2: 60 MB)
+
+
+def random_linear(k: int, n: int, bits: float, codebook: str, seed: int) -> Exl3Weights:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    trellis = torch.randint(-(2**15), 2**15, (k // TILE, n // TILE, round(bits * TILE)), dtype=torch.int16,
+                            device=DEV, generator=g)
+    suh = ((torch.rand(k, device=DEV, generator=g) * 0.5 + 0.75) / math.sqrt(k)
+           * (torch.randint(0, 2, (k,), device=DEV, generator=g) * 2 - 1)).half()
+    svh = ((torch.rand(n, device=DEV, generator=g) * 0.5 + 0.75)
+           * (torch.randint(0, 2, (n,), device=DEV, generator=g) * 2 - 1)).half()
+    return Exl3Weights(trellis, suh, svh, codebook, bits)
+
+
+def time_calls(fns, iters: int, warmup: int = 3) -> float:
+    """Median GPU time of one call in µs; fns are rotated (one weight copy each)."""
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    torch.cuda._sleep(20_000_000)  # ~10 ms: the host enqueues everything below before the GPU gets there
+    for i in range(iters):
+        starts[i].record()
+        fns[i % len(fns)]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1000.0
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    t = time_calls([lambda: b.copy_(a)], iters=20)
+    return 2 * a.numel() / (t * 1e-6)
+
+
+class Case:
+    def __init__(self, k, n, bits, codebook):
+        self.k, self.n, self.bits, self.codebook = k, n, bits, codebook
+        self.weight_bytes = k * n * bits / 8 + 2 * (k + n)
+        copies = max(2, math.ceil(L2_DEFEAT_BYTES / self.weight_bytes))
+        self.ws = [random_linear(k, n, bits, codebook, seed=s) for s in range(copies)]
+
+    @property
+    def name(self) -> str:
+        return f"{self.k}x{self.n} {self.bits:g}b {self.codebook}"
+
+
+def bench_native(case: Case, rows: int, iters: int, path: int = native.PATH_AUTO, env: dict | None = None) -> float:
+    x = torch.randn(rows, case.k, device=DEV, dtype=torch.float16)
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        return time_calls([lambda w=w: native.linear(x, w, 0, 0, case.n, path) for w in case.ws], iters)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def bench_exllamav3(case: Case, rows: int, iters: int, layers) -> float:
+    x = torch.randn(rows, case.k, device=DEV, dtype=torch.float16)
+    return time_calls([lambda layer=layer: layer.forward(x, {}) for layer in layers], iters)
+
+
+def bench_bf16(k: int, n: int, rows: int, iters: int) -> float:
+    copies = max(1, math.ceil(L2_DEFEAT_BYTES / (2 * k * n)))
+    ws = [torch.randn(k, n, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+    return time_calls([lambda w=w: torch.matmul(x, w) for w in ws], iters)
+
+
+def floor_us(case: Case, rows: int, bw: float) -> float:
+    return (case.weight_bytes + 2 * rows * (case.k + case.n)) / bw * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--exllamav3", action="store_true", help="include ExLlamaV3 1.6.5 (must be importable)")
+    ap.add_argument("--quick", action="store_true", help="headline shapes only")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--variants", action="store_true", help="also time kernel variants (paths, grids) for tuning")
+    args = ap.parse_args()
+
+    props = torch.cuda.get_device_properties(0)
+    result = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+              "native_build": native.build_info(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": {},
+              "method": "CUDA events per call, queue pre-filled behind a sleep kernel, median of "
+                        f"{args.iters}; weights rotated over >= {L2_DEFEAT_BYTES >> 20} MB of copies"}
+    bw = copy_bandwidth()
+    result["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"{props.name}: device copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+
+    shapes = [(4096, 14336, 4, "mul1"), (4096, 14336, 2, "mul1"), (4096, 14336, 3, "mul1"), (4096, 14336, 4, "mcg"),
+              (4096, 14336, 2, "mcg"), (14336, 4096, 2, "mul1"), (14336, 4096, 4, "mul1"), (2048, 6144, 4, "mul1"),
+              (2048, 6144, 4, "3inst"), (2048, 768, 4, "mul1")]
+    rows_list = [1, 8, 64, 512, 4096]
+    if args.quick:
+        shapes = shapes[:2] + [shapes[3], shapes[6]]
+        rows_list = [1, 8, 64, 512]
+
+    exl_ok = False
+    if args.exllamav3:
+        from vllm_exl3.kernels.exllamav3_backend import _import_error, make_layer
+        exl_ok = _import_error() is None
+        result["exllamav3"] = "ok" if exl_ok else _import_error()
+
+    table = []
+    for k, n, bits, cb in shapes:
+        case = Case(k, n, bits, cb)
+        layers = [make_layer(w) for w in case.ws] if exl_ok else None
+        for rows in rows_list:
+            flops = 2 * rows * k * n
+            entry = {"shape": [k, n], "bits": bits, "codebook": cb, "rows": rows}
+            entry["ours_us"] = bench_native(case, rows, args.iters)
+            if exl_ok:
+                entry["exllamav3_us"] = bench_exllamav3(case, rows, args.iters, layers)
+            if cb == "mul1" and bits == 4 or (k, n) == (2048, 768):
+                entry["bf16_cublas_us"] = bench_bf16(k, n, rows, args.iters)
+            entry["floor_bytes_us"] = floor_us(case, rows, bw)
+            for key in ("ours_us", "exllamav3_us", "bf16_cublas_us"):
+                if key in entry:
+                    entry[key.replace("_us", "_tflops")] = flops / (entry[key] * 1e-6) / 1e12
+            table.append(entry)
+            print(json.dumps(entry), flush=True)
+        del layers, case
+        torch.cuda.empty_cache()
+    result["table"] = table
+
+    if args.variants:
+        # Kernel choices for tuning: skinny codeword (dup) vs rounded pairs, split-K vs direct, grid size, crossover.
+        var = []
+        for k, n, bits, cb in [(4096, 14336, 4, "mul1"), (4096, 14336, 2, "mul1"), (4096, 14336, 4, "mcg"),
+                               (14336, 4096, 4, "mul1")]:
+            case = Case(k, n, bits, cb)
+            for rows in (1, 8, 16):
+                for name, path, env in [("split", native.PATH_SKINNY_SPLIT, None),
+                                        ("direct", native.PATH_SKINNY_DIRECT, None),
+                                        ("plain", native.PATH_SKINNY_PLAIN, None),
+                                        ("split_grid_x2", native.PATH_SKINNY_SPLIT,
+                                         {"VLLM_EXL3_SKINNY_GRID": str(4 * props.multi_processor_count)}),
+                                        ("split_grid_1sm", native.PATH_SKINNY_SPLIT,
+                                         {"VLLM_EXL3_SKINNY_GRID": str(props.multi_processor_count)}),
+                                        ("no_pdl", native.PATH_SKINNY_SPLIT, {"VLLM_EXL3_PDL": "0"})]:
+                    t = bench_native(case, rows, args.iters, path, env)
+                    var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
+                    print(json.dumps(var[-1]), flush=True)
+            if (k, n) == (4096, 14336) and bits == 4 and cb == "mul1":
+                for rows in (16, 32, 64, 128, 256, 512, 1024):
+                    for name, path in [("skinny", native.PATH_SKINNY), ("recon", native.PATH_RECONSTRUCT)]:
+                        t = bench_native(case, rows, max(10, args.iters // 2), path)
+                        var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
+                        print(json.dumps(var[-1]), flush=True)
+            del case
+            torch.cuda.empty_cache()
+        result["variants"] = var
+
+    # the table, last (the device tool returns the end of the output)
+    print(f"\n{props.name}, copy {bw / 1e12:.2f} TB/s; µs per call (TFLOP/s for >= 512 rows)")
+    print(f"{'shape':>12} {'bits':>9} {'rows':>5} {'ours':>9} {'exl3':>9} {'bf16':>9} {'floor':>7}")
+    for e in table:
+        def fmt(key):
+            if key not in e:
+                return "-"
+            return f"{e[key]:.1f}" if e["rows"] < 512 else f"{e[key]:.0f}/{e[key.replace('_us', '_tflops')]:.0f}"
+        print(f"{e['shape'][0]}x{e['shape'][1]:>6} {e['bits']:g}b {e['codebook']:>5} {e['rows']:>5} "
+              f"{fmt('ours_us'):>9} {fmt('exllamav3_us'):>9} {fmt('bf16_cublas_us'):>9} {e['floor_bytes_us']:7.1f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+// The only file that knows torch: registers the EXL3 kernels as ops in the `vllm_exl3` namespace (a fragment, so it
+// coexists with the Python-defined ops of kernels/ops.py) and builds the Python module `vllm_exl3._C`.
+//
+// Ops (fake implementations live in plugin/vllm_exl3/kernels/native.py):
+//   native_linear(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path) -> y
+//       path 0 auto, 1 skinny tensor-core kernel, 2 reconstruct + cuBLAS, 3 skinny forced split-K, 4 forced direct,
+//       5 skinny with rounded Ŵ pairs instead of codewords (bench)
+//   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
+//   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
+#include <Python.h>
+
+#include <cstdlib>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublas_v2.h>
+#include <torch/library.h>
+
+#include "exl3_kernels.h"
+
+namespace {
+
+constexpr int64_t kHad = 128;
+constexpr int64_t kTile = 16;
+
+enum Path : int64_t { kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5 };
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "vllm_exl3: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoll(v) : fallback;
+}
+
+// Rows above which reconstruct + cuBLAS beats the skinny kernel (measured; bench/NOTES.md).
+int64_t skinny_max_rows() {
+  static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 128);
+  return rows;
+}
+bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
+
+exl3::TrellisView trellis_view(const at::Tensor& t, int64_t codebook) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kShort && t.dim() == 3, "trellis must be a CUDA int16 [K/16, N/16, 16*bits] tensor");
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) % 8 == 0 && t.stride(0) % 8 == 0,
+              "trellis tiles must be 16-byte aligned records (stride(2) == 1, other strides multiples of 8)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "trellis must be 16-byte aligned");
+  const int64_t words = t.size(2);
+  TORCH_CHECK(words % 8 == 0 && words >= 16 && words <= 128, "trellis last dim must be 16*bits (bits 1..8, or 1.5/2.5/3.5)");
+  const int bits2 = static_cast<int>(words / 8);
+  TORCH_CHECK(codebook >= 0 && codebook <= 2, "codebook index must be 0 (3inst), 1 (mcg) or 2 (mul1)");
+  TORCH_CHECK(bits2 % 2 == 0 || (codebook == exl3::kCbMul1 && bits2 <= 7), "half-integer bit widths need mul1, <= 3.5");
+  return {t.data_ptr<int16_t>(), t.stride(0), static_cast<int>(t.stride(1)), bits2, static_cast<int>(codebook)};
+}
+
+int act_dtype(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "activations must be fp16 or bf16");
+  return x.scalar_type() == at::kBFloat16 ? exl3::kActBF16 : exl3::kActF16;
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+void cublas_xh_what(const at::Tensor& xh, const at::Tensor& w_hat, const at::Tensor& z) {
+  // z[M][Na] = xh[M][Ka] @ Ŵ[Ka][Na]  (row-major) == column-major Z^T = Ŵ^T · xh^T
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const int m = static_cast<int>(w_hat.size(1)), n = static_cast<int>(xh.size(0)), k = static_cast<int>(xh.size(1));
+  const float alpha = 1.f, beta = 0.f;
+  const cudaDataType_t ct = z.scalar_type() == at::kFloat ? CUDA_R_32F : CUDA_R_16F;
+  const cublasStatus_t st =
+      cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, w_hat.data_ptr(), CUDA_R_16F, m, xh.data_ptr(),
+                   CUDA_R_16F, k, &beta, z.data_ptr(), ct, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "vllm_exl3: cublasGemmEx failed (status ", static_cast<int>(st), ")");
+}
+
+at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
+                         int64_t codebook, int64_t in_offset, int64_t out_offset, int64_t out_features, int64_t path) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a 2-D CUDA tensor");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int xdt = act_dtype(x);
+  const exl3::TrellisView w = trellis_view(trellis, codebook);
+  const int64_t k_in = trellis.size(0) * kTile, n_out = trellis.size(1) * kTile;
+  TORCH_CHECK(k_in % kHad == 0 && n_out % kHad == 0, "EXL3 linears are padded to 128 on both sides");
+  TORCH_CHECK(suh.scalar_type() == at::kHalf && suh.is_contiguous() && suh.numel() == k_in, "suh must be fp16 [K]");
+  TORCH_CHECK(svh.scalar_type() == at::kHalf && svh.is_contiguous() && svh.numel() == n_out, "svh must be fp16 [N]");
+  const int64_t rows = x.size(0), in_width = x.size(1);
+  TORCH_CHECK(in_offset >= 0 && in_offset + in_width <= k_in, "input columns [", in_offset, ", ", in_offset + in_width,
+              ") outside the stored width ", k_in);
+  TORCH_CHECK(out_offset >= 0 && out_features >= 0 && out_offset + out_features <= n_out, "output columns outside N");
+  TORCH_CHECK(rows < (1LL << 31), "too many rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0 || out_features == 0) return y;
+  const int64_t kb0 = in_offset / kHad, kb_count = in_width == 0 ? 0 : (in_offset + in_width + kHad - 1) / kHad - kb0;
+  const int64_t g0 = out_offset / kHad, groups = (out_offset + out_features + kHad - 1) / kHad - g0;
+  if (kb_count == 0) {
+    // A zero input: y = H(0) * svh = 0 (the skinny kernel's split-K path needs at least one k-tile).
+    y.zero_();
+    return y;
+  }
+  if (path == kAuto) path = rows <= skinny_max_rows() ? kSkinny : kReconstruct;
+
+  exl3::InputTransformArgs it{};
+  it.x = x.data_ptr();
+  it.x_dtype = xdt;
+  it.x_stride = x.stride(0);
+  it.rows = static_cast<int>(rows);
+  it.in_width = static_cast<int>(in_width);
+  it.in_offset = static_cast<int>(in_offset);
+  it.suh = suh.data_ptr();
+  it.kb0 = static_cast<int>(kb0);
+  it.kb_count = static_cast<int>(kb_count);
+  const int64_t ka = kb_count * kHad, na = groups * kHad;
+
+  if (path == kReconstruct) {
+    at::Tensor xh = at::empty({rows, ka}, x.options().dtype(at::kHalf));
+    it.xh_rows = static_cast<int>(rows);
+    it.xh = xh.data_ptr();
+    check_cuda(exl3::launch_input_transform(it, stream), "input transform");
+    at::Tensor w_hat = at::empty({ka, na}, x.options().dtype(at::kHalf));
+    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
+                             static_cast<int>(groups), w_hat.data_ptr(), exl3::kActF16};
+    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct");
+    // fp16 activations keep ExLlamaV3's fp16 intermediate; bf16 ones get fp32 (their range exceeds fp16's).
+    at::Tensor z = at::empty({rows, na}, x.options().dtype(xdt == exl3::kActBF16 ? at::kFloat : at::kHalf));
+    cublas_xh_what(xh, w_hat, z);
+    exl3::OutputTransformArgs ot{z.data_ptr(), z.scalar_type() == at::kFloat, na, static_cast<int>(rows),
+                                 static_cast<int>(g0), static_cast<int>(groups), svh.data_ptr(), y.data_ptr(), xdt,
+                                 y.stride(0), static_cast<int>(out_offset), static_cast<int>(out_features)};
+    check_cuda(exl3::launch_output_transform(ot, stream), "output transform");
+    return y;
+  }
+
+  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain,
+              "unknown path ", path);
+  exl3::SkinnyArgs sa{};
+  sa.w = w;
+  sa.svh = svh.data_ptr();
+  sa.y = y.data_ptr();
+  sa.y_dtype = xdt;
+  sa.y_stride = y.stride(0);
+  sa.out_offset = static_cast<int>(out_offset);
+  sa.out_features = static_cast<int>(out_features);
+  sa.rows = static_cast<int>(rows);
+  sa.kb0 = static_cast<int>(kb0);
+  sa.kb_count = static_cast<int>(kb_count);
+  sa.g0 = static_cast<int>(g0);
+  sa.groups = static_cast<int>(groups);
+  const exl3::SkinnyPlan plan = exl3::plan_skinny(sa, path == kSkinnySplit ? 1 : path == kSkinnyDirect ? 0 : -1,
+                                                   path == kSkinnyPlain ? 0 : -1);
+  const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
+  const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
+  const size_t xh_bytes = align256(xh_rows * ka * 2), rs_bytes = align256(rows * parts * 4);
+  const size_t acc_bytes = align256(plan.acc_bytes), cnt_bytes = align256(plan.counter_bytes);
+  at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + acc_bytes + cnt_bytes)},
+                            x.options().dtype(at::kByte));
+  char* base = static_cast<char*>(ws.data_ptr());
+  it.xh_rows = static_cast<int>(xh_rows);
+  it.xh = base;
+  it.rowsum_parts = reinterpret_cast<float*>(base + xh_bytes);
+  if (plan.split_k) {
+    it.zero = base + xh_bytes + rs_bytes;
+    it.zero_bytes = acc_bytes + cnt_bytes;
+    sa.acc = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
+    sa.counters = reinterpret_cast<int*>(base + xh_bytes + rs_bytes + acc_bytes);
+  }
+  sa.xh = it.xh;
+  sa.rowsum_parts = it.rowsum_parts;
+  sa.parts = parts;
+  check_cuda(exl3::launch_input_transform(it, stream), "input transform");
+  check_cuda(exl3::launch_skinny(sa, plan, use_pdl(), stream), "skinny GEMM");
+  return y;
+}
+
+at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::optional<at::Tensor>& suh,
+                       const std::optional<at::Tensor>& svh, bool bf16) {
+  const exl3::TrellisView w = trellis_view(trellis, codebook);
+  const int64_t kt = trellis.size(0), nt = trellis.size(1);
+  TORCH_CHECK((kt * kTile) % kHad == 0 && (nt * kTile) % kHad == 0, "EXL3 linears are padded to 128 on both sides");
+  TORCH_CHECK(suh.has_value() == svh.has_value(), "give both suh and svh (original basis) or neither (Ŵ)");
+  const c10::cuda::CUDAGuard guard(trellis.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor out = at::empty({kt * kTile, nt * kTile}, trellis.options().dtype(bf16 ? at::kBFloat16 : at::kHalf));
+  const int odt = bf16 ? exl3::kActBF16 : exl3::kActF16;
+  if (!suh.has_value()) {
+    exl3::ReconstructArgs ra{w, 0, static_cast<int>(kt * kTile / kHad), 0, static_cast<int>(nt * kTile / kHad),
+                             out.data_ptr(), odt};
+    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct");
+    return out;
+  }
+  TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == kt * kTile, "suh must be fp16 [K]");
+  TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == nt * kTile, "svh must be fp16 [N]");
+  exl3::ReconstructFullArgs fa{w, static_cast<int>(kt), static_cast<int>(nt), suh->data_ptr(), svh->data_ptr(),
+                               out.data_ptr(), odt};
+  check_cuda(exl3::launch_reconstruct_full(fa, stream), "reconstruct (original basis)");
+  return out;
+}
+
+std::string build_info() { return std::string("archs=") + exl3::built_archs(); }
+
+std::string device_check() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return "no CUDA device";
+  }
+  const cudaError_t err = exl3::probe_device_support();
+  if (err == cudaSuccess) return "";
+  cudaGetLastError();
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return "no kernel image for sm_" + std::to_string(major) + std::to_string(minor) + " (built for " +
+         exl3::built_archs() + "): " + cudaGetErrorString(err);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
+  m.def("native_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int in_offset, "
+        "int out_offset, int out_features, int path=0) -> Tensor");
+  m.def("reconstruct(Tensor trellis, int codebook, Tensor? suh=None, Tensor? svh=None, bool bf16=False) -> Tensor");
+  m.def("build_info() -> str", &build_info);
+  m.def("device_check() -> str", &device_check);
+}
+
+TORCH_LIBRARY_IMPL(vllm_exl3, CUDA, m) {
+  m.impl("native_linear", &native_linear);
+  m.impl("reconstruct", &reconstruct);
+}
+
+// `import vllm_exl3._C` loads this library (and with it the registrations above); the module itself is empty.
+static struct PyModuleDef exl3_module = {PyModuleDef_HEAD_INIT, "_C", "EXL3 CUDA kernels (ops in torch.ops.vllm_exl3)",
+                                         -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&exl3_module); }

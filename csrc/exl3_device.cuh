@@ -1,0 +1,124 @@
+// Device building blocks shared by the EXL3 kernels: tensor-core MMA, async copies, the 128-point Hadamard in a
+// warp, activation loads/stores, dependent-launch control. No format knowledge lives here (see exl3_decode.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "exl3_kernels.h"
+
+namespace exl3 {
+
+constexpr int kWarp = 32;
+constexpr float kHadScale = 0.08838834764831845f;  // 1/sqrt(128): the Hadamard blocks are orthonormal
+
+// D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulate.
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16-byte global->shared copy that bypasses L1 (weights are read once).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+
+__device__ __forceinline__ uint32_t lds32(const void* smem) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
+  return v;
+}
+
+// Programmatic dependent launch (sm_90+): let the next kernel start early / wait for the previous one's results.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Four fp32 adds into global memory (split-K partial sums; L2 atomics).
+__device__ __forceinline__ void red_add_f32x4(float* gmem, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#else
+  atomicAdd(gmem + 0, a);
+  atomicAdd(gmem + 1, b);
+  atomicAdd(gmem + 2, c);
+  atomicAdd(gmem + 3, d);
+#endif
+}
+
+// Natural-order (Sylvester) 128-point FWHT across a warp, unnormalized: lane L holds elements 4L .. 4L+3.
+// Two butterfly stages in registers, five across lanes.
+__device__ __forceinline__ void fwht128_warp(float (&v)[4], int lane) {
+  float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
+  v[0] = a + c; v[1] = b + d; v[2] = a - c; v[3] = b - d;
+#pragma unroll
+  for (int m = 1; m < kWarp; m <<= 1) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = __shfl_xor_sync(0xFFFFFFFFu, v[e], m);
+      v[e] = upper ? p - v[e] : v[e] + p;
+    }
+  }
+}
+
+// Activations are fp16 or bf16 (exl3::ActDtype); math is fp32.
+
+__device__ __forceinline__ float load_act(const void* base, long long i, int dtype) {
+  if (dtype == kActBF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  return __half2float(static_cast<const __half*>(base)[i]);
+}
+
+// Store four consecutive outputs (8 bytes; caller guarantees alignment when `aligned`).
+__device__ __forceinline__ void store_act4(void* base, long long i, const float (&v)[4], int dtype, bool aligned,
+                                           int valid_lo, int valid_hi) {
+  if (dtype == kActBF16) {
+    __nv_bfloat16* p = static_cast<__nv_bfloat16*>(base) + i;
+    if (aligned && valid_lo == 0 && valid_hi == 4) {
+      __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+      uint2 u = {*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi)};
+      *reinterpret_cast<uint2*>(p) = u;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (e >= valid_lo && e < valid_hi) p[e] = __float2bfloat16_rn(v[e]);
+    }
+  } else {
+    __half* p = static_cast<__half*>(base) + i;
+    if (aligned && valid_lo == 0 && valid_hi == 4) {
+      __half2 lo = __floats2half2_rn(v[0], v[1]), hi = __floats2half2_rn(v[2], v[3]);
+      uint2 u = {*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi)};
+      *reinterpret_cast<uint2*>(p) = u;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (e >= valid_lo && e < valid_hi) p[e] = __float2half_rn(v[e]);
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  return v;
+}
+
+}  // namespace exl3

@@ -1,0 +1,115 @@
+// Host-side launchers of the EXL3 kernels: raw pointers, sizes and a stream. No torch types (bindings.cpp is the
+// only file that knows torch). Every launcher returns the CUDA error of its launch.
+//
+// Geometry: a linear stores W as (K_in, N) = (16*kt_total, 16*nt_total) in 16x16 tiles; a call works on the
+// "active" part only: 128-row blocks [kb0, kb0 + kb_count) of the input side (the blocks the caller's input touches)
+// and 128-column groups [g0, g0 + groups) of the output side (the groups the caller's output columns touch).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace exl3 {
+
+enum Codebook : int { kCb3Inst = 0, kCbMcg = 1, kCbMul1 = 2 };  // = format.CODEBOOKS order on the Python side
+enum ActDtype : int { kActF16 = 0, kActBF16 = 1 };
+
+struct TrellisView {
+  const int16_t* data;    // tile (kt, nt) starts at data + kt * row_stride + nt * tile_stride (int16 elements)
+  long long row_stride;   // int16 elements between k-tile rows
+  int tile_stride;        // int16 elements between neighbouring tiles of a row (>= 16 * bits; multiple of 8)
+  int bits2;              // 2 * bits: 2..16 (integer bits) or 3/5/7 (1.5/2.5/3.5, mul1 only)
+  int codebook;           // exl3::Codebook
+};
+
+// x [rows, in_width] (fp16/bf16, row stride x_stride) placed at input column in_offset of a zero input, times suh,
+// 128-point Hadamard per block, rounded to fp16: xh [xh_rows, kb_count * 128] (dense), for blocks kb0.. only;
+// rows rows .. xh_rows-1 are written as zeros (the skinny kernel reads whole row chunks).
+// Optionally writes per-row partial sums of xh (rowsum_parts [rows, input_transform_parts(kb_count)]) and clears
+// `zero_bytes` (multiple of 16) at `zero` (the split-K workspace of the next kernel).
+struct InputTransformArgs {
+  const void* x;
+  int x_dtype;  // exl3::ActDtype
+  long long x_stride;
+  int rows, xh_rows, in_width, in_offset;
+  const void* suh;  // fp16 [K_in]
+  int kb0, kb_count;
+  void* xh;
+  float* rowsum_parts;
+  void* zero;
+  size_t zero_bytes;
+};
+int input_transform_parts(int kb_count);
+cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream);
+
+// Skinny GEMM (1..16 rows per row chunk, any number of chunks): decodes tiles in registers and feeds tensor cores.
+// y [rows, out_features] (x's dtype, row stride y_stride) = output columns [out_offset, out_offset + out_features).
+struct SkinnyArgs {
+  TrellisView w;
+  const void* xh;  // fp16 [row_chunks * rows_per_chunk, kb_count * 128], from launch_input_transform
+  const void* svh; // fp16 [N]
+  const float* rowsum_parts;
+  int parts;
+  float* acc;      // fp32 [rows, groups * 128]: split-K accumulator (zeroed), or null in direct mode
+  int* counters;   // int [row_chunks * groups] (zeroed), or null in direct mode
+  void* y;
+  int y_dtype;
+  long long y_stride;
+  int out_offset, out_features;
+  int rows, kb0, kb_count, g0, groups;
+};
+struct SkinnyPlan {
+  int rows_per_chunk;  // 8 or 16
+  int row_chunks;
+  int grid;            // blocks
+  bool split_k;        // stream-K with atomics (needs acc/counters) vs one block per (row chunk, group)
+  bool dup;            // codeword x duplicated activations (default) vs rounded Ŵ pairs (bench comparison)
+  size_t acc_bytes, counter_bytes;
+};
+// Picks the variant and grid for a call. force_split / force_dup < 0: automatic; 0/1 force (tests, bench).
+SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup);
+cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& plan, bool pdl, cudaStream_t stream);
+
+// Ŵ (rotated basis, bit-exact with the reference) of the active part: out [kb_count*128, groups*128] row-major,
+// fp16 or bf16 (bf16 is Ŵ rounded once more).
+struct ReconstructArgs {
+  TrellisView w;
+  int kb0, kb_count, g0, groups;
+  void* out;
+  int out_dtype;
+};
+cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream);
+
+// W in the original basis, diag(suh) H Ŵ H diag(svh), fp32 math, one rounding: out [K_in, N] (whole matrix).
+struct ReconstructFullArgs {
+  TrellisView w;
+  int kt_total, nt_total;
+  const void* suh;
+  const void* svh;
+  void* out;
+  int out_dtype;
+};
+cudaError_t launch_reconstruct_full(const ReconstructFullArgs& a, cudaStream_t stream);
+
+// y [rows, out_features] = (128-block Hadamard of z [rows, groups*128], row stride z_stride) * svh, for output
+// columns [out_offset, out_offset + out_features) of group g0.. ; z fp32 or fp16.
+struct OutputTransformArgs {
+  const void* z;
+  bool z_f32;
+  long long z_stride;
+  int rows, g0, groups;
+  const void* svh;
+  void* y;
+  int y_dtype;
+  long long y_stride;
+  int out_offset, out_features;
+};
+cudaError_t launch_output_transform(const OutputTransformArgs& a, cudaStream_t stream);
+
+// Which kernels this library was built for (e.g. "sm_90a sm_121a") and whether the current device can run them.
+const char* built_archs();
+cudaError_t probe_device_support();
+
+}  // namespace exl3

@@ -1,0 +1,147 @@
+// Host side of the skinny GEMM: variant choice, grid planning, launch (with programmatic dependent launch), and
+// the build/device probes. Plain CUDA runtime; no torch.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "exl3_kernels.h"
+#include "skinny.cuh"
+
+// setup.py passes the target list as a token, e.g. sm_90a__sm_121a (a quoted string would not survive the shell).
+#define EXL3_STR2(x) #x
+#define EXL3_STR(x) EXL3_STR2(x)
+#ifdef VLLM_EXL3_ARCHS
+#define EXL3_ARCHS_STRING EXL3_STR(VLLM_EXL3_ARCHS)
+#else
+#define EXL3_ARCHS_STRING "unknown"
+#endif
+
+namespace exl3 {
+namespace {
+
+constexpr int kMinUnitsPerBlock = 16;  // two k-tiles per warp: below this a block is all prologue
+constexpr int kDirectWaves = 4;       // >= this many waves of whole column groups: no split-K
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+struct DeviceCache {
+  std::mutex mu;
+  std::unordered_map<long long, int> blocks_per_sm;  // (device, kernel) -> occupancy, after raising its smem limit
+  int sms[64] = {0};
+};
+DeviceCache& cache() {
+  static DeviceCache c;
+  return c;
+}
+
+int current_device() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return dev;
+}
+
+int sm_count(int dev) {
+  DeviceCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (dev >= 0 && dev < 64 && c.sms[dev] == 0) cudaDeviceGetAttribute(&c.sms[dev], cudaDevAttrMultiProcessorCount, dev);
+  return dev >= 0 && dev < 64 ? c.sms[dev] : 1;
+}
+
+// Raises the kernel's dynamic shared memory limit (once per device) and returns its occupancy.
+int prepare_kernel(const SkinnyKernel& k, int dev) {
+  DeviceCache& c = cache();
+  const long long key = (static_cast<long long>(dev) << 48) ^ reinterpret_cast<long long>(k.fn);
+  std::lock_guard<std::mutex> lock(c.mu);
+  auto it = c.blocks_per_sm.find(key);
+  if (it != c.blocks_per_sm.end()) return it->second;
+  int blocks = 0;
+  if (cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k.fn, kSkinnyThreads, k.smem) != cudaSuccess)
+    blocks = 0;
+  c.blocks_per_sm.emplace(key, blocks);
+  return blocks;
+}
+
+SkinnyKernel pick(const SkinnyArgs& a, int mt, bool dup) {
+  return a.w.codebook == kCbMul1 ? skinny_kernel_mul1(a.w.bits2, mt, dup) : skinny_kernel_xcg(a.w.bits2, mt, dup);
+}
+
+}  // namespace
+
+SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup) {
+  SkinnyPlan p{};
+  // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0).
+  p.dup = force_dup >= 0 ? force_dup != 0 : env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0;
+  p.rows_per_chunk = a.rows <= 8 ? 8 : 16;
+  p.row_chunks = (a.rows + p.rows_per_chunk - 1) / p.rows_per_chunk;
+  const long long items = static_cast<long long>(p.row_chunks) * a.groups;
+  const long long units = items * a.kb_count * kTilesPerHad;
+  const int dev = current_device();
+  // Prepare both row-chunk variants now: a later call with another row count may come during CUDA-graph capture,
+  // where attribute changes are best avoided.
+  const SkinnyKernel other = pick(a, p.rows_per_chunk == 8 ? 2 : 1, p.dup);
+  if (other.fn) prepare_kernel(other, dev);
+  const SkinnyKernel k = pick(a, p.rows_per_chunk / 8, p.dup);
+  const int per_sm = k.fn ? prepare_kernel(k, dev) : 0;
+  const long long slots = static_cast<long long>(per_sm > 0 ? per_sm : 1) * sm_count(dev);
+  p.split_k = force_split >= 0 ? force_split != 0 : items < kDirectWaves * slots;
+  if (p.split_k) {
+    long long grid = slots;
+    const int env_grid = env_int("VLLM_EXL3_SKINNY_GRID", 0);  // bench: override the block count
+    if (env_grid > 0) grid = env_grid;
+    grid = std::min(grid, std::max(1LL, units / kMinUnitsPerBlock));
+    p.grid = static_cast<int>(std::max(1LL, grid));
+    p.acc_bytes = static_cast<size_t>(a.rows) * a.groups * kHadBlock * sizeof(float);
+    p.counter_bytes = (static_cast<size_t>(items) * sizeof(int) + 15) / 16 * 16;
+  } else {
+    p.grid = static_cast<int>(items);  // one block per (row chunk, column group), whole k range
+  }
+  return p;
+}
+
+cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cudaStream_t stream) {
+  const SkinnyKernel k = pick(a, p.rows_per_chunk / 8, p.dup);
+  if (!k.fn) return cudaErrorInvalidValue;
+  if (prepare_kernel(k, current_device()) <= 0) return cudaErrorInvalidConfiguration;
+  const long long units = static_cast<long long>(p.row_chunks) * a.groups * a.kb_count * kTilesPerHad;
+  if (units <= 0) return cudaSuccess;
+  if (units >= (1LL << 31)) return cudaErrorInvalidValue;
+  int units32 = static_cast<int>(units);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(p.grid);
+  cfg.blockDim = dim3(kSkinnyThreads);
+  cfg.dynamicSmemBytes = k.smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  void* args[] = {const_cast<SkinnyArgs*>(&a), &units32};
+  return cudaLaunchKernelExC(&cfg, k.fn, args);
+}
+
+const char* built_archs() {
+  static const std::string names = [] {
+    std::string s = EXL3_ARCHS_STRING;
+    for (size_t i; (i = s.find("__")) != std::string::npos;) s.replace(i, 2, " ");
+    return s;
+  }();
+  return names.c_str();
+}
+
+cudaError_t probe_device_support() {
+  // Any kernel of the library: fails with cudaErrorNoKernelImageForDevice (or InvalidDeviceFunction) when the
+  // binary holds no code this device can run.
+  const SkinnyKernel k = skinny_kernel_mul1(8, 1, true);
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, k.fn);
+}
+
+}  // namespace exl3

@@ -1,0 +1,20 @@
+// Skinny GEMM instantiations for the 3inst and mcg codebooks (integer bit widths; the codebook is a runtime
+// multiplier/addend pair, so both share one set of kernels).
+#include "skinny.cuh"
+
+namespace exl3 {
+
+SkinnyKernel skinny_kernel_xcg(int bits2, int mt, bool dup) {
+  SkinnyKernel k{nullptr, 0};
+  auto pick = [&](auto b2) {
+    constexpr int kB = decltype(b2)::value;
+    if constexpr (kB % 2 == 0) {
+      if (mt == 1) k = dup ? skinny_kernel_ref<kB, false, 1, true>() : skinny_kernel_ref<kB, false, 1, false>();
+      else if (mt == 2) k = dup ? skinny_kernel_ref<kB, false, 2, true>() : skinny_kernel_ref<kB, false, 2, false>();
+    }
+  };
+  EXL3_DISPATCH_BITS2(bits2, pick)
+  return k;
+}
+
+}  // namespace exl3

