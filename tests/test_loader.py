@@ -263,3 +263,18 @@ def test_expert_parallel_filter_skips_other_ranks_experts():
     assert keep("model.layers.0.mlp.experts.5.down_proj.suh")  # tiny, and some backends want every expert's
     assert keep("model.layers.0.self_attn.q_proj.trellis")
     assert _expert_filter(None) is None
+
+
+def test_load_bench_command_json(tmp_path):
+    """`vllm-exl3 load-bench PACK --workers 1,2 --json` as a user runs it."""
+    import subprocess
+    import sys
+
+    pack = generated_pack(tmp_path / "pack")
+    r = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "load-bench", str(pack), "--workers", "1,2", "--json",
+                        "--chunk-mib", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["bytes"] == sum(t.nbytes for t in reference(pack).values())
+    assert result["raw_gbps"] > 0 and set(result["loader_gbps"]) == {"1", "2"}
+    assert all(v > 0 for v in result["loader_gbps"].values())

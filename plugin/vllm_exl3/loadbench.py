@@ -10,6 +10,7 @@ needs no root. It drops clean pages nobody maps; files written just before must 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -165,3 +166,31 @@ def parallel_reader(files: Sequence[SafetensorsFile], options: ReaderOptions, de
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def limit_files(files: Sequence[SafetensorsFile], limit_bytes: int | None) -> list[SafetensorsFile]:
+    """The first files (in order) that hold at least `limit_bytes`, so a 96 GB pack can be sampled."""
+    if not limit_bytes:
+        return list(files)
+    chosen, total = [], 0
+    for f in files:
+        if total >= limit_bytes:
+            break
+        chosen.append(f)
+        total += f.size
+    return chosen
+
+
+def load_bench(files: Sequence[SafetensorsFile], workers: Sequence[int], base: ReaderOptions, device: torch.device,
+               with_safetensors: bool = False) -> dict:
+    """`vllm-exl3 load-bench`: cold-cache GB/s of a raw sequential read and of our reader at each worker count."""
+    paths = [f.path for f in files]
+    result = {"bytes": sum(r.nbytes for f in files for r in f.tensors.values()), "files": len(files),
+              "device": str(device), "chunk_mib": base.chunk_bytes // MIB, "ring_mib": base.ring_bytes // MIB,
+              "direct_io": base.direct_io, "raw_gbps": round(raw_sequential(paths).gbps, 3), "loader_gbps": {}}
+    for w in workers:
+        options = dataclasses.replace(base, workers=w)
+        result["loader_gbps"][str(w)] = round(parallel_reader(files, options, device).gbps, 3)
+    if with_safetensors:
+        result["safetensors_gbps"] = round(safetensors_default(files, device).gbps, 3)
+    return result
