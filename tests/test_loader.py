@@ -123,6 +123,19 @@ def test_read_ahead_is_bounded_by_the_ring(tmp_path):
     assert 0 < peak[0] <= max(options.ring_bytes, largest)
 
 
+def test_host_buffers_are_recycled_only_when_released(tmp_path):
+    """A consumer that drops each tensor gets recycled memory; one that keeps them never sees them overwritten."""
+    experts = {f"model.layers.0.mlp.experts.{e}.up_proj.trellis": torch.randint(-9, 9, (64, 64), dtype=torch.int16)
+               for e in range(32)}
+    pack = write_pack(tmp_path / "pack", experts)
+    options = ReaderOptions(workers=2, chunk_bytes=8192, ring_bytes=32768)
+    addresses = {t.data_ptr() for _, t in read_tensors([pack / "model.safetensors"], options)}
+    assert len(addresses) < len(experts)  # same-size destinations came back from the pool
+    kept = dict(read_tensors([pack / "model.safetensors"], options))
+    assert len({t.data_ptr() for t in kept.values()}) == len(experts)
+    assert_identical(kept, experts)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # failures: each with a real broken file or a fault at the read seam; messages name file and offset
 # ------------------------------------------------------------------------------------------------------------
