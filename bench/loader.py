@@ -146,7 +146,7 @@ def summarize(samples: dict[str, list[float]], workers: list[int], modes: list[s
     gbps = {name: round(statistics.median(v), 3) if v else None for name, v in samples.items()}
     loader = {mode: {str(w): gbps[f"loader_{mode}_{w}"] for w in workers} for mode in modes}
     out = {"raw_sequential_gbps": gbps["raw_sequential"],
-           "raw_parallel_direct_gbps": {str(max(workers)): gbps["raw_parallel_direct"]},
+           "raw_direct_gbps": {"1": gbps["raw_direct_1"], str(max(workers)): gbps["raw_parallel_direct"]},
            "safetensors_gbps": gbps["safetensors"], "loader_gbps": loader}
     measured = [(m, w, v) for m, per in loader.items() for w, v in per.items() if v is not None]
     raws = [v for v in (gbps["raw_sequential"], gbps["raw_parallel_direct"]) if v is not None]
@@ -156,6 +156,8 @@ def summarize(samples: dict[str, list[float]], workers: list[int], modes: list[s
         out["summary"] = {
             "best_loader": f"{mode}, {w} workers", "best_loader_gbps": best,
             "raw_gbps": max(raws),  # the better of dd-style sequential and parallel O_DIRECT reads
+            "device_parallelism": (round(gbps["raw_parallel_direct"] / gbps["raw_direct_1"], 3)
+                                   if gbps["raw_parallel_direct"] and gbps["raw_direct_1"] else None),
             "best_vs_raw": round(best / max(raws), 3),
             "best_vs_one_worker": round(best / one, 3) if one else None,
             "best_vs_safetensors": round(best / gbps["safetensors"], 3) if gbps["safetensors"] else None,
@@ -194,7 +196,9 @@ def main() -> int:
         print(f"byte-identical to safetensors on {device}: {verified} tensors "
               f"({time.monotonic() - started:.0f} s)", flush=True)
 
+        # the device's own parallelism: O_DIRECT reads with one thread and with the most workers
         runs = [("raw_sequential", lambda: loadbench.raw_sequential(paths)),
+                ("raw_direct_1", lambda: loadbench.raw_parallel_direct(paths, 1)),
                 ("raw_parallel_direct", lambda: loadbench.raw_parallel_direct(paths, max(workers))),
                 ("safetensors", lambda: loadbench.safetensors_default(files, device))]
         for mode in modes:

@@ -430,7 +430,13 @@ class ParallelRead:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.progress = progress
-        self._cond = threading.Condition()
+        # One lock, two conditions, and notifications only to whoever can now proceed: with tens of thousands of
+        # tensors, waking every worker on every event costs more than the reads (16 workers ran at half speed).
+        self._lock = threading.Lock()
+        self._tensor_done = threading.Condition(self._lock)  # the consumer waits here for `_wanted`
+        self._ring_space = threading.Condition(self._lock)  # workers wait here to admit the next tensor
+        self._wanted = -1  # the tensor the consumer is waiting for
+        self._space_waiters = 0
         self._next_chunk = 0
         self._admitted = 0  # tensors [0, _admitted) have destinations
         self._outstanding = 0  # bytes of destinations not yet released by the consumer
@@ -460,11 +466,13 @@ class ParallelRead:
                 self._threads.append(thread)
             for index, rec in enumerate(self.plan.tensors):
                 wait_start = time.perf_counter()
-                with self._cond:
+                with self._lock:
                     if index:
                         self._release(index - 1)
+                    self._wanted = index
                     while self._error is None and not self._complete(index):
-                        self._cond.wait()
+                        self._tensor_done.wait()
+                    self._wanted = -1
                     if self._error is not None:
                         raise self._error
                     dest = self._dest[index]
@@ -502,12 +510,24 @@ class ParallelRead:
                 self._recycled.put(self._dest[index])
             self._dest[index] = None
             self._outstanding -= self.plan.tensors[index].nbytes
-            self._cond.notify_all()
+            if self._space_waiters and self._head_fits():
+                self._ring_space.notify_all()
+
+    def _head_fits(self) -> bool:
+        """Whether the next tensor to admit fits the ring now (a tensor larger than the ring fits an empty one)."""
+        if self._admitted >= len(self.plan.tensors):
+            return False
+        nbytes = self.plan.tensors[self._admitted].nbytes
+        return not self._outstanding or self._outstanding + nbytes <= self.options.ring_bytes
+
+    def _wake_everyone(self) -> None:
+        self._tensor_done.notify_all()
+        self._ring_space.notify_all()
 
     def _stop(self) -> None:
-        with self._cond:
+        with self._lock:
             self._stopped = True
-            self._cond.notify_all()
+            self._wake_everyone()
         for thread in self._threads:
             thread.join()
         for f in self._files:
@@ -527,7 +547,7 @@ class ParallelRead:
             slot = AlignedBuffer(self.options.chunk_bytes, pinned=cuda)
             stream = torch.cuda.Stream(self.device) if cuda else None
             while True:
-                with self._cond:
+                with self._lock:
                     if self._stopped or self._error is not None or self._next_chunk >= len(self.plan.chunks):
                         return
                     chunk = self.plan.chunks[self._next_chunk]
@@ -535,35 +555,39 @@ class ParallelRead:
                 self._admit_through(chunk.last_tensor)
                 self._read(chunk, slot)
                 self._scatter(chunk, slot, stream)
-                with self._cond:
+                with self._lock:
                     for piece in chunk.pieces:
                         self._remaining[piece.tensor] -= piece.nbytes
-                    self._cond.notify_all()
+                        if piece.tensor == self._wanted and not self._remaining[piece.tensor]:
+                            self._tensor_done.notify()
                 self._drop_from_page_cache(chunk)
         except _Aborted:
             return
         except BaseException as e:  # noqa: BLE001 - any failure must reach the consumer, not die with the thread
-            with self._cond:
+            with self._lock:
                 if self._error is None:
                     self._error = e
-                self._cond.notify_all()
+                self._wake_everyone()
 
     def _admit_through(self, last: int) -> None:
         """Allocate destinations, in tensor order, up to `last`, waiting while the ring is full."""
-        with self._cond:
+        with self._lock:
             while self._admitted <= last:
                 if self._stopped or self._error is not None:
                     raise _Aborted
+                if not self._head_fits():
+                    self._space_waiters += 1
+                    self._ring_space.wait()  # another worker may admit the head meanwhile: look again
+                    self._space_waiters -= 1
+                    continue
                 index = self._admitted
                 nbytes = self.plan.tensors[index].nbytes
-                if self._outstanding and self._outstanding + nbytes > self.options.ring_bytes:
-                    self._cond.wait()  # another worker may admit `index` meanwhile: look again
-                    continue
                 if nbytes:
                     self._dest[index] = self._allocate(nbytes)
                     self._outstanding += nbytes
                 self._admitted += 1
-                self._cond.notify_all()
+            if self._space_waiters and self._head_fits():
+                self._ring_space.notify_all()  # room left for tensors other workers wait to admit
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self._consumer_stream is None:
