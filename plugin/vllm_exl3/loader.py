@@ -10,7 +10,8 @@ many small pageable host->device copies are ~50x slower than pinned ones (deploy
 * The caller gets each tensor once all its bytes have landed, in file order then offset order, whatever order the
   reads finished in.
 * Read-ahead is bounded: destination tensors not yet handed out never exceed `ring_bytes` (a single tensor larger
-  than that is read alone). Memory is workers x chunk + ring, whatever the model size.
+  than that is read alone). Memory is workers x chunk (pinned on CUDA) plus the ring on the target device, plus
+  on the host up to a ring of released destinations kept for reuse: bounded by the options, not the model.
 
 Every header is validated before the first byte of tensor data is read, so a truncated file fails before anything
 is loaded. A failure later (a short read, an I/O error) stops every worker and raises `PackReadError`, naming the
@@ -88,7 +89,8 @@ OPTION_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 @dataclass(frozen=True)
 class ReaderOptions:
-    """How to read. Defaults suit one NVMe drive; `vllm-exl3 load-bench` measures other worker counts."""
+    """How to read. 16 MiB reads match fastsafetensors' bounce buffer (deploy-notes.md §7.6); the best worker count
+    depends on the drive: `vllm-exl3 load-bench PACK --workers 1,2,4,8,16` measures it."""
 
     workers: int = 8
     chunk_bytes: int = 16 * MIB  # one pread, one bounce slot
