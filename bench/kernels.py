@@ -108,6 +108,35 @@ def bench_bf16(k: int, n: int, rows: int, iters: int) -> float:
     return time_calls([lambda w=w: torch.matmul(x, w) for w in ws], iters)
 
 
+def profile_kernels() -> list[dict]:
+    """Kernel-by-kernel device time of single calls (which launch costs what), via torch.profiler (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for k, n, bits, cb, rows, path in [(4096, 14336, 4, "mul1", 1, native.PATH_AUTO),
+                                       (4096, 14336, 4, "mul1", 8, native.PATH_AUTO),
+                                       (4096, 14336, 2, "mul1", 1, native.PATH_AUTO),
+                                       (4096, 14336, 4, "mcg", 1, native.PATH_AUTO),
+                                       (4096, 14336, 4, "mul1", 512, native.PATH_AUTO)]:
+        case = Case(k, n, bits, cb)
+        x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
+        for w in case.ws:
+            native.linear(x, w, 0, 0, n, path)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for w in case.ws[:4]:
+                native.linear(x, w, 0, 0, n, path)
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" and ev.count:
+                entry = {"case": case.name, "rows": rows, "kernel": ev.key[:90],
+                         "us": ev.device_time_total / ev.count, "count": ev.count}
+                out.append(entry)
+                print(json.dumps(entry), flush=True)
+        del case
+    return out
+
+
 def floor_us(case: Case, rows: int, bw: float) -> float:
     return (case.weight_bytes + 2 * rows * (case.k + case.n)) / bw * 1e6
 
@@ -119,7 +148,20 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="also time kernel variants (paths, grids) for tuning")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
+    ap.add_argument("--ncu-target", metavar="K,N,BITS,CB,ROWS",
+                    help="only run a few calls of one case (for Nsight Compute), e.g. 4096,14336,4,mul1,1")
     args = ap.parse_args()
+    if err := native.unavailable_reason():
+        raise SystemExit(f"native kernels unavailable: {err}")
+    if args.ncu_target:
+        k, n, bits, cb, rows = args.ncu_target.split(",")
+        case = Case(int(k), int(n), float(bits), cb)
+        x = torch.randn(int(rows), int(k), device=DEV, dtype=torch.float16)
+        for w in case.ws[:4]:
+            native.linear(x, w, 0, 0, int(n))
+        torch.cuda.synchronize()
+        return 0
 
     props = torch.cuda.get_device_properties(0)
     result = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
@@ -193,6 +235,12 @@ def main() -> int:
             del case
             torch.cuda.empty_cache()
         result["variants"] = var
+
+    if args.profile:
+        try:
+            result["profile"] = profile_kernels()
+        except Exception as e:  # the profiler is a diagnostic; never lose the table for it
+            print(f"profile failed: {e!r}", flush=True)
 
     # the table, last (the device tool returns the end of the output)
     print(f"\n{props.name}, copy {bw / 1e12:.2f} TB/s; µs per call (TFLOP/s for >= 512 rows)")

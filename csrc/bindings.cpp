@@ -155,18 +155,19 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
   const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
   const size_t xh_bytes = align256(xh_rows * ka * 2), rs_bytes = align256(rows * parts * 4);
-  const size_t acc_bytes = align256(plan.acc_bytes), cnt_bytes = align256(plan.counter_bytes);
-  at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + acc_bytes + cnt_bytes)},
+  const size_t part_bytes = align256(plan.partial_bytes), cnt_bytes = align256(plan.counter_bytes);
+  at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + part_bytes + cnt_bytes)},
                             x.options().dtype(at::kByte));
   char* base = static_cast<char*>(ws.data_ptr());
   it.xh_rows = static_cast<int>(xh_rows);
   it.xh = base;
   it.rowsum_parts = reinterpret_cast<float*>(base + xh_bytes);
-  if (plan.split_k) {
-    it.zero = base + xh_bytes + rs_bytes;
-    it.zero_bytes = acc_bytes + cnt_bytes;
-    sa.acc = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
-    sa.counters = reinterpret_cast<int*>(base + xh_bytes + rs_bytes + acc_bytes);
+  if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
+    sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
+    sa.max_slots = plan.max_slots;
+    sa.counters = reinterpret_cast<int*>(base + xh_bytes + rs_bytes + part_bytes);
+    it.zero = sa.counters;
+    it.zero_bytes = cnt_bytes;
   }
   sa.xh = it.xh;
   sa.rowsum_parts = it.rowsum_parts;

@@ -52,8 +52,9 @@ struct SkinnyArgs {
   const void* svh; // fp16 [N]
   const float* rowsum_parts;
   int parts;
-  float* acc;      // fp32 [rows, groups * 128]: split-K accumulator (zeroed), or null in direct mode
-  int* counters;   // int [row_chunks * groups] (zeroed), or null in direct mode
+  float* partials;  // fp32 [row_chunks * groups, max_slots, rows_per_chunk, 128]: split-K partial sums (or null)
+  int max_slots;
+  int* counters;    // int [row_chunks * groups] (zeroed), or null in direct mode
   void* y;
   int y_dtype;
   long long y_stride;
@@ -66,7 +67,8 @@ struct SkinnyPlan {
   int grid;            // blocks
   bool split_k;        // stream-K with atomics (needs acc/counters) vs one block per (row chunk, group)
   bool dup;            // codeword x duplicated activations (default) vs rounded Ŵ pairs (bench comparison)
-  size_t acc_bytes, counter_bytes;
+  int max_slots;       // split-K: most blocks sharing one column group
+  size_t partial_bytes, counter_bytes;
 };
 // Picks the variant and grid for a call. force_split / force_dup < 0: automatic; 0/1 force (tests, bench).
 SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup);

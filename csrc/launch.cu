@@ -97,7 +97,11 @@ SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup) {
     if (env_grid > 0) grid = env_grid;
     grid = std::min(grid, std::max(1LL, units / kMinUnitsPerBlock));
     p.grid = static_cast<int>(std::max(1LL, grid));
-    p.acc_bytes = static_cast<size_t>(a.rows) * a.groups * kHadBlock * sizeof(float);
+    const long long kta = static_cast<long long>(a.kb_count) * kTilesPerHad;
+    for (long long rg = 0; rg < items; ++rg)
+      p.max_slots = std::max(p.max_slots, skinny_block_of((rg + 1) * kta - 1, units, p.grid) -
+                                              skinny_block_of(rg * kta, units, p.grid) + 1);
+    p.partial_bytes = static_cast<size_t>(items) * p.max_slots * p.rows_per_chunk * kHadBlock * sizeof(float);
     p.counter_bytes = (static_cast<size_t>(items) * sizeof(int) + 15) / 16 * 16;
   } else {
     p.grid = static_cast<int>(items);  // one block per (row chunk, column group), whole k range

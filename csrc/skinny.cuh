@@ -12,9 +12,11 @@
 //   affine step is applied once per output: z = inv_scale * acc + bias * sum_k(xh).
 // * Work split: the (row chunk, 128-column group, k-tile) space is cut into equal contiguous ranges, one per block
 //   (stream-K), so every SM gets the same number of tiles for any shape. Eight warps of a block split the k-tiles
-//   of each column group they visit; each warp streams its tiles through a private cp.async ring. Partial column
-//   groups are added into an fp32 workspace with L2 atomics; the block that completes a group (counter) applies
-//   the output Hadamard and svh. When there is enough work, each block owns whole groups and writes directly.
+//   of each column group they visit; each warp streams its tiles *and* the matching activations through a private
+//   cp.async ring (several k-tiles deep: loads are latency-bound otherwise). A block that holds only part of a
+//   column group parks its partial sum in its own fp32 slot; the block that completes the group (counter) sums
+//   the slots in a fixed order (deterministic, no float atomics), then applies the output Hadamard and svh. When
+//   there is enough work, each block owns whole groups and writes directly.
 #pragma once
 
 #include <climits>
@@ -27,7 +29,7 @@ namespace exl3 {
 
 constexpr int kSkinnyWarps = 8;
 constexpr int kSkinnyThreads = kSkinnyWarps * kWarp;
-constexpr int kSkinnyInFlight = 3072;  // bytes of trellis each warp keeps in flight (see NOTES: ~48 KB per SM)
+constexpr int kSkinnyInFlight = 4096;  // bytes of trellis per warp in flight: 3 blocks/SM must fit (NOTES)
 
 template <int kBits2, bool kMul1, int kMT, bool kDup>
 struct SkinnyTraits {
@@ -35,25 +37,45 @@ struct SkinnyTraits {
   static constexpr int kRows = 8 * kMT;                // activation rows per row chunk
   static constexpr int kNT = kTilesPerHad;             // a warp covers one 128-column group
   static constexpr int kItemBytes = kNT * TB::kBytes;  // one k-tile row of the group
-  static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
-  static constexpr int kStages = kStagesRaw < 3 ? 3 : (kStagesRaw > 10 ? 10 : kStagesRaw);
-  static constexpr int kRingBytes = kSkinnyWarps * kStages * kItemBytes;
+  static constexpr int kXRowBytes = kTile * 2 + 16;    // one row of the k-tile's activations, padded: the
+                                                       // fragment reads (8 rows x 4 lanes) then hit 32 banks
+  static constexpr int kXBytes = kRows * kXRowBytes;
+  static constexpr int kStageBytes = kItemBytes + kXBytes;
   static constexpr int kBufStride = kHadBlock + 4;  // floats; the padding makes fragment stores conflict-free
   static constexpr int kBufBytes = kRows * kBufStride * 4;
+  // Ring depth: kSkinnyInFlight bytes of tiles per warp, at least 3 stages, within the shared memory that lets
+  // 3 (1-8 rows) or 2 (9-16 rows) blocks share an SM (228 KB, 1 KB reserved per block).
+  static constexpr int kSmemBudget = (kMT == 1 ? 72 : 108) * 1024;
+  static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
+  static constexpr int kStagesFit = (kSmemBudget - kBufBytes - 16) / (kSkinnyWarps * kStageBytes);
+  static constexpr int kStagesWanted = kStagesRaw > 12 ? 12 : kStagesRaw;
+  static constexpr int kStages = kStagesWanted < kStagesFit ? (kStagesWanted < 3 ? 3 : kStagesWanted) : kStagesFit;
+  static_assert(kStages >= 3, "ring too shallow");
+  static constexpr int kRingBytes = kSkinnyWarps * kStages * kStageBytes;
   static constexpr int kSmemBytes = kRingBytes + kBufBytes + 16;
   static constexpr int kCopyIters = (kNT * TB::kChunks16 + kWarp - 1) / kWarp;
+  static constexpr int kXChunks = kRows * 2;           // two 16-byte chunks per activation row
+  static_assert(kXChunks <= kWarp, "one x chunk per lane");
   static constexpr bool kAffineEpilogue = kMul1 && kDup;  // mul1 codewords carry 1024 + bytesum
 };
 
+// Stream-K bookkeeping shared by kernel and host: unit u (row chunk, column group, k-tile; k-tile fastest) lives in
+// block floor(u * grid / units) .. ; block b starts at floor(b * units / grid).
+__host__ __device__ inline int skinny_block_of(long long u, long long units, long long grid) {
+  return static_cast<int>(((u + 1) * grid + units - 1) / units - 1);
+}
+
+// 1-8 rows: three blocks per SM (24 warps; the kernel is latency-bound, ncu: IPC 1.9 at 16 warps); 9-16 rows need
+// the registers of two.
 template <int kBits2, bool kMul1, int kMT, bool kDup>
-__global__ void __launch_bounds__(kSkinnyThreads, 2)
+__global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? 3 : 2)
     skinny_kernel(const SkinnyArgs a, const int units) {
   using T = SkinnyTraits<kBits2, kMul1, kMT, kDup>;
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g8 = lane >> 2, c4 = lane & 3;
-  unsigned char* ring = smem + warp * T::kStages * T::kItemBytes;
+  unsigned char* ring = smem + warp * T::kStages * T::kStageBytes;
   float* buf = reinterpret_cast<float*>(smem + T::kRingBytes);
   int* last_flag = reinterpret_cast<int*>(smem + T::kRingBytes + T::kBufBytes);
 
@@ -68,6 +90,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
   struct Item {
     int u, seg_end;
     const int16_t* src;  // first tile of this item's k-tile row in the column group
+    const __half* xsrc;  // first activation row of the row chunk at this k-tile
   };
   const long long item_step = static_cast<long long>(kSkinnyWarps) * a.w.row_stride;
   auto locate = [&](int s, Item& it) {  // first item of this warp at or after unit s
@@ -75,10 +98,12 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
     while (s < u_end) {
       const int rg = s / kta, e = min(u_end, (rg + 1) * kta);
       if (s + warp < e) {
+        const int kt = s + warp - rg * kta;
         it.u = s + warp;
         it.seg_end = e;
-        it.src = a.w.data + (static_cast<long long>(a.kb0) * kTilesPerHad + it.u - rg * kta) * a.w.row_stride +
+        it.src = a.w.data + (static_cast<long long>(a.kb0) * kTilesPerHad + kt) * a.w.row_stride +
                  static_cast<long long>(a.g0 + rg % a.groups) * kTilesPerHad * a.w.tile_stride;
+        it.xsrc = static_cast<const __half*>(a.xh) + (rg / a.groups) * T::kRows * xh_stride + kt * kTile;
         return;
       }
       s = e;
@@ -87,37 +112,56 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
   auto advance = [&](Item& it) {
     it.u += kSkinnyWarps;
     it.src += item_step;
+    it.xsrc += kSkinnyWarps * kTile;
     if (it.u >= it.seg_end) locate(it.seg_end, it);
   };
-  // Each lane copies 16-byte chunks lane, lane + 32, ... of an item (the 8 tiles' records, packed in shared memory).
+  // Each lane copies 16-byte chunks lane, lane + 32, ... of an item's tiles (packed in shared memory) and chunk
+  // `lane` of its activations (row lane / 2, half lane % 2 of the 16 k).
   int copy_src[T::kCopyIters];
 #pragma unroll
   for (int i = 0; i < T::kCopyIters; ++i) {
     const int c = lane + i * kWarp;
     copy_src[i] = (c / TB::kChunks16) * a.w.tile_stride + (c % TB::kChunks16) * 8;
   }
-  auto issue_copy = [&](const Item& it, int slot) {
-    if (it.u != INT_MAX) {
-      unsigned char* dst = ring + slot * T::kItemBytes + lane * 16;
+  const long long x_copy_src = (lane / 2) * xh_stride + (lane % 2) * 8;
+  auto copy_tiles = [&](const Item& it, int slot) {
+    if (it.u == INT_MAX) return;
+    unsigned char* dst = ring + slot * T::kStageBytes + lane * 16;
 #pragma unroll
-      for (int i = 0; i < T::kCopyIters; ++i)
-        if ((T::kNT * TB::kChunks16) % kWarp == 0 || lane + i * kWarp < T::kNT * TB::kChunks16)
-          cp_async16(dst + i * kWarp * 16, it.src + copy_src[i]);
-    }
-    cp_async_commit();  // empty groups keep the wait arithmetic uniform
+    for (int i = 0; i < T::kCopyIters; ++i)
+      if ((T::kNT * TB::kChunks16) % kWarp == 0 || lane + i * kWarp < T::kNT * TB::kChunks16)
+        cp_async16(dst + i * kWarp * 16, it.src + copy_src[i]);
+  };
+  auto copy_x = [&](const Item& it, int slot) {
+    if (it.u != INT_MAX && lane < T::kXChunks)
+      cp_async16(ring + slot * T::kStageBytes + T::kItemBytes + (lane / 2) * T::kXRowBytes + (lane % 2) * 16,
+                 it.xsrc + x_copy_src);
   };
 
   LaneWindows<kBits2> lw;
   lw.init(lane);
 
-  // Prologue: weights do not depend on the previous kernel, so start streaming them before waiting for it.
+  // Prologue: the weights do not depend on the previous kernel, so they stream before we wait for it; the
+  // activations (written by the input-transform kernel) follow once it has finished.
   Item pf;
   locate(u_begin, pf);
   for (int s = 0; s < T::kStages - 1; ++s) {
-    issue_copy(pf, s);
+    copy_tiles(pf, s);
+    cp_async_commit();
     if (pf.u != INT_MAX) advance(pf);
   }
-  griddep_wait();  // xh, rowsum parts and the zeroed workspace come from the input-transform kernel
+  griddep_wait();  // xh, rowsum parts and the zeroed counters come from the input-transform kernel
+  {
+    Item q;
+    locate(u_begin, q);
+    for (int s = 0; s < T::kStages - 1 && q.u != INT_MAX; ++s) {
+      copy_x(q, s);
+      advance(q);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // once: from here on each stage's tiles and activations share one commit group
+    __syncwarp();
+  }
 
   int slot = 0, pf_slot = T::kStages - 1;
   for (int seg = u_begin; seg < u_end;) {
@@ -132,49 +176,32 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][rg][e] = 0.f;
 
-    // Activation fragments: row (chunk*rows + 8*rg + lane/4), k = 16*kt + 2*(lane%4) + {0,1} and {8,9}. xh has
-    // whole row chunks (rows past the input's are zero), so the loads need no predicates.
-    const uint32_t* xp = reinterpret_cast<const uint32_t*>(static_cast<const __half*>(a.xh) +
-                                                           (chunk * T::kRows + g8) * xh_stride +
-                                                           (seg - rg_seg * kta + warp) * kTile + 2 * c4);
-    const long long rg_step = 8 * xh_stride / 2;       // uint32 between row groups
-    constexpr int kXStep = kSkinnyWarps * kTile / 2;  // uint32 per item
-    uint32_t xr_next[kMT][2];
-    const int u_first = seg + warp;
-    if (u_first < seg_end) {
-#pragma unroll
-      for (int rg = 0; rg < kMT; ++rg) xr_next[rg][0] = xp[rg * rg_step], xr_next[rg][1] = xp[rg * rg_step + 4];
-    }
-    for (int u = u_first; u < seg_end; u += kSkinnyWarps) {
-      uint32_t xr[kMT][2];
-#pragma unroll
-      for (int rg = 0; rg < kMT; ++rg) xr[rg][0] = xr_next[rg][0], xr[rg][1] = xr_next[rg][1];
-      xp += kXStep;
-      if (u + kSkinnyWarps < seg_end) {
-#pragma unroll
-        for (int rg = 0; rg < kMT; ++rg) xr_next[rg][0] = xp[rg * rg_step], xr_next[rg][1] = xp[rg * rg_step + 4];
-      }
-
+    for (int u = seg + warp; u < seg_end; u += kSkinnyWarps) {
       cp_async_wait<T::kStages - 2>();
       __syncwarp();
-      issue_copy(pf, pf_slot);  // refills the slot consumed last iteration
+      copy_tiles(pf, pf_slot);  // refills the slot consumed last iteration
+      copy_x(pf, pf_slot);
+      cp_async_commit();
       if (pf.u != INT_MAX) advance(pf);
       pf_slot = pf_slot + 1 == T::kStages ? 0 : pf_slot + 1;
 
+      const unsigned char* st = ring + slot * T::kStageBytes;
+      // Activation fragments: row 8*rg + lane/4 of the chunk, k = 2*(lane%4) + {0,1} and {8,9} of the k-tile.
       uint32_t b0[kMT][2], b1[kMT][2];  // dup: even / odd k of each pair; plain: b0 only
 #pragma unroll
       for (int rg = 0; rg < kMT; ++rg) {
+        const unsigned char* xs = st + T::kItemBytes + (rg * 8 + g8) * T::kXRowBytes + 4 * c4;
+        const uint32_t x0 = lds32(xs), x1 = lds32(xs + 16);
         if constexpr (kDup) {
-          b0[rg][0] = __byte_perm(xr[rg][0], 0u, 0x1010);
-          b0[rg][1] = __byte_perm(xr[rg][1], 0u, 0x1010);
-          b1[rg][0] = __byte_perm(xr[rg][0], 0u, 0x3232);
-          b1[rg][1] = __byte_perm(xr[rg][1], 0u, 0x3232);
+          b0[rg][0] = __byte_perm(x0, 0u, 0x1010);
+          b0[rg][1] = __byte_perm(x1, 0u, 0x1010);
+          b1[rg][0] = __byte_perm(x0, 0u, 0x3232);
+          b1[rg][1] = __byte_perm(x1, 0u, 0x3232);
         } else {
-          b0[rg][0] = xr[rg][0];
-          b0[rg][1] = xr[rg][1];
+          b0[rg][0] = x0;
+          b0[rg][1] = x1;
         }
       }
-      const unsigned char* st = ring + slot * T::kItemBytes;
 #pragma unroll
       for (int nt = 0; nt < T::kNT; ++nt) {
         uint32_t w[TB::kLoadWords];
@@ -222,35 +249,40 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
     }
 
     const int row0 = chunk * T::kRows;
+    const int valid_rows = min(T::kRows, a.rows - row0);
     const bool whole = (seg % kta == 0) && (seg_end - seg == kta);
     bool finalize = whole;
     if (!whole) {
-      const long long acc_stride = static_cast<long long>(a.groups) * kHadBlock;
-      for (int i = threadIdx.x; i < T::kRows * (kHadBlock / 4); i += kSkinnyThreads) {
+      // Split column group: park this block's partial sum in its own slot; the block that completes the group
+      // adds the slots in slot order, so the result does not depend on which block finishes last.
+      const int first = skinny_block_of(static_cast<long long>(rg_seg) * kta, units, gridDim.x);
+      const int nslots = skinny_block_of(static_cast<long long>(rg_seg + 1) * kta - 1, units, gridDim.x) - first + 1;
+      float* slots = a.partials + static_cast<long long>(rg_seg) * a.max_slots * T::kRows * kHadBlock;
+      float* mine = slots + static_cast<long long>(blockIdx.x - first) * T::kRows * kHadBlock;
+      for (int i = threadIdx.x; i < valid_rows * (kHadBlock / 4); i += kSkinnyThreads) {
         const int r = i / (kHadBlock / 4), q = i % (kHadBlock / 4);
-        if (row0 + r < a.rows) {
-          const float* p = buf + r * T::kBufStride + 4 * q;
-          red_add_f32x4(a.acc + (row0 + r) * acc_stride + group * kHadBlock + 4 * q, p[0], p[1], p[2], p[3]);
-        }
+        const float* p = buf + r * T::kBufStride + 4 * q;
+        __stcg(reinterpret_cast<float4*>(mine + r * kHadBlock) + q, make_float4(p[0], p[1], p[2], p[3]));
       }
       __threadfence();
       __syncthreads();
       if (threadIdx.x == 0) {
-        const int done = atomicAdd(a.counters + chunk * a.groups + group, seg_end - seg) + (seg_end - seg);
+        const int done = atomicAdd(a.counters + rg_seg, seg_end - seg) + (seg_end - seg);
         *last_flag = done == kta;
       }
       __syncthreads();
       finalize = *last_flag;
       if (finalize) {
         __threadfence();
-        for (int i = threadIdx.x; i < T::kRows * (kHadBlock / 4); i += kSkinnyThreads) {
+        for (int i = threadIdx.x; i < valid_rows * (kHadBlock / 4); i += kSkinnyThreads) {
           const int r = i / (kHadBlock / 4), q = i % (kHadBlock / 4);
-          if (row0 + r < a.rows) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(a.acc + (row0 + r) * acc_stride +
-                                                                    group * kHadBlock) + q);
-            float* p = buf + r * T::kBufStride + 4 * q;
-            p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+          float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int k = 0; k < nslots; ++k) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(slots + (k * T::kRows + r) * kHadBlock) + q);
+            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
           }
+          float* p = buf + r * T::kBufStride + 4 * q;
+          p[0] = sum.x, p[1] = sum.y, p[2] = sum.z, p[3] = sum.w;
         }
         __syncthreads();
       }
@@ -263,9 +295,8 @@ __global__ void __launch_bounds__(kSkinnyThreads, 2)
       for (int e = 0; e < 4; ++e) sv[e] = kHadScale * __half2float(static_cast<const __half*>(a.svh)[n0 + e]);
       const int oc = n0 - a.out_offset;
       const int lo = max(0, -oc), hi = min(4, a.out_features - oc);
-      for (int r = warp; r < T::kRows; r += kSkinnyWarps) {
+      for (int r = warp; r < valid_rows; r += kSkinnyWarps) {
         const int row = row0 + r;
-        if (row >= a.rows) break;
         float v[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) v[e] = buf[r * T::kBufStride + 4 * lane + e];

@@ -136,37 +136,75 @@ __device__ __forceinline__ void decode_tile_rounded(const int16_t* rec, const La
   }
 }
 
+// Each warp walks one 16-column tile column down kReconRows k-tiles, keeping kReconDepth tiles of trellis words in
+// flight in registers, decodes each tile in registers, turns the fragment into rows through 512 bytes of shared
+// memory and writes 16 rows x 32 bytes (whole 32-byte sectors). No block-wide barriers.
+constexpr int kReconRows = 16;
+constexpr int kReconDepth = 4;
+
 template <int kBits2, bool kMul1>
 __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const ReconstructArgs a) {
-  constexpr int kStride = kHadBlock + 8;  // halves; keeps 16-byte row reads aligned
-  __shared__ __align__(16) __half tile[kTile * kStride];
+  using TB = TileBits<kBits2>;
+  __shared__ __align__(16) __half stage[kXfWarps][kTile * kTile];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int group = blockIdx.x, kt = blockIdx.y;
+  const int nt = blockIdx.x * kXfWarps + warp;  // tile column within the active groups
+  const int kt_lo = blockIdx.y * kReconRows, kt_hi = min(kt_lo + kReconRows, a.kb_count * kTilesPerHad);
+  if (nt >= a.groups * kTilesPerHad) return;  // warp-uniform
   LaneWindows<kBits2> lw;
   lw.init(lane);
-  const int16_t* rec = a.w.data + (static_cast<long long>(a.kb0) * kTilesPerHad + kt) * a.w.row_stride +
-                       static_cast<long long>((a.g0 + group) * kTilesPerHad + warp) * a.w.tile_stride;
-  __half v[kLanePositions];
-  decode_tile_rounded<kBits2, kMul1>(rec, lw, codebook_mul(a.w.codebook), codebook_add(a.w.codebook), v);
+  const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
+  const unsigned char* col = reinterpret_cast<const unsigned char*>(
+      a.w.data + static_cast<long long>(a.kb0) * kTilesPerHad * a.w.row_stride +
+      static_cast<long long>(a.g0 * kTilesPerHad + nt) * a.w.tile_stride);
+  const long long row_bytes = a.w.row_stride * 2;
+  uint32_t ring[kReconDepth][TB::kLoadWords];
+  auto fetch = [&](int kt, uint32_t (&w)[TB::kLoadWords]) {
+    if (kt < kt_hi) {
 #pragma unroll
-  for (int j = 0; j < kLanePositions; ++j) tile[tile_row(lane, j) * kStride + warp * kTile + tile_col(lane, j)] = v[j];
-  __syncthreads();
-  const int r = threadIdx.x / 16, c = (threadIdx.x % 16) * 8;
-  const uint4 u = *reinterpret_cast<const uint4*>(tile + r * kStride + c);
-  const long long na = static_cast<long long>(a.groups) * kHadBlock;
-  const long long o = (static_cast<long long>(kt) * kTile + r) * na + group * kHadBlock + c;
-  if (a.out_dtype == kActBF16) {
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-    uint4 b;
-    uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __nv_bfloat162 t = __float22bfloat162_rn(__half22float2(h[i]));
-      bw[i] = *reinterpret_cast<uint32_t*>(&t);
+      for (int i = 0; i < TB::kLoadWords; ++i)
+        w[i] = __ldcs(reinterpret_cast<const unsigned int*>(col + kt * row_bytes + lw.word_byte[i]));
     }
-    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + o) = b;
-  } else {
-    *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + o) = u;
+  };
+#pragma unroll
+  for (int d = 0; d < kReconDepth; ++d) fetch(kt_lo + d, ring[d]);
+  const long long na = static_cast<long long>(a.groups) * kHadBlock;
+  const int r = lane / 2, h = lane % 2;  // the row and 8-column half this lane writes
+  __half* sw = stage[warp];
+  for (int kt0 = kt_lo; kt0 < kt_hi; kt0 += kReconDepth) {
+#pragma unroll
+    for (int d = 0; d < kReconDepth; ++d) {
+      const int kt = kt0 + d;
+      if (kt >= kt_hi) break;
+      uint32_t s[kLanePositions], cw[kLanePositions];
+      lw.states(ring[d], s);
+      fetch(kt + kReconDepth, ring[d]);
+#pragma unroll
+      for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+#pragma unroll
+      for (int j = 0; j < kLanePositions; j += 2) {
+        const uint32_t p = rounded_pair<kMul1>(cw[j], cw[j + 1]);
+        const __half2 v = *reinterpret_cast<const __half2*>(&p);
+        sw[tile_row(lane, j) * kTile + tile_col(lane, j)] = __low2half(v);
+        sw[tile_row(lane, j + 1) * kTile + tile_col(lane, j + 1)] = __high2half(v);
+      }
+      __syncwarp();
+      const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kTile + h * 8);
+      __syncwarp();
+      const long long o = (static_cast<long long>(kt) * kTile + r) * na + nt * kTile + h * 8;
+      if (a.out_dtype == kActBF16) {
+        const __half2* hp = reinterpret_cast<const __half2*>(&u);
+        uint4 b;
+        uint32_t* bw = reinterpret_cast<uint32_t*>(&b);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          __nv_bfloat162 t = __float22bfloat162_rn(__half22float2(hp[i]));
+          bw[i] = *reinterpret_cast<uint32_t*>(&t);
+        }
+        *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + o) = b;
+      } else {
+        *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + o) = u;
+      }
+    }
   }
 }
 
@@ -219,7 +257,7 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_full_kernel(const Reco
 
 cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream) {
   if (a.kb_count <= 0 || a.groups <= 0) return cudaSuccess;
-  const dim3 grid(a.groups, a.kb_count * kTilesPerHad);
+  const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (a.kb_count * kTilesPerHad + kReconRows - 1) / kReconRows);
   cudaError_t err = cudaErrorInvalidValue;
   auto go = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;
