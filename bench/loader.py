@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-
 from vllm_exl3 import loadbench
-from vllm_exl3.loader import GB, MIB, ReaderOptions, read_tensors
 from vllm_exl3.format import TILE, Exl3Weights
+from vllm_exl3.loader import GB, ReaderOptions, read_tensors
 from vllm_exl3.testing import linear_tensors, random_weights, write_pack
 
 HIDDEN, MOE_INTERMEDIATE, EXPERTS, VOCAB, BITS = 2048, 768, 128, 151936, 4

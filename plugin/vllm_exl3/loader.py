@@ -3,8 +3,8 @@
 Why not mmap: on DGX Spark (unified memory) mmap-backed loading is several times slower than explicit reads, and
 many small pageable host->device copies are ~50x slower than pinned ones (deploy-notes.md §7.2). So:
 
-* a *plan* cuts every file into chunks: consecutive small tensors share one chunk, a tensor larger than a chunk
-  gets several. Chunk boundaries are aligned, so the same plan works with O_DIRECT.
+* a *plan* (loadplan.py) cuts every file into chunks: consecutive small tensors share one chunk, a tensor larger
+  than a chunk gets several. Chunk boundaries are aligned, so the same plan works with O_DIRECT.
 * N worker threads claim chunks in plan order, read each into their own bounce slot (pinned when the tensors go to
   a GPU) and scatter its bytes into the destination tensors: a host memcpy, or an H2D copy on the worker's stream.
 * The caller gets each tensor once all its bytes have landed, in file order then offset order, whatever order the
@@ -34,14 +34,12 @@ from typing import Any
 import torch
 
 from .format import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord, read_safetensors_header
+from .loadplan import ALIGN, Chunk, ReadPlan, plan_reads
 
 logger = logging.getLogger("vllm_exl3.loader")
 
 MIB = 1 << 20
 GB = 1e9  # throughput is reported in GB/s (10^9 bytes), like disk vendors and the issue's reference numbers
-# O_DIRECT needs file offset, length and buffer address aligned to the device's logical block size. 4096 covers
-# both 512-byte and 4K-native devices, so chunk boundaries and bounce slots use it everywhere.
-ALIGN = 4096
 LOG_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
 
 
@@ -69,7 +67,7 @@ def _parse_bool(value: Any) -> bool:
 
 def _parse_positive_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"expected a positive integer, got {value!r}")
+        raise ValueError(f"expected a positive integer, got {value!r}")  # noqa: TRY004 - a config error like the rest
     number = int(value)
     if number <= 0:
         raise ValueError(f"expected a positive integer, got {value!r}")
@@ -109,7 +107,7 @@ class ReaderOptions:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None = None,
-                    environ: Mapping[str, str] | None = None) -> "ReaderOptions":
+                    environ: Mapping[str, str] | None = None) -> ReaderOptions:
         """Options from user-facing keys (`workers`, `chunk_mib`, `ring_mib`, `direct_io`, `drop_page_cache`)."""
         config = dict(config or {})
         environ = os.environ if environ is None else environ
@@ -134,104 +132,6 @@ class ReaderOptions:
         elif chunk is not None and chunk * MIB > cls.ring_bytes:
             values["ring_bytes"] = chunk * MIB
         return cls(**values)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The plan: which bytes each read fetches and where they go
-# ------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Piece:
-    """Bytes of one tensor inside one chunk."""
-
-    tensor: int  # index into ReadPlan.tensors
-    chunk_offset: int
-    tensor_offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One aligned read: `length` bytes at `offset` of `ReadPlan.files[file]`; the first `needed` must exist."""
-
-    file: int
-    offset: int
-    length: int
-    needed: int
-    pieces: tuple[Piece, ...]
-    last_tensor: int  # tensors up to this index must have destinations before the chunk is read
-
-
-@dataclass
-class ReadPlan:
-    files: list[Path]
-    tensors: list[TensorRecord]
-    chunks: list[Chunk]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-def _align_down(n: int) -> int:
-    return n - n % ALIGN
-
-
-def _align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def plan_reads(files: Iterable[SafetensorsFile], chunk_bytes: int,
-               keep: Callable[[str], bool] | None = None) -> ReadPlan:
-    """Order tensors (file order, then offset) and cut their bytes into aligned chunks of at most `chunk_bytes`.
-
-    Consecutive tensors whose aligned span fits one chunk share it (one read for many small tensors, reading over
-    the few bytes between them); a larger tensor gets chunks of its own. `keep(name)` False skips a tensor unread.
-    """
-    files = list(files)
-    plan = ReadPlan([f.path for f in files], [], [])
-    for file_index, sf in enumerate(files):
-        records = sorted((r for r in sf.tensors.values() if keep is None or keep(r.name)),
-                         key=lambda r: (r.offset, r.name))
-        for rec in records:  # fail in planning, not after gigabytes were read
-            try:
-                TORCH_DTYPES[rec.dtype]
-            except KeyError:
-                raise Exl3FormatError(sf.path, rec.name, "a dtype torch can hold", rec.dtype) from None
-        i = 0
-        while i < len(records):
-            first = records[i]
-            start = _align_down(first.offset)
-            if _align_up(first.offset + first.nbytes) - start > chunk_bytes:
-                plan.tensors.append(first)
-                plan.chunks.extend(_split_large(file_index, len(plan.tensors) - 1, first, chunk_bytes))
-                i += 1
-                continue
-            group_end = i + 1
-            while (group_end < len(records)
-                   and _align_up(records[group_end].offset + records[group_end].nbytes) - start <= chunk_bytes):
-                group_end += 1
-            pieces = []
-            for rec in records[i:group_end]:
-                plan.tensors.append(rec)
-                if rec.nbytes:
-                    pieces.append(Piece(len(plan.tensors) - 1, rec.offset - start, 0, rec.nbytes))
-            if pieces:
-                end = max(p.chunk_offset + p.nbytes for p in pieces)
-                plan.chunks.append(Chunk(file_index, start, _align_up(end), end, tuple(pieces),
-                                         len(plan.tensors) - 1))
-            i = group_end
-    return plan
-
-
-def _split_large(file_index: int, tensor_index: int, rec: TensorRecord, chunk_bytes: int) -> Iterator[Chunk]:
-    end = rec.offset + rec.nbytes
-    pos = _align_down(rec.offset)
-    while pos < end:
-        chunk_end = min(pos + chunk_bytes, _align_up(end))
-        lo, hi = max(pos, rec.offset), min(chunk_end, end)
-        yield Chunk(file_index, pos, chunk_end - pos, hi - pos, (Piece(tensor_index, lo - pos, lo - rec.offset, hi - lo),),
-                    tensor_index)
-        pos = chunk_end
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -293,8 +193,14 @@ class ProgressReporter:
             bar = os.isatty(2)
         if bar:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
                                  TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
