@@ -17,6 +17,9 @@ def register() -> None:
     from .kernels import ops  # noqa: F401  (registers the vllm_exl3:: custom ops)
 
     compat.register_quantization_config("exl3")(Exl3Config)
+    from .model_loader import register_loader
+
+    register_loader()
     _registered = True
 
 

@@ -211,6 +211,55 @@ def _info(p: argparse.ArgumentParser):
     return run
 
 
+@command("load-bench")
+def _load_bench(p: argparse.ArgumentParser):
+    """Cold-cache read GB/s of a pack on this disk: a raw sequential read, then `--load-format exl3_parallel`'s
+    reader at each worker count (each tensor copied to the GPU when there is one, as vLLM does)."""
+    p.add_argument("pack", help="model directory (or one .safetensors file)")
+    p.add_argument("--workers", default="1,8", help="comma-separated worker counts (default 1,8)")
+    p.add_argument("--chunk-mib", type=int, help="read size per request")
+    p.add_argument("--ring-mib", type=int, help="read-ahead bound")
+    p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
+                   help="O_DIRECT reads (default on, or VLLM_EXL3_LOAD_DIRECT_IO)")
+    p.add_argument("--limit-gb", type=float, help="measure only the first files holding this many GB")
+    p.add_argument("--device", help="where tensors land (default: cuda if available, else cpu)")
+    p.add_argument("--safetensors", action="store_true", help="also measure the safetensors (mmap) default")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(a: argparse.Namespace) -> int:
+        import torch
+
+        from . import loadbench
+        from .loader import GB, ReaderOptions, format_bytes
+
+        config = {k: v for k, v in (("chunk_mib", a.chunk_mib), ("ring_mib", a.ring_mib),
+                                    ("direct_io", a.direct_io)) if v is not None}
+        base = ReaderOptions.from_config(config)
+        workers = [int(w) for w in a.workers.split(",")]
+        device = torch.device(a.device) if a.device else loadbench.default_device()
+        files = loadbench.limit_files(loadbench.pack_files(a.pack), int(a.limit_gb * GB) if a.limit_gb else None)
+        if not a.json:
+            err_console.print(f"measuring {format_bytes(sum(f.size for f in files))} in {len(files)} file(s) ...")
+        result = loadbench.load_bench(files, workers, base, device, with_safetensors=a.safetensors)
+        if a.json:
+            print(json.dumps(result, indent=2))
+            return 0
+        console.print(f"{a.pack}: {format_bytes(result['bytes'])} of tensors, cold cache, chunk "
+                      f"{result['chunk_mib']} MiB, {'O_DIRECT' if base.direct_io else 'buffered'}, to {device}")
+        t = Table()
+        t.add_column("read")
+        t.add_column("GB/s", justify="right")
+        t.add_row("raw sequential (dd bs=16M)", f"{result['raw_gbps']:.2f}")
+        if "safetensors_gbps" in result:
+            t.add_row("safetensors (vLLM default)", f"{result['safetensors_gbps']:.2f}")
+        for w, gbps in result["loader_gbps"].items():
+            t.add_row(f"exl3_parallel, {w} worker{'s' if w != '1' else ''}", f"{gbps:.2f}")
+        console.print(t)
+        return 0
+
+    return run
+
+
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-exl3", description="EXL3 packs on vLLM: inspect, verify, serve.")

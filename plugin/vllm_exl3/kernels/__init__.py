@@ -151,9 +151,15 @@ def get_backend(name: str) -> Backend:
     return _REGISTRY[name]
 
 
+_backends_loaded = False
+
+
 def _load_backends() -> None:
-    if _REGISTRY:
+    """Import every backend module once (each registers itself), whatever was imported before."""
+    global _backends_loaded
+    if _backends_loaded:
         return
+    _backends_loaded = True
     from . import torch_backend  # noqa: F401  (registers "torch")
 
     for module in ("native", "exllamav3_backend"):

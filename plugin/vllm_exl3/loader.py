@@ -1,0 +1,577 @@
+"""Parallel safetensors reader: N threads `pread` large aligned chunks; whole tensors come out in file order.
+
+Why not mmap: on DGX Spark (unified memory) mmap-backed loading is several times slower than explicit reads, and
+many small pageable host->device copies are ~50x slower than pinned ones (deploy-notes.md §7.2). So:
+
+* a *plan* (loadplan.py) cuts every file into chunks: consecutive small tensors share one chunk, a tensor larger
+  than a chunk gets several. Chunk boundaries are aligned, so the same plan works with O_DIRECT.
+* N worker threads claim chunks in plan order, read each into their own bounce slot (pinned when the tensors go to
+  a GPU) and scatter its bytes into the destination tensors: a host memcpy, or an H2D copy on the worker's stream.
+* The caller gets each tensor once all its bytes have landed, in file order then offset order, whatever order the
+  reads finished in.
+* Read-ahead is bounded: destination tensors not yet handed out never exceed `ring_bytes` (a single tensor larger
+  than that is read alone). Memory is workers x chunk (pinned on CUDA) plus the ring on the target device, plus
+  on the host up to a ring of released destinations kept for reuse: bounded by the options, not the model.
+
+Every header is validated before the first byte of tensor data is read, so a truncated file fails before anything
+is loaded. A failure later (a short read, an I/O error) stops every worker and raises `PackReadError`, naming the
+file, the offset and the tensor, in the caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .format import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord, read_safetensors_header
+from .loadplan import ALIGN, Chunk, ReadPlan, plan_reads
+
+logger = logging.getLogger("vllm_exl3.loader")
+
+MIB = 1 << 20
+GB = 1e9  # throughput is reported in GB/s (10^9 bytes), like disk vendors and the issue's reference numbers
+LOG_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
+
+
+class PackReadError(Exl3FormatError):
+    """Reading tensor bytes failed (short read, I/O error). Names the file, the absolute offset and the tensor."""
+
+    def __init__(self, file: str | os.PathLike, offset: int, tensor: str | None, expected: str, found: str):
+        self.offset = offset
+        super().__init__(file, tensor, f"{expected} at offset {offset}", found)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Options
+# ------------------------------------------------------------------------------------------------------------
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
+
+
+def _parse_positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a positive integer, got {value!r}")  # noqa: TRY004 - a config error like the rest
+    number = int(value)
+    if number <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+# user-facing knob -> (environment variable, parser). `--model-loader-extra-config` keys beat environment variables,
+# environment variables beat the defaults of `ReaderOptions`.
+OPTION_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "workers": ("VLLM_EXL3_LOAD_WORKERS", _parse_positive_int),
+    "chunk_mib": ("VLLM_EXL3_LOAD_CHUNK_MIB", _parse_positive_int),
+    "ring_mib": ("VLLM_EXL3_LOAD_RING_MIB", _parse_positive_int),
+    "direct_io": ("VLLM_EXL3_LOAD_DIRECT_IO", _parse_bool),
+    "drop_page_cache": ("VLLM_EXL3_LOAD_DROP_PAGE_CACHE", _parse_bool),
+}
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """How to read. 16 MiB reads match fastsafetensors' bounce buffer (deploy-notes.md §7.6); the best worker count
+    depends on the drive: `vllm-exl3 load-bench PACK --workers 1,2,4,8,16` measures it."""
+
+    workers: int = 8
+    chunk_bytes: int = 16 * MIB  # one pread, one bounce slot
+    ring_bytes: int = 512 * MIB  # tensors read ahead of the consumer (host: plus as much again recycled)
+    direct_io: bool = True  # O_DIRECT where the filesystem allows it (tmpfs and some overlays refuse: buffered)
+    drop_page_cache: bool = True  # buffered reads: posix_fadvise(DONTNEED) each chunk once it is copied out
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.chunk_bytes < ALIGN or self.chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {self.chunk_bytes}")
+        if self.ring_bytes < self.chunk_bytes:
+            # a chunk of small tensors is admitted whole; a ring smaller than a chunk could never hold it
+            raise ValueError(f"ring_bytes ({self.ring_bytes}) must be >= chunk_bytes ({self.chunk_bytes})")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None = None,
+                    environ: Mapping[str, str] | None = None) -> ReaderOptions:
+        """Options from user-facing keys (`workers`, `chunk_mib`, `ring_mib`, `direct_io`, `drop_page_cache`)."""
+        config = dict(config or {})
+        environ = os.environ if environ is None else environ
+        unknown = sorted(set(config) - set(OPTION_KEYS))
+        if unknown:
+            raise ValueError(f"unknown loader option(s) {unknown}; known: {sorted(OPTION_KEYS)}")
+        values: dict[str, Any] = {}
+        for key, (env, parse) in OPTION_KEYS.items():
+            source, raw = (key, config[key]) if key in config else (env, environ.get(env))
+            if raw is None or raw == "":
+                continue
+            try:
+                values[key] = parse(raw)
+            except ValueError as e:
+                raise ValueError(f"loader option {source}: {e}") from None
+        chunk = values.pop("chunk_mib", None)
+        ring = values.pop("ring_mib", None)
+        if chunk is not None:
+            values["chunk_bytes"] = chunk * MIB
+        if ring is not None:
+            values["ring_bytes"] = ring * MIB
+        elif chunk is not None and chunk * MIB > cls.ring_bytes:
+            values["ring_bytes"] = chunk * MIB
+        return cls(**values)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Load receipt and progress
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadStats:
+    """The receipt of one finished load (read by the metrics code through `last_load_stats()`)."""
+
+    bytes: int
+    seconds: float
+    workers: int
+    chunk_bytes: int
+    ring_bytes: int
+    direct_io: bool  # O_DIRECT was used for every file
+    files: int
+    tensors: int
+    wait_seconds: float  # time the consumer waited for reads; near `seconds` means the disk was the bottleneck
+    device: str
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / GB / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "gbps": round(self.gbps, 3)}
+
+
+_last_stats: LoadStats | None = None
+
+
+def last_load_stats() -> LoadStats | None:
+    """The receipt of the last load that completed in this process (None before the first)."""
+    return _last_stats
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.1f} MB"
+
+
+def _eta(done: int, total: int, elapsed: float) -> str:
+    if done <= 0 or elapsed <= 0:
+        return "?"
+    return f"{(total - done) / (done / elapsed):.0f} s"
+
+
+class ProgressReporter:
+    """A progress bar when stderr is a terminal, otherwise a log line every `LOG_EVERY_S` (bytes, GB/s, ETA)."""
+
+    def __init__(self, total_bytes: int, label: str = "loading weights", *, bar: bool | None = None,
+                 log: logging.Logger = logger):
+        self.total = total_bytes
+        self.label = label
+        self.log = log
+        self.start = time.perf_counter()
+        self.last_log = self.start
+        self._bar = None
+        if bar is None:
+            bar = os.isatty(2)
+        if bar:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
+                                 TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                                 transient=False)
+            self._task = self._bar.add_task(label, total=total_bytes)
+            self._bar.start()
+
+    def update(self, done: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done)
+            return
+        now = time.perf_counter()
+        if now - self.last_log >= LOG_EVERY_S:
+            self.last_log = now
+            elapsed = now - self.start
+            self.log.info("%s: %s / %s (%.0f%%), %.2f GB/s, ETA %s", self.label, format_bytes(done),
+                          format_bytes(self.total), 100 * done / max(self.total, 1), done / GB / elapsed,
+                          _eta(done, self.total, elapsed))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------------------
+def read_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """One positional read into `buffer` (the seam tests use to inject faults). Releases the GIL."""
+    return os.preadv(fd, [buffer], offset)
+
+
+
+
+class _OpenFile:
+    """One file shared by all workers (pread needs no per-thread position). Falls back from O_DIRECT once."""
+
+    def __init__(self, path: Path, direct_io: bool):
+        self.path = path
+        self.lock = threading.Lock()
+        self.direct = False
+        if direct_io and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise PackReadError(path, 0, None, "a file that opens for reading", f"{type(e).__name__}: {e}")
+                logger.info("%s: O_DIRECT refused by the filesystem, reading through the page cache", path)
+        self.fd = self._open_buffered()
+
+    def _open_buffered(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise PackReadError(self.path, 0, None, "a file that opens for reading", f"{type(e).__name__}: {e}")
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger kernel read-ahead between our chunks
+        return fd
+
+    def fall_back_to_buffered(self, failed_fd: int) -> None:
+        """Some filesystems accept O_DIRECT at open and refuse it at read time (EINVAL)."""
+        with self.lock:
+            if self.fd == failed_fd and self.direct:
+                logger.info("%s: O_DIRECT read refused, reading through the page cache", self.path)
+                self.fd = self._open_buffered()
+                self.direct = False
+                os.close(failed_fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Aborted(Exception):
+    """Another worker failed or the consumer stopped: this worker stops without reporting."""
+
+
+class AlignedBuffer:
+    """An `ALIGN`-aligned read buffer, as a tensor and as a writable memoryview for `os.preadv` (O_DIRECT needs the
+    alignment). Each worker owns one; it is pinned when the destination is a GPU, so the H2D copy is a DMA."""
+
+    def __init__(self, nbytes: int, pinned: bool = False):
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+        skip = -raw.data_ptr() % ALIGN
+        self.tensor = raw[skip:skip + nbytes]
+        # `self.tensor` keeps the storage alive as long as this object, and the view never outlives it
+        self.view = memoryview((ctypes.c_char * nbytes).from_address(self.tensor.data_ptr())).cast("B")
+
+
+class RecycledHostBuffers:
+    """Host destinations the consumer has let go of, handed out again for tensors of the same size.
+
+    Fresh host memory costs a page fault per 4 KiB on first touch, which caps one thread at a few GB/s (2.5 GB/s
+    measured on a KVM guest), below a fast NVMe. A buffer is reused only when nothing outside this pool still
+    references its storage: a consumer that keeps a tensor keeps its memory, and the buffer leaves the pool.
+    Expert tensors of one layer share a size, so most bytes of a MoE checkpoint are recycled. GPU destinations
+    need none of this: PyTorch's caching allocator already reuses device memory.
+    """
+
+    CHECKS_PER_TAKE = 4  # oldest entries first; a still-referenced one is dropped, the scan stays O(1)
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self.bytes = 0
+        self._by_size: dict[int, list[torch.Tensor]] = {}
+        use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it, no recycling
+        self._use_count = (lambda t: use_count(t.untyped_storage()._cdata)) if use_count else None
+        self._unreferenced = self._use_count(torch.empty(1, dtype=torch.uint8)) if use_count else None
+
+    def put(self, buffer: torch.Tensor) -> None:
+        if self._use_count is not None and self.bytes + buffer.numel() <= self.capacity:
+            self._by_size.setdefault(buffer.numel(), []).append(buffer)
+            self.bytes += buffer.numel()
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        same_size = self._by_size.get(nbytes)
+        for _ in range(min(self.CHECKS_PER_TAKE, len(same_size or ()))):
+            buffer = same_size.pop(0)
+            self.bytes -= nbytes
+            if self._use_count(buffer) <= self._unreferenced:
+                return buffer
+        return None
+
+
+class ParallelRead:
+    """One load in progress. Iterate it once for `(name, tensor)` pairs; see the module docstring."""
+
+    def __init__(self, plan: ReadPlan, options: ReaderOptions, device: torch.device | str | None = None,
+                 progress: ProgressReporter | None = None):
+        self.plan = plan
+        self.options = options
+        self.device = torch.device(device or "cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.progress = progress
+        # One lock, two conditions, and notifications only to whoever can now proceed: with tens of thousands of
+        # tensors, waking every worker on every event costs more than the reads (16 workers ran at half speed).
+        self._lock = threading.Lock()
+        self._tensor_done = threading.Condition(self._lock)  # the consumer waits here for `_wanted`
+        self._ring_space = threading.Condition(self._lock)  # workers wait here to admit the next tensor
+        self._wanted = -1  # the tensor the consumer is waiting for
+        self._space_waiters = 0
+        self._next_chunk = 0
+        self._admitted = 0  # tensors [0, _admitted) have destinations
+        self._outstanding = 0  # bytes of destinations not yet released by the consumer
+        self._remaining = [t.nbytes for t in plan.tensors]
+        self._dest: list[torch.Tensor | None] = [None] * len(plan.tensors)
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._files: list[_OpenFile] = []
+        self._threads: list[threading.Thread] = []
+        # On CUDA, destinations are allocated on the consumer's stream, and every worker stream waits for it before
+        # writing: a block the consumer freed may still be read by its queued copies into the parameters.
+        self._consumer_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self._recycled = RecycledHostBuffers(options.ring_bytes) if self._consumer_stream is None else None
+
+    # -- the consumer side ------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        global _last_stats
+        start = time.perf_counter()
+        waited = 0.0
+        done = 0
+        try:
+            for path in self.plan.files:  # one by one: a failure leaves the opened ones for _stop to close
+                self._files.append(_OpenFile(path, self.options.direct_io))
+            for w in range(min(self.options.workers, len(self.plan.chunks))):
+                thread = threading.Thread(target=self._work, name=f"exl3-loader-{w}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+            for index, rec in enumerate(self.plan.tensors):
+                wait_start = time.perf_counter()
+                with self._lock:
+                    if index:
+                        self._release(index - 1)
+                    self._wanted = index
+                    while self._error is None and not self._complete(index):
+                        self._tensor_done.wait()
+                    self._wanted = -1
+                    if self._error is not None:
+                        raise self._error
+                    dest = self._dest[index]
+                waited += time.perf_counter() - wait_start
+                tensor = self._as_tensor(dest, rec)
+                done += rec.nbytes
+                if self.progress is not None:
+                    self.progress.update(done)
+                yield rec.name, tensor
+                del tensor, dest
+            seconds = time.perf_counter() - start
+            _last_stats = LoadStats(done, seconds, self.options.workers, self.options.chunk_bytes,
+                                    self.options.ring_bytes, all(f.direct for f in self._files), len(self.plan.files),
+                                    len(self.plan.tensors), waited, str(self.device))
+            logger.info("loaded %s (%d tensors, %d files) in %.2f s: %.2f GB/s with %d workers%s",
+                        format_bytes(done), len(self.plan.tensors), len(self.plan.files), seconds, _last_stats.gbps,
+                        self.options.workers, ", O_DIRECT" if _last_stats.direct_io else "")
+        finally:
+            self._stop()
+
+    def _complete(self, index: int) -> bool:
+        if self._remaining[index]:
+            return False
+        return self.plan.tensors[index].nbytes == 0 or self._dest[index] is not None
+
+    def _as_tensor(self, dest: torch.Tensor | None, rec: TensorRecord) -> torch.Tensor:
+        dtype = TORCH_DTYPES[rec.dtype]
+        if dest is None:  # a tensor with no bytes
+            return torch.empty(rec.shape, dtype=dtype, device=self.device)
+        return dest.view(dtype).reshape(rec.shape)
+
+    def _release(self, index: int) -> None:
+        if self._dest[index] is not None:
+            if self._recycled is not None:
+                self._recycled.put(self._dest[index])
+            self._dest[index] = None
+            self._outstanding -= self.plan.tensors[index].nbytes
+            if self._space_waiters and self._head_fits():
+                self._ring_space.notify_all()
+
+    def _head_fits(self) -> bool:
+        """Whether the next tensor to admit fits the ring now (a tensor larger than the ring fits an empty one)."""
+        if self._admitted >= len(self.plan.tensors):
+            return False
+        nbytes = self.plan.tensors[self._admitted].nbytes
+        return not self._outstanding or self._outstanding + nbytes <= self.options.ring_bytes
+
+    def _wake_everyone(self) -> None:
+        self._tensor_done.notify_all()
+        self._ring_space.notify_all()
+
+    def _stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._wake_everyone()
+        for thread in self._threads:
+            thread.join()
+        for f in self._files:
+            f.close()
+        self._files = []
+        self._dest = [None] * len(self.plan.tensors)
+        self._recycled = None  # give the pooled host memory back now, not when the reader object dies
+        if self.progress is not None:
+            self.progress.close()
+
+    # -- the worker side --------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        try:
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.set_device(self.device)  # the current device is per thread; allocations follow it
+            slot = AlignedBuffer(self.options.chunk_bytes, pinned=cuda)
+            stream = torch.cuda.Stream(self.device) if cuda else None
+            while True:
+                with self._lock:
+                    if self._stopped or self._error is not None or self._next_chunk >= len(self.plan.chunks):
+                        return
+                    chunk = self.plan.chunks[self._next_chunk]
+                    self._next_chunk += 1
+                self._admit_through(chunk.last_tensor)
+                self._read(chunk, slot)
+                self._scatter(chunk, slot, stream)
+                with self._lock:
+                    for piece in chunk.pieces:
+                        self._remaining[piece.tensor] -= piece.nbytes
+                        if piece.tensor == self._wanted and not self._remaining[piece.tensor]:
+                            self._tensor_done.notify()
+                self._drop_from_page_cache(chunk)
+        except _Aborted:
+            return
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the consumer, not die with the thread
+            with self._lock:
+                if self._error is None:
+                    self._error = e
+                self._wake_everyone()
+
+    def _admit_through(self, last: int) -> None:
+        """Allocate destinations, in tensor order, up to `last`, waiting while the ring is full."""
+        with self._lock:
+            while self._admitted <= last:
+                if self._stopped or self._error is not None:
+                    raise _Aborted
+                if not self._head_fits():
+                    self._space_waiters += 1
+                    self._ring_space.wait()  # another worker may admit the head meanwhile: look again
+                    self._space_waiters -= 1
+                    continue
+                index = self._admitted
+                nbytes = self.plan.tensors[index].nbytes
+                if nbytes:
+                    self._dest[index] = self._allocate(nbytes)
+                    self._outstanding += nbytes
+                self._admitted += 1
+            if self._space_waiters and self._head_fits():
+                self._ring_space.notify_all()  # room left for tensors other workers wait to admit
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self._consumer_stream is None:
+            recycled = self._recycled.take(nbytes)
+            return recycled if recycled is not None else torch.empty(nbytes, dtype=torch.uint8)
+        with torch.cuda.stream(self._consumer_stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _read(self, chunk: Chunk, slot: AlignedBuffer) -> None:
+        f = self._files[chunk.file]
+        got = 0
+        while got < chunk.needed:
+            fd, direct = f.fd, f.direct
+            offset = chunk.offset + got
+            try:
+                n = read_into(fd, slot.view[got:chunk.length], offset)
+            except OSError as e:
+                if direct and e.errno == errno.EINVAL and got == 0:
+                    f.fall_back_to_buffered(fd)
+                    continue
+                raise self._read_error(chunk, offset, f"{type(e).__name__}: {e}") from e
+            if n <= 0:
+                raise self._read_error(chunk, offset, self._end_of_file(fd))
+            got += n
+            if direct and n % ALIGN and got < chunk.needed:
+                # O_DIRECT returns a non-block-multiple count only at end of file
+                raise self._read_error(chunk, chunk.offset + got, self._end_of_file(fd))
+
+    def _end_of_file(self, fd: int) -> str:
+        return (f"end of file: the file is now {os.fstat(fd).st_size} bytes, not the size its header promised "
+                "(truncated or replaced while loading)")
+
+    def _read_error(self, chunk: Chunk, offset: int, found: str) -> PackReadError:
+        # name the tensor whose bytes were being read at `offset`
+        rel = offset - chunk.offset
+        piece = next((p for p in chunk.pieces if p.chunk_offset + p.nbytes > rel), chunk.pieces[-1])
+        rec = self.plan.tensors[piece.tensor]
+        return PackReadError(self.plan.files[chunk.file], offset, rec.name,
+                             f"{chunk.needed - rel} readable bytes", found)
+
+    def _scatter(self, chunk: Chunk, slot: AlignedBuffer, stream) -> None:
+        if stream is None:
+            base = slot.tensor.data_ptr()
+            for p in chunk.pieces:
+                dest = self._dest[p.tensor]
+                ctypes.memmove(dest.data_ptr() + p.tensor_offset, base + p.chunk_offset, p.nbytes)  # GIL released
+            return
+        with torch.cuda.stream(stream):
+            stream.wait_stream(self._consumer_stream)
+            for p in chunk.pieces:
+                dest = self._dest[p.tensor]
+                dest[p.tensor_offset:p.tensor_offset + p.nbytes].copy_(
+                    slot.tensor[p.chunk_offset:p.chunk_offset + p.nbytes], non_blocking=True)
+        stream.synchronize()  # the slot is reused for the next read; the tensor is complete once this returns
+
+    def _drop_from_page_cache(self, chunk: Chunk) -> None:
+        f = self._files[chunk.file]
+        if self.options.drop_page_cache and not f.direct and hasattr(os, "posix_fadvise"):
+            # on unified memory the page cache competes with the GPU for the same DRAM
+            os.posix_fadvise(f.fd, chunk.offset, chunk.length, os.POSIX_FADV_DONTNEED)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Entry points
+# ------------------------------------------------------------------------------------------------------------
+def read_tensors(files: Iterable[SafetensorsFile | str | os.PathLike], options: ReaderOptions | None = None, *,
+                 keep: Callable[[str], bool] | None = None, device: torch.device | str | None = None,
+                 progress: bool | ProgressReporter | None = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` for every tensor of `files` (paths or parsed headers), in file order then offset order.
+
+    Tensors land on `device` (CPU by default). Each yielded tensor owns its memory; the reader drops its own
+    reference when the next one is requested. `progress=True` reports through a bar or log lines.
+    """
+    options = options or ReaderOptions()
+    headers = [f if isinstance(f, SafetensorsFile) else read_safetensors_header(f) for f in files]
+    plan = plan_reads(headers, options.chunk_bytes, keep)
+    if progress is True:
+        progress = ProgressReporter(plan.nbytes)
+    return iter(ParallelRead(plan, options, device, progress or None))

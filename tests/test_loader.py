@@ -1,0 +1,292 @@
+"""Parallel loader: byte-identical to `safetensors` on real and generated packs, bounded read-ahead, and one real
+broken file (or injected fault) per failure mode, each named by file and offset."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import vllm_exl3.loader as L
+from conftest import FIXTURES
+from safetensors.torch import load_file
+from vllm_exl3.format import Exl3FormatError, Pack, read_safetensors_header
+from vllm_exl3.loader import MIB, PackReadError, ReaderOptions, last_load_stats, read_tensors
+from vllm_exl3.loadplan import plan_reads
+from vllm_exl3.testing import linear_tensors, random_weights, write_pack
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE_FILES = sorted(FIXTURES.rglob("*.safetensors")) + sorted((REPO / "plugin/vllm_exl3/demo").rglob("*.safetensors"))
+# tiny chunks and ring so that the fixtures' tensors span chunks, share chunks and exceed the ring
+TINY = ReaderOptions(workers=3, chunk_bytes=8192, ring_bytes=16384)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+def assert_identical(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(ref)
+    for name, expected in ref.items():
+        tensor = got[name]
+        assert (tensor.dtype, tuple(tensor.shape)) == (expected.dtype, tuple(expected.shape)), name
+        assert torch.equal(as_bytes(tensor), as_bytes(expected)), name
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("options", [ReaderOptions(), TINY], ids=["default", "tiny-chunks"])
+def test_fixture_files_byte_identical_to_safetensors(path, options):
+    assert_identical(dict(read_tensors([path], options)), load_file(path))
+
+
+def generated_pack(root: Path, shards: int = 3) -> Path:
+    """Real EXL3 linears plus every dtype, a 0-dim and an empty tensor, and tensors larger than a TINY chunk and
+    larger than a TINY ring (16 KiB): the 40 KiB int64 and the 64x64 fp32 (16 KiB + header)."""
+    tensors = linear_tensors("model.layers.0.mlp.down_proj", random_weights(256, 128, 3, "mcg", seed=1))
+    tensors.update(linear_tensors("model.layers.0.mlp.experts.3.up_proj", random_weights(128, 256, 4, "mul1")))
+    g = torch.Generator().manual_seed(0)
+    tensors.update({
+        "big.int64": torch.randint(-2**62, 2**62, (5, 1024), dtype=torch.int64, generator=g),
+        "big.fp32": torch.randn(64, 65, generator=g),
+        "embed.bf16": torch.randn(40, 24, generator=g).bfloat16(),
+        "scale.f16": torch.randn(7, generator=g).half(),
+        "mask.bool": torch.rand(13, generator=g) > 0.5,
+        "codes.u8": torch.randint(0, 255, (33,), dtype=torch.uint8, generator=g),
+        "codes.i8": torch.randint(-128, 127, (3, 3), dtype=torch.int8, generator=g),
+        "scalar.f64": torch.tensor(3.25, dtype=torch.float64),
+        "empty.f32": torch.empty(0, 4),
+    })
+    return write_pack(root, tensors, shards=shards)
+
+
+def reference(pack: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(pack.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("options", [ReaderOptions(workers=1), ReaderOptions(workers=8), TINY,
+                                     ReaderOptions(workers=2, chunk_bytes=4096, ring_bytes=4096, direct_io=False)],
+                         ids=["1-worker", "8-workers", "tiny", "buffered-4k"])
+def test_generated_multi_file_pack_byte_identical(tmp_path, options):
+    pack = generated_pack(tmp_path / "pack")
+    files = Pack.open(pack).files
+    assert len(files) == 3
+    assert max(r.nbytes for f in files for r in f.tensors.values()) > options.ring_bytes or options.ring_bytes > MIB
+    assert_identical(dict(read_tensors(files, options)), reference(pack))
+    stats = last_load_stats()
+    assert stats.bytes == sum(t.nbytes for t in reference(pack).values())
+    assert (stats.workers, stats.files, stats.tensors) == (options.workers, 3, len(reference(pack)))
+
+
+def test_order_is_file_then_offset(tmp_path):
+    files = Pack.open(generated_pack(tmp_path / "pack")).files
+    order = [name for name, _ in read_tensors(files, TINY)]
+    expected = [r.name for f in files for r in sorted(f.tensors.values(), key=lambda r: (r.offset, r.name))]
+    assert order == expected
+
+
+def test_keep_skips_tensors_unread(tmp_path):
+    files = Pack.open(generated_pack(tmp_path / "pack")).files
+    keep = lambda name: not name.startswith("big.")
+    plan = plan_reads(files, TINY.chunk_bytes, keep)
+    got = dict(read_tensors(files, TINY, keep=keep))
+    ref = {k: v for k, v in reference(tmp_path / "pack").items() if keep(k)}
+    assert_identical(got, ref)
+    assert sum(c.needed for c in plan.chunks) < sum(r.nbytes for f in files for r in f.tensors.values())
+
+
+def test_read_ahead_is_bounded_by_the_ring(tmp_path):
+    """However slowly the consumer goes, destinations not yet handed out stay within the ring (a tensor larger
+    than the ring is read alone)."""
+    files = Pack.open(generated_pack(tmp_path / "pack")).files
+    options = ReaderOptions(workers=4, chunk_bytes=4096, ring_bytes=8192)
+    largest = max(r.nbytes for f in files for r in f.tensors.values())
+    peak = [0]
+
+    class Watched(L.ParallelRead):
+        def _allocate(self, nbytes):
+            peak[0] = max(peak[0], self._outstanding + nbytes)
+            return super()._allocate(nbytes)
+
+    reader = Watched(plan_reads(files, options.chunk_bytes), options)
+    for _ in reader:
+        threading.Event().wait(0.002)  # a slow consumer: the workers run ahead as far as the ring allows
+    assert largest > options.ring_bytes
+    assert 0 < peak[0] <= max(options.ring_bytes, largest)
+
+
+def test_host_buffers_are_recycled_only_when_released(tmp_path):
+    """A consumer that drops each tensor gets recycled memory; one that keeps them never sees them overwritten."""
+    experts = {f"model.layers.0.mlp.experts.{e}.up_proj.trellis": torch.randint(-9, 9, (64, 64), dtype=torch.int16)
+               for e in range(32)}
+    pack = write_pack(tmp_path / "pack", experts)
+    options = ReaderOptions(workers=2, chunk_bytes=8192, ring_bytes=32768)
+    addresses = {t.data_ptr() for _, t in read_tensors([pack / "model.safetensors"], options)}
+    assert len(addresses) < len(experts)  # same-size destinations came back from the pool
+    kept = dict(read_tensors([pack / "model.safetensors"], options))
+    assert len({t.data_ptr() for t in kept.values()}) == len(experts)
+    assert_identical(kept, experts)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# failures: each with a real broken file or a fault at the read seam; messages name file and offset
+# ------------------------------------------------------------------------------------------------------------
+def test_truncated_file_fails_before_any_tensor(tmp_path, monkeypatch):
+    pack = generated_pack(tmp_path / "pack")
+    shard = sorted(pack.glob("*.safetensors"))[1]
+    os.truncate(shard, shard.stat().st_size - 100)
+    reads = []
+    monkeypatch.setattr(L, "read_into", lambda *a: reads.append(a))  # no tensor byte may be read
+    with pytest.raises(Exl3FormatError) as err:
+        list(read_tensors(sorted(pack.glob("*.safetensors")), TINY))
+    assert str(shard) in str(err.value) and "past end-of-file" in str(err.value)
+    assert "bytes [" in str(err.value)  # the offsets of the tensor that does not fit
+    assert not reads
+
+
+def test_index_naming_a_missing_shard_fails(tmp_path):
+    pack = generated_pack(tmp_path / "pack")
+    missing = sorted(pack.glob("*.safetensors"))[2]
+    missing.unlink()
+    with pytest.raises(Exl3FormatError) as err:
+        Pack.open(pack)
+    assert "model.safetensors.index.json" in str(err.value) and missing.name in str(err.value)
+
+
+def test_file_truncated_after_its_header_was_read(tmp_path):
+    """The file shrinks between header validation and the read: a short read, named by file and offset."""
+    pack = generated_pack(tmp_path / "pack", shards=1)
+    path = pack / "model.safetensors"
+    header = read_safetensors_header(path)
+    victim = max(header.tensors.values(), key=lambda r: r.nbytes)
+    os.truncate(path, victim.offset + 1000)
+    yielded = []
+    with pytest.raises(PackReadError) as err:
+        for name, _ in read_tensors([header], TINY):
+            yielded.append(name)
+    e = err.value
+    assert e.file == str(path) and victim.offset <= e.offset < victim.offset + victim.nbytes
+    assert f"offset {e.offset}" in str(e) and f"end of file: the file is now {victim.offset + 1000} bytes" in str(e)
+    assert e.tensor == victim.name
+    assert victim.name not in yielded
+    assert not [t for t in threading.enumerate() if t.name.startswith("exl3-loader")]
+
+
+def test_io_error_mid_read_aborts_the_load(tmp_path, monkeypatch):
+    pack = generated_pack(tmp_path / "pack")
+    files = Pack.open(pack).files
+    plan = plan_reads(files, TINY.chunk_bytes)
+    bad = plan.chunks[len(plan.chunks) // 2]
+    bad_path = plan.files[bad.file]
+    real = L.read_into
+    bad_fd = {}
+
+    def faulty(fd, buffer, offset):
+        if offset == bad.offset and os.path.samefile(f"/proc/self/fd/{fd}", bad_path):
+            bad_fd["hit"] = True
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffer, offset)
+
+    monkeypatch.setattr(L, "read_into", faulty)
+    yielded = []
+    with pytest.raises(PackReadError) as err:
+        for name, _ in read_tensors(files, TINY):
+            yielded.append(name)
+    e = err.value
+    assert bad_fd["hit"] and e.file == str(bad_path) and e.offset == bad.offset
+    assert "Input/output error" in str(e) and f"offset {bad.offset}" in str(e)
+    first_bad = plan.tensors[bad.pieces[0].tensor].name
+    assert first_bad not in yielded  # nothing from the failed read was handed out
+    assert not [t for t in threading.enumerate() if t.name.startswith("exl3-loader")]
+
+
+@pytest.mark.parametrize("refused_at", ["open", "read"])
+def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch, refused_at):
+    """Filesystems that refuse O_DIRECT (EINVAL at open, or only at the first read) are read through the page
+    cache instead, with the same bytes."""
+    import fcntl
+
+    pack = generated_pack(tmp_path / "pack")
+    real_open, real_read = os.open, L.read_into
+
+    def open_without_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    def read_without_direct(fd, buffer, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_read(fd, buffer, offset)
+
+    if refused_at == "open":
+        monkeypatch.setattr(L.os, "open", open_without_direct)
+    else:
+        monkeypatch.setattr(L, "read_into", read_without_direct)
+    assert_identical(dict(read_tensors(Pack.open(pack).files, TINY)), reference(pack))
+    assert last_load_stats().direct_io is False
+
+
+# ------------------------------------------------------------------------------------------------------------
+# options, progress
+# ------------------------------------------------------------------------------------------------------------
+def test_options_precedence_and_validation():
+    env = {"VLLM_EXL3_LOAD_WORKERS": "4", "VLLM_EXL3_LOAD_CHUNK_MIB": "8", "VLLM_EXL3_LOAD_DIRECT_IO": "0"}
+    o = ReaderOptions.from_config({"workers": 16}, environ=env)
+    assert (o.workers, o.chunk_bytes, o.direct_io, o.ring_bytes) == (16, 8 * MIB, False, ReaderOptions.ring_bytes)
+    assert ReaderOptions.from_config({"chunk_mib": 2048}, environ={}).ring_bytes == 2048 * MIB
+    with pytest.raises(ValueError, match="unknown loader option"):
+        ReaderOptions.from_config({"threads": 4}, environ={})
+    with pytest.raises(ValueError, match="VLLM_EXL3_LOAD_WORKERS"):
+        ReaderOptions.from_config({}, environ={"VLLM_EXL3_LOAD_WORKERS": "many"})
+    with pytest.raises(ValueError, match="workers"):
+        ReaderOptions.from_config({"workers": 0}, environ={})
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        ReaderOptions(chunk_bytes=1000)
+
+
+def test_progress_log_line_without_a_terminal(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(L, "LOG_EVERY_S", 0.0)
+    files = Pack.open(generated_pack(tmp_path / "pack")).files
+    with caplog.at_level(logging.INFO, logger="vllm_exl3.loader"):
+        reporter = L.ProgressReporter(plan_reads(files, TINY.chunk_bytes).nbytes, bar=False)
+        list(read_tensors(files, TINY, progress=reporter))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("GB/s, ETA" in line and "%" in line for line in lines)
+    assert any(line.startswith("loaded ") and "3 workers" in line for line in lines)
+    assert json.dumps(last_load_stats().to_json())  # the metrics issue reads this record
+
+
+def test_expert_parallel_filter_skips_other_ranks_experts():
+    pytest.importorskip("vllm")
+    from vllm_exl3.model_loader import _expert_filter
+
+    keep = _expert_filter({0, 1})
+    assert keep("model.layers.0.mlp.experts.1.down_proj.trellis")
+    assert not keep("model.layers.0.mlp.experts.5.down_proj.trellis")
+    assert not keep("model.layers.0.mlp.experts.5.down_proj.weight")
+    assert keep("model.layers.0.mlp.experts.5.down_proj.suh")  # tiny, and some backends want every expert's
+    assert keep("model.layers.0.self_attn.q_proj.trellis")
+    assert _expert_filter(None) is None
+
+
+def test_load_bench_command_json(tmp_path):
+    """`vllm-exl3 load-bench PACK --workers 1,2 --json` as a user runs it."""
+    import subprocess
+    import sys
+
+    pack = generated_pack(tmp_path / "pack")
+    r = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "load-bench", str(pack), "--workers", "1,2", "--json",
+                        "--chunk-mib", "1"], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["bytes"] == sum(t.nbytes for t in reference(pack).values())
+    assert result["raw_gbps"] > 0 and set(result["loader_gbps"]) == {"1", "2"}
+    assert all(v > 0 for v in result["loader_gbps"].values())
