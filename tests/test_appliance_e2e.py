@@ -44,6 +44,7 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
         assert completion(port, api_key=key)["choices"][0]["text"] == text  # same pack, greedy: same tokens
         log = box.log.read_text()
         assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
+        assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
 
 
 def test_fatal_program_ends_supervisord(tmp_path):

@@ -41,6 +41,7 @@ def test_presets_are_found_and_complete():
         p = load_preset(name, {})
         assert p.description
         assert p.vllm["long-prefill-token-threshold"] == 1024  # long prefills must not starve decode
+        assert p.vllm["load-format"] == "exl3_parallel"  # no mmap of the model on unified memory
         assert p.vllm["max-num-batched-tokens"] >= p.vllm["max-num-seqs"]
         assert not set(p.vllm) & TOPOLOGY_FLAGS
         assert 0 < p.memory.max_gpu_memory_utilization <= 0.9
