@@ -270,3 +270,16 @@ def test_codebook_declaration_contradicting_markers(tmp_path):
 def test_contract_errors(raw, message):
     with pytest.raises(Exl3ConfigError, match=message):
         Exl3Config({"quant_method": "exl3", **raw})
+
+
+@pytest.mark.parametrize("layer", [0, 7])
+def test_layer_bits_declaration_is_checked_for_every_layer(layer):
+    """`layer_bits` keys are layer indices; layer 0 is a key like any other."""
+    from vllm_exl3.config import Contract, LinearMeta
+
+    contract = Contract.parse({"layer_bits": {str(layer): 3}})
+    prefix = f"model.layers.{layer}.mlp.experts"
+    contract.check_expert_bits(prefix, [(f"{prefix}.0.gate_proj", LinearMeta(3.0, "mcg", 256, 128))])
+    with pytest.raises(Exl3ConfigError, match=f"declares 3 bits for layer {layer} but"):
+        contract.check_expert_bits(prefix, [(f"{prefix}.0.gate_proj", LinearMeta(4.0, "mcg", 256, 128))])
+    contract.check_expert_bits("model.layers.99.mlp.experts", [("x", LinearMeta(4.0, "mcg", 256, 128))])

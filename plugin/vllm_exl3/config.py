@@ -23,14 +23,22 @@ from typing import Any
 
 import torch
 
-from .format import CODEBOOKS, Exl3FormatError, Exl3Linear, Pack, TensorRecord, build_linear, group_exl3_tensors
+from .format import (
+    CODEBOOKS,
+    SIDECAR_FILE,
+    Exl3FormatError,
+    Exl3Linear,
+    Pack,
+    TensorRecord,
+    build_linear,
+    group_exl3_tensors,
+)
 
 logger = logging.getLogger("vllm_exl3")
 
 POLICY_BF16_AS_STORED = "bf16_as_stored"
 POLICY_SOURCE_NATIVE = "official_source_native"  # dense layers in their source format -> the delegate
 NON_ROUTED_POLICIES = ("", POLICY_BF16_AS_STORED, POLICY_SOURCE_NATIVE)
-SIDECAR_FILE = "quantization_config.json"
 
 
 class Exl3ConfigError(ValueError):
@@ -219,7 +227,8 @@ class Contract:
                     "would give wrong weights)")
 
     def check_expert_bits(self, layer_prefix: str, metas: list[tuple[str, LinearMeta]]) -> None:
-        declared = self.layer_bits.get(layer_index(layer_prefix) or -1)
+        layer = layer_index(layer_prefix)
+        declared = self.layer_bits.get(layer) if layer is not None else None
         if declared is None:
             return
         for name, meta in metas:
@@ -233,7 +242,8 @@ class Contract:
             return self.dense_layers[prefix]
         suffixes = [prefix.rsplit(".", 1)[-1]] + [s.rsplit(".", 1)[-1] for s in shard_names]
         if any(s in self.dense_modules for s in suffixes):
-            bits = self.dense_layer_bits.get(layer_index(prefix) or -1, self.dense_bits)
+            layer = layer_index(prefix)
+            bits = self.dense_layer_bits.get(layer, self.dense_bits) if layer is not None else self.dense_bits
             return DenseDeclaration(bits)
         return None
 
@@ -254,9 +264,6 @@ class Contract:
                 raise Exl3ConfigError(f"non_routed_exl3 declares {decl.bits:g} bits for '{prefix}' but "
                                       f"'{name}' is stored at {meta.bits:g} bits")
 
-
-def dtype_ok(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------------------
