@@ -3,13 +3,15 @@
 # vllm_exl3._C, check its SASS, run the correctness harness, benchmark. Logs and JSON go to $OUT; a short table
 # comes last on stdout.
 #
-#   bash bench/device_run.sh [tests|bench|all] [extra bench args...]      (carry: [".whl"] for ExLlamaV3)
+#   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ...")      (carry: [".whl"] for ExLlamaV3)
 #
 # EXL=1 benchmarks ExLlamaV3 too (wheels from .whl, see ../shared/docs/h200-baseline.md; ~250 s JIT build, started
 # first so it overlaps our build and tests).
 set -uo pipefail
 MODE=${1:-all}
 shift || true
+[ "$MODE" = all ] && MODE=tests,bench
+has() { [[ ",$MODE," == *",$1,"* ]]; }
 OUT=${OUT:-/tmp/vllm-exl3-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/plugin"
@@ -27,29 +29,35 @@ if [ "${EXL:-0}" = 1 ]; then
   EXL_PID=$!
 fi
 
-t0=$(date +%s)
 # Built through torch's JIT loader with setup.py's own sources and flags (independent of the image's setuptools);
-# the library lands where `import vllm_exl3._C` finds it.
-TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=${MAX_JOBS:-8} python3 - > "$OUT/build.log" 2>&1 <<'PY'
+# the library lands where `import vllm_exl3._C` finds it. build DIR [extra nvcc flags...]
+build() {
+  local dir=$1; shift
+  local t0=$(date +%s)
+  TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=${MAX_JOBS:-8} BUILD_DIR="$dir" EXTRA_NVCC="$*" python3 - \
+    > "$OUT/build$(basename "$dir").log" 2>&1 <<'PY'
 import os, shutil, sys, sysconfig
 sys.path.insert(0, ".")
 import setup
 from torch.utils.cpp_extension import load
 a = setup.extension_args(os.environ["TORCH_CUDA_ARCH_LIST"])
-os.makedirs("/tmp/vx-build", exist_ok=True)
+d = os.environ["BUILD_DIR"]
+os.makedirs(d, exist_ok=True)
 load(name="_C", sources=a["sources"], extra_include_paths=a["include_dirs"], extra_cflags=a["cxx"],
-     extra_cuda_cflags=a["nvcc"], extra_ldflags=["-lcublas"], build_directory="/tmp/vx-build",
+     extra_cuda_cflags=a["nvcc"] + os.environ["EXTRA_NVCC"].split(), extra_ldflags=["-lcublas"], build_directory=d,
      is_python_module=True, verbose=True)
-shutil.copy("/tmp/vx-build/_C.so", "plugin/vllm_exl3/_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+shutil.copy(os.path.join(d, "_C.so"), "plugin/vllm_exl3/_C" + sysconfig.get_config_var("EXT_SUFFIX"))
 PY
-rc=$?
-echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
-if [ $rc != 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -20 "$OUT/build.log"; exit 1; fi
+  local rc=$?
+  echo "build $dir ${*:-(default flags)}: rc=$rc in $(( $(date +%s) - t0 )) s"
+  if [ $rc != 0 ]; then grep -E "error|Error" "$OUT/build$(basename "$dir").log" | head -40; exit 1; fi
+}
+build /tmp/vx-build
 SO=$(ls plugin/vllm_exl3/_C*.so)
 python3 tools/check-cubins "$SO" "sm_${ARCH//./}" | tee -a "$OUT/build.log"
 python3 -m vllm_exl3.cli info 2>&1 | tail -12
 
-if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
+if has tests; then
   t0=$(date +%s)
   # The exllamav3 backend test runs after its JIT build (below); here it would only wait on the build's lock.
   VLLM_EXL3_REQUIRE_NATIVE=1 VLLM_EXL3_TEST_REPORT="$OUT/test_bounds.json" PYTHONPATH="$PWD/plugin" \
@@ -61,7 +69,22 @@ if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   [ -f "$OUT/test_bounds.json" ] && tr -d '\n' < "$OUT/test_bounds.json" | head -c 2000 && echo
 fi
 
-if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
+if has ncu; then
+  # Nsight Compute on the skinny kernel of each target (K,N,BITS,CB,ROWS): the full section set with SASS-level
+  # source counters (stall reasons per instruction), printed as text for reading here.
+  for t in ${NCU_TARGETS:-4096,14336,4,mul1,1}; do
+    tag=$(echo "$t" | tr ',' '_')
+    timeout 240 ncu --clock-control none -k regex:skinny_kernel --launch-skip 2 --launch-count 1 --set full \
+      --import-source yes -f -o "/tmp/ncu_$tag" python3 bench/kernels.py --ncu-target "$t" > "$OUT/ncu_$tag.log" 2>&1
+    echo "ncu $t rc=$?"
+    ncu -i "/tmp/ncu_$tag.ncu-rep" --print-details all > "$OUT/ncu_${tag}_details.txt" 2>&1
+    ncu -i "/tmp/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${tag}_sass.csv" 2>&1
+    grep -E "Duration|Issue Slots Busy|Executed Ipc A|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued" \
+      "$OUT/ncu_${tag}_details.txt" | head -12
+  done
+fi
+
+if has bench; then
   BENCH_ARGS=("$@")
   if [ "${EXL:-0}" = 1 ]; then
     wait "$EXL_PID"; tail -2 "$OUT/exl_build.log"
@@ -76,3 +99,15 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   echo "bench rc=$?"
   grep -v "^{" "$OUT/bench.log" | tail -70
 fi
+
+# VARIANTS="name:-DFLAG=1 name2:-DFLAG=2": rebuild with extra nvcc flags and time the quick table for each (tuning).
+for v in ${VARIANTS:-}; do
+  name=${v%%:*}; flags=${v#*:}
+  build "/tmp/vx-build-$name" ${flags//,/ }
+  python3 bench/kernels.py --quick --iters 30 --out "$OUT/variant-$name.json" > "$OUT/variant-$name.log" 2>&1
+  echo "variant $name rc=$?"; grep -v "^{" "$OUT/variant-$name.log" | tail -20
+done
+
+# The device returns at most 8 files: everything but the results JSON travels as one archive.
+( cd "$OUT" && tar czf logs.tgz --exclude='*-kernels.json' --exclude=logs.tgz . \
+    && find . -maxdepth 1 -type f ! -name '*-kernels.json' ! -name logs.tgz -delete )

@@ -29,7 +29,17 @@ namespace exl3 {
 
 constexpr int kSkinnyWarps = 8;
 constexpr int kSkinnyThreads = kSkinnyWarps * kWarp;
-constexpr int kSkinnyInFlight = 4096;  // bytes of trellis per warp in flight: 3 blocks/SM must fit (NOTES)
+#ifndef EXL3_SKINNY_INFLIGHT
+#define EXL3_SKINNY_INFLIGHT 4096
+#endif
+constexpr int kSkinnyInFlight = EXL3_SKINNY_INFLIGHT;  // bytes of trellis per warp in flight (NOTES)
+// Blocks per SM for 1-8 rows (9-16 rows: 2). The kernel is latency-bound (ncu: IPC 2 of 4), so resident warps
+// matter; the register cap this implies is 80 at 3 blocks. Overridable at build time for tuning runs.
+#ifndef EXL3_SKINNY_MIN_BLOCKS
+#define EXL3_SKINNY_MIN_BLOCKS 3
+#endif
+constexpr int kSkinnyMinBlocks1 = EXL3_SKINNY_MIN_BLOCKS;
+constexpr int kSkinnySlotRows = 2;  // activation rows per pass of the cross-warp reduction
 
 template <int kBits2, bool kMul1, int kMT, bool kDup>
 struct SkinnyTraits {
@@ -43,19 +53,23 @@ struct SkinnyTraits {
   static constexpr int kStageBytes = kItemBytes + kXBytes;
   static constexpr int kBufStride = kHadBlock + 4;  // floats; the padding makes fragment stores conflict-free
   static constexpr int kBufBytes = kRows * kBufStride * 4;
+  // Cross-warp reduction: every warp parks kSkinnySlotRows rows of its partial sums at once, then all threads add
+  // the eight slots in warp order (one pass per row pair instead of eight serial warp turns).
+  static constexpr int kSlotBytes = kSkinnyWarps * kSkinnySlotRows * kBufStride * 4;
+  static constexpr int kMinBlocks = kMT == 1 ? kSkinnyMinBlocks1 : 2;
   // Ring depth: kSkinnyInFlight bytes of tiles per warp, at least 3 stages, within the shared memory that lets
-  // 3 (1-8 rows) or 2 (9-16 rows) blocks share an SM (228 KB, 1 KB reserved per block).
-  static constexpr int kSmemBudget = (kMT == 1 ? 72 : 108) * 1024;
+  // kMinBlocks blocks share an SM (228 KB, 1 KB reserved per block).
+  static constexpr int kSmemBudget = (228 / kMinBlocks - 4) * 1024;
   static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
-  static constexpr int kStagesFit = (kSmemBudget - kBufBytes - 16) / (kSkinnyWarps * kStageBytes);
+  static constexpr int kStagesFit = (kSmemBudget - kBufBytes - kSlotBytes - 16) / (kSkinnyWarps * kStageBytes);
   static constexpr int kStagesWanted = kStagesRaw > 12 ? 12 : kStagesRaw;
   static constexpr int kStagesCapped = kStagesWanted < kStagesFit ? kStagesWanted : kStagesFit;
   // At least 4: nvcc 13.0's cicc segfaults on the sm_121a build of a 3-stage ring (reproducible, sm_90a is fine);
   // the widest tiles then fit two blocks per SM instead of three.
   static constexpr int kStages = kStagesCapped < 4 ? 4 : kStagesCapped;
   static constexpr int kRingBytes = kSkinnyWarps * kStages * kStageBytes;
-  static_assert(kRingBytes + kBufBytes + 16 <= 226 * 1024, "shared memory per block");
-  static constexpr int kSmemBytes = kRingBytes + kBufBytes + 16;
+  static_assert(kRingBytes + kBufBytes + kSlotBytes + 16 <= 226 * 1024, "shared memory per block");
+  static constexpr int kSmemBytes = kRingBytes + kBufBytes + kSlotBytes + 16;
   static constexpr int kCopyIters = (kNT * TB::kChunks16 + kWarp - 1) / kWarp;
   static constexpr int kXChunks = kRows * 2;           // two 16-byte chunks per activation row
   static_assert(kXChunks <= kWarp, "one x chunk per lane");
@@ -67,11 +81,21 @@ struct SkinnyTraits {
 __host__ __device__ inline int skinny_block_of(long long u, long long units, long long grid) {
   return static_cast<int>(((u + 1) * grid + units - 1) / units - 1);
 }
+// floor(a * b / c) for a * b < 2^53: in double precision (the correctly rounded quotient of two exact integers
+// cannot cross an integer here, since c < 2^31), far cheaper on the device than a 64-bit integer division.
+__device__ __forceinline__ int floor_muldiv(int a, int b, int c) {
+  return static_cast<int>(floor(static_cast<double>(a) * b / c));
+}
+// skinny_block_of without the 64-bit integer division: ceil(n / units) - 1 = floor(n / units) - (units divides n).
+__device__ __forceinline__ int skinny_block_of_dev(int u, int units, int grid) {
+  const long long n = static_cast<long long>(u + 1) * grid;
+  const int q = floor_muldiv(u + 1, grid, units);
+  return q - (static_cast<long long>(q) * units == n);
+}
 
-// 1-8 rows: three blocks per SM (24 warps; the kernel is latency-bound, ncu: IPC 1.9 at 16 warps); 9-16 rows need
-// the registers of two.
+// 1-8 rows: kSkinnyMinBlocks1 blocks per SM; 9-16 rows need the registers of two.
 template <int kBits2, bool kMul1, int kMT, bool kDup>
-__global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? 3 : 2)
+__global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2)
     skinny_kernel(const SkinnyArgs a, const int units) {
   using T = SkinnyTraits<kBits2, kMul1, kMT, kDup>;
   using TB = typename T::TB;
@@ -80,11 +104,12 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? 3 : 2)
   const int g8 = lane >> 2, c4 = lane & 3;
   unsigned char* ring = smem + warp * T::kStages * T::kStageBytes;
   float* buf = reinterpret_cast<float*>(smem + T::kRingBytes);
-  int* last_flag = reinterpret_cast<int*>(smem + T::kRingBytes + T::kBufBytes);
+  float* slots = reinterpret_cast<float*>(smem + T::kRingBytes + T::kBufBytes);
+  int* last_flag = reinterpret_cast<int*>(smem + T::kRingBytes + T::kBufBytes + T::kSlotBytes);
 
   const int kta = a.kb_count * kTilesPerHad;  // active k-tiles
-  const int u_begin = static_cast<int>(static_cast<long long>(blockIdx.x) * units / gridDim.x);
-  const int u_end = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * units / gridDim.x);
+  const int u_begin = floor_muldiv(blockIdx.x, units, gridDim.x);
+  const int u_end = floor_muldiv(blockIdx.x + 1, units, gridDim.x);
   const long long xh_stride = static_cast<long long>(a.kb_count) * kHadBlock;
   const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
 
@@ -228,40 +253,47 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? 3 : 2)
       slot = slot + 1 == T::kStages ? 0 : slot + 1;
     }
 
-    // ---- segment epilogue: sum the warps' partials in shared memory (fixed order: deterministic) ----
-    __syncthreads();  // the previous segment's epilogue is done with buf
-#pragma unroll 1
-    for (int round = 0; round < kSkinnyWarps; ++round) {
-      if (warp == round) {
-#pragma unroll
-        for (int nt = 0; nt < T::kNT; ++nt)
-#pragma unroll
-          for (int rg = 0; rg < kMT; ++rg) {
-            // C fragment: c0 (row 2c, col g), c1 (row 2c+1, col g), c2/c3 the same rows at col g+8
-            float* p = buf + (rg * 8 + 2 * c4) * T::kBufStride + nt * kTile + g8;
-            if (round == 0) {
-              p[0] = acc[nt][rg][0], p[T::kBufStride] = acc[nt][rg][1];
-              p[8] = acc[nt][rg][2], p[T::kBufStride + 8] = acc[nt][rg][3];
-            } else {
-              p[0] += acc[nt][rg][0], p[T::kBufStride] += acc[nt][rg][1];
-              p[8] += acc[nt][rg][2], p[T::kBufStride + 8] += acc[nt][rg][3];
-            }
-          }
-      }
-      __syncthreads();
-    }
-
+    // ---- segment epilogue: sum the warps' partials in shared memory (fixed warp order: deterministic) ----
     const int row0 = chunk * T::kRows;
     const int valid_rows = min(T::kRows, a.rows - row0);
+    // One pass per pair of valid rows: the lanes holding rows r0, r0+1 (C fragment: c0/c1 rows 2*c4 + {0,1} at
+    // column g8, c2/c3 the same rows at g8 + 8) park them in this warp's slot; then thread t adds up the eight
+    // slots of output (r0 + t / 128, t % 128) in warp order. Padding rows of the chunk are never touched.
+    static_assert(kSkinnyThreads == kSkinnySlotRows * kHadBlock, "one output per thread and pass");
+    for (int r0 = 0; r0 < valid_rows; r0 += kSkinnySlotRows) {
+      __syncthreads();  // the previous pass (or segment) is done with the slots and buf
+#pragma unroll
+      for (int rg = 0; rg < kMT; ++rg) {
+        if (rg * 8 + 2 * c4 == r0) {
+          float* p = slots + warp * kSkinnySlotRows * T::kBufStride + g8;
+#pragma unroll
+          for (int nt = 0; nt < T::kNT; ++nt) {
+            p[nt * kTile] = acc[nt][rg][0], p[T::kBufStride + nt * kTile] = acc[nt][rg][1];
+            p[nt * kTile + 8] = acc[nt][rg][2], p[T::kBufStride + nt * kTile + 8] = acc[nt][rg][3];
+          }
+        }
+      }
+      __syncthreads();
+      const int r = threadIdx.x / kHadBlock, col = threadIdx.x % kHadBlock;
+      if (r0 + r < valid_rows) {
+        const float* q = slots + r * T::kBufStride + col;
+        float sum = q[0];
+#pragma unroll
+        for (int w = 1; w < kSkinnyWarps; ++w) sum += q[w * kSkinnySlotRows * T::kBufStride];
+        buf[(r0 + r) * T::kBufStride + col] = sum;
+      }
+    }
+    __syncthreads();  // buf complete
     const bool whole = (seg % kta == 0) && (seg_end - seg == kta);
     bool finalize = whole;
     if (!whole) {
       // Split column group: park this block's partial sum in its own slot; the block that completes the group
       // adds the slots in slot order, so the result does not depend on which block finishes last.
-      const int first = skinny_block_of(static_cast<long long>(rg_seg) * kta, units, gridDim.x);
-      const int nslots = skinny_block_of(static_cast<long long>(rg_seg + 1) * kta - 1, units, gridDim.x) - first + 1;
-      float* slots = a.partials + static_cast<long long>(rg_seg) * a.max_slots * T::kRows * kHadBlock;
-      float* mine = slots + static_cast<long long>(blockIdx.x - first) * T::kRows * kHadBlock;
+      // Blocks of this group: those holding its first and last unit, and every block between (skinny_block_of).
+      const int first = skinny_block_of_dev(rg_seg * kta, units, gridDim.x);
+      const int nslots = skinny_block_of_dev((rg_seg + 1) * kta - 1, units, gridDim.x) - first + 1;
+      float* group_slots = a.partials + static_cast<long long>(rg_seg) * a.max_slots * T::kRows * kHadBlock;
+      float* mine = group_slots + static_cast<long long>(blockIdx.x - first) * T::kRows * kHadBlock;
       for (int i = threadIdx.x; i < valid_rows * (kHadBlock / 4); i += kSkinnyThreads) {
         const int r = i / (kHadBlock / 4), q = i % (kHadBlock / 4);
         const float* p = buf + r * T::kBufStride + 4 * q;
@@ -281,7 +313,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? 3 : 2)
           const int r = i / (kHadBlock / 4), q = i % (kHadBlock / 4);
           float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
           for (int k = 0; k < nslots; ++k) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(slots + (k * T::kRows + r) * kHadBlock) + q);
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(group_slots + (k * T::kRows + r) * kHadBlock) + q);
             sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
           }
           float* p = buf + r * T::kBufStride + 4 * q;
