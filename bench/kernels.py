@@ -137,6 +137,38 @@ def profile_kernels() -> list[dict]:
     return out
 
 
+def trace_skinny(spec: str) -> dict:
+    """Per-warp timeline of one skinny launch (VLLM_EXL3_SKINNY_TRACE): where the kernel's time goes."""
+    k, n, bits, cb, rows = spec.split(",")
+    case = Case(int(k), int(n), float(bits), cb)
+    x = torch.randn(int(rows), int(k), device=DEV, dtype=torch.float16)
+    for w in case.ws[1:]:
+        native.linear(x, w, 0, 0, int(n))
+    torch.cuda.synchronize()
+    os.environ["VLLM_EXL3_SKINNY_TRACE"] = "1"
+    try:
+        native.linear(x, case.ws[0], 0, 0, int(n))
+        torch.cuda.synchronize()
+    finally:
+        del os.environ["VLLM_EXL3_SKINNY_TRACE"]
+    t = torch.ops.vllm_exl3.skinny_trace().cpu().double()  # [blocks, warps, {smid, entry, data, loop end, exit}]
+    t0 = t[..., 1].min()
+    phases = {"start": t[..., 1] - t0, "prologue": t[..., 2] - t[..., 1], "loop": t[..., 3] - t[..., 2],
+              "epilogue": t[..., 4] - t[..., 3], "end": t[..., 4] - t0}
+    out = {"case": case.name, "rows": int(rows), "blocks": t.shape[0], "span_us": float((t[..., 4].max() - t0) / 1e3)}
+    for name, v in phases.items():
+        q = torch.quantile(v.flatten() / 1e3, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64))
+        out[name + "_us"] = [round(float(e), 2) for e in q]  # min, p10, median, p90, max
+    sm_end = {}
+    for b in range(t.shape[0]):
+        sm = int(t[b, 0, 0])
+        sm_end[sm] = max(sm_end.get(sm, 0.0), float(t[b, :, 4].max() - t0) / 1e3)
+    ends = sorted(sm_end.values())
+    out["sm_end_us"] = [round(ends[0], 2), round(ends[len(ends) // 2], 2), round(ends[-1], 2)]
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def floor_us(case: Case, rows: int, bw: float) -> float:
     return (case.weight_bytes + 2 * rows * (case.k + case.n)) / bw * 1e6
 
@@ -149,6 +181,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="also time kernel variants (paths, grids) for tuning")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
+    ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
+                    help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
     ap.add_argument("--ncu-target", metavar="K,N,BITS,CB,ROWS",
                     help="only run a few calls of one case (for Nsight Compute), e.g. 4096,14336,4,mul1,1")
     args = ap.parse_args()
@@ -235,6 +269,9 @@ def main() -> int:
             del case
             torch.cuda.empty_cache()
         result["variants"] = var
+
+    if args.trace:
+        result["trace"] = [trace_skinny(spec) for spec in args.trace]
 
     if args.profile:
         try:

@@ -7,6 +7,7 @@
 //       5 skinny with rounded Ŵ pairs instead of codewords (bench)
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
+//   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
 #include <Python.h>
 
 #include <cstdlib>
@@ -43,6 +44,14 @@ int64_t skinny_max_rows() {
   return rows;
 }
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
+
+// Diagnostics for bench/kernels.py --trace: with VLLM_EXL3_SKINNY_TRACE=1 each skinny launch records per-warp
+// timestamps (exl3::SkinnyArgs::trace) into a fresh tensor, which skinny_trace() returns until the next launch.
+at::Tensor& last_skinny_trace() {
+  static at::Tensor t;
+  return t;
+}
+at::Tensor skinny_trace() { return last_skinny_trace(); }
 
 exl3::TrellisView trellis_view(const at::Tensor& t, int64_t codebook) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kShort && t.dim() == 3, "trellis must be a CUDA int16 [K/16, N/16, 16*bits] tensor");
@@ -173,6 +182,10 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   sa.xh = it.xh;
   sa.rowsum_parts = it.rowsum_parts;
   sa.parts = parts;
+  if (env_int("VLLM_EXL3_SKINNY_TRACE", 0) != 0) {
+    last_skinny_trace() = at::zeros({plan.grid, exl3::kSkinnyWarps, 5}, x.options().dtype(at::kLong));
+    sa.trace = reinterpret_cast<unsigned long long*>(last_skinny_trace().data_ptr());
+  }
   check_cuda(exl3::launch_input_transform(it, stream), "input transform");
   check_cuda(exl3::launch_skinny(sa, plan, use_pdl(), stream), "skinny GEMM");
   return y;
@@ -229,6 +242,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("reconstruct(Tensor trellis, int codebook, Tensor? suh=None, Tensor? svh=None, bool bf16=False) -> Tensor");
   m.def("build_info() -> str", &build_info);
   m.def("device_check() -> str", &device_check);
+  m.def("skinny_trace() -> Tensor", &skinny_trace);
 }
 
 TORCH_LIBRARY_IMPL(vllm_exl3, CUDA, m) {

@@ -86,6 +86,16 @@ EXL3_HD uint32_t mul_opaque(uint32_t v) {
   return v * kM;
 #endif
 }
+// v << kS on the ALU pipe (a funnel shift: ptxas turns plain shifts into IMAD where it likes).
+template <int kS>
+EXL3_HD uint32_t shl_alu(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  asm("shf.l.wrap.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(0u), "r"(v), "n"(kS));
+  return v;
+#else
+  return v << kS;
+#endif
+}
 // Sum of the four bytes of y, plus c.
 EXL3_HD uint32_t byte_sum(uint32_t y, uint32_t c) {
 #if defined(__CUDA_ARCH__)
@@ -146,7 +156,9 @@ struct TileBits {
 
 // Per-lane decoder state, computed once per kernel: which words of a tile record this lane reads (byte offsets,
 // wrapping around the ring) and how far its span is shifted inside them.
-template <int kBits2>
+// kShiftOnAlu: window shifts as ALU funnel shifts instead of FMA-pipe multiplies (for decoders whose FMA pipe is
+// the busier one).
+template <int kBits2, bool kShiftOnAlu = false>
 struct LaneWindows {
   using TB = TileBits<kBits2>;
   // 4- and 8-bit lanes all start at the same bit phase (4*bits*lane is a multiple of 32), so the windows can be
@@ -186,7 +198,7 @@ struct LaneWindows {
   // 16 bits starting at bit kOff (MSB first) of the words u; offsets are compile-time. Integer issue is the
   // bottleneck of every decoder here, so each window costs one ALU op where possible: a right shift (window at the
   // top of a 32-bit view), a mask (at the bottom) or a byte permute (byte-aligned inside). Other offsets first shift
-  // the view left by kOff % 8 with a multiply (IMAD runs on the FMA pipe, which has room); windows that straddle two
+  // the view left by kOff % 8 (a multiply on the FMA pipe, or an ALU shift, see kShiftOnAlu); windows that straddle two
   // words use the view [16, 48) of the pair, built with one byte permute.
   template <int kOff, int kN>
   EXL3_HD static uint32_t window(const uint32_t (&u)[kN]) {
@@ -205,7 +217,8 @@ struct LaneWindows {
   EXL3_HD static uint32_t in_view(uint32_t v) {
     constexpr int kShift = kR % 8, kByte = kR - kShift;
     // Opaque multiply: the compiler would otherwise fold shift-left + shift-right into shift + mask (two ALU ops).
-    if constexpr (kShift != 0) v = mul_opaque<1u << kShift>(v);
+    if constexpr (kShift != 0 && kShiftOnAlu) v = shl_alu<kShift>(v);
+    else if constexpr (kShift != 0) v = mul_opaque<1u << kShift>(v);
     if constexpr (kByte == 0) return v >> 16;
     else return byte_perm(v, 0u, 0x4421);  // bytes 2..1: bits [8, 24)
   }

@@ -46,6 +46,34 @@ cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t str
 
 // Skinny GEMM (1..16 rows per row chunk, any number of chunks): decodes tiles in registers and feeds tensor cores.
 // y [rows, out_features] (x's dtype, row stride y_stride) = output columns [out_offset, out_offset + out_features).
+// Division by a runtime constant d >= 1 for numerators n < 2^31 in three instructions (round-up method, Hacker's
+// Delight 10-9): q = (umulhi(n, mul) + n) >> shift. Set up on the host with make_fast_div.
+struct FastDiv {
+  int d;
+  unsigned mul;
+  int shift;
+};
+inline FastDiv make_fast_div(int d) {
+  int l = 0;
+  while ((1LL << l) < d) ++l;
+  const unsigned long long m = ((1ULL << 32) * ((1ULL << l) - static_cast<unsigned long long>(d))) / d + 1;
+  return {d, static_cast<unsigned>(m), l};
+}
+#if defined(__CUDACC__)
+#define EXL3_FASTDIV_HD __host__ __device__ __forceinline__
+#else
+#define EXL3_FASTDIV_HD inline
+#endif
+// n / d and n % d for 0 <= n < 2^31 (the high product word is one IMAD.HI on the device).
+EXL3_FASTDIV_HD int fast_div(int n, const FastDiv& f) {
+  const unsigned u = static_cast<unsigned>(n);
+  const unsigned hi = static_cast<unsigned>((static_cast<unsigned long long>(u) * f.mul) >> 32);
+  return static_cast<int>((hi + u) >> f.shift);
+}
+EXL3_FASTDIV_HD int fast_mod(int n, const FastDiv& f) { return n - fast_div(n, f) * f.d; }
+
+constexpr int kSkinnyWarps = 8;  // warps per block of the skinny GEMM
+
 struct SkinnyArgs {
   TrellisView w;
   const void* xh;  // fp16 [row_chunks * rows_per_chunk, kb_count * 128], from launch_input_transform
@@ -60,6 +88,9 @@ struct SkinnyArgs {
   long long y_stride;
   int out_offset, out_features;
   int rows, kb0, kb_count, g0, groups;
+  FastDiv kta_div, groups_div;  // by kb_count * 8 (active k-tiles) and by groups; set by launch_skinny
+  // Diagnostics (null normally): per warp {smid, entry, first data, last item done, exit} in %globaltimer ns.
+  unsigned long long* trace;
 };
 struct SkinnyPlan {
   int rows_per_chunk;  // 8 or 16

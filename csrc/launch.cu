@@ -117,6 +117,9 @@ cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cu
   if (units <= 0) return cudaSuccess;
   if (units >= (1LL << 31)) return cudaErrorInvalidValue;
   int units32 = static_cast<int>(units);
+  SkinnyArgs args = a;
+  args.kta_div = make_fast_div(a.kb_count * kTilesPerHad);
+  args.groups_div = make_fast_div(a.groups);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(p.grid);
   cfg.blockDim = dim3(kSkinnyThreads);
@@ -127,8 +130,8 @@ cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cu
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  void* args[] = {const_cast<SkinnyArgs*>(&a), &units32};
-  return cudaLaunchKernelExC(&cfg, k.fn, args);
+  void* kargs[] = {&args, &units32};
+  return cudaLaunchKernelExC(&cfg, k.fn, kargs);
 }
 
 const char* built_archs() {

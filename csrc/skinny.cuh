@@ -27,7 +27,6 @@
 
 namespace exl3 {
 
-constexpr int kSkinnyWarps = 8;
 constexpr int kSkinnyThreads = kSkinnyWarps * kWarp;
 #ifndef EXL3_SKINNY_INFLIGHT
 #define EXL3_SKINNY_INFLIGHT 4096
@@ -107,6 +106,9 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
   float* slots = reinterpret_cast<float*>(smem + T::kRingBytes + T::kBufBytes);
   int* last_flag = reinterpret_cast<int*>(smem + T::kRingBytes + T::kBufBytes + T::kSlotBytes);
 
+  // Diagnostics: this warp's record {smid, entry, first data, last item done, exit} (VLLM_EXL3_SKINNY_TRACE).
+  unsigned long long* trace = a.trace ? a.trace + (static_cast<long long>(blockIdx.x) * kSkinnyWarps + warp) * 5 : nullptr;
+  if (trace && lane == 0) trace[0] = sm_id(), trace[1] = global_ns();
   const int kta = a.kb_count * kTilesPerHad;  // active k-tiles
   const int u_begin = floor_muldiv(blockIdx.x, units, gridDim.x);
   const int u_end = floor_muldiv(blockIdx.x + 1, units, gridDim.x);
@@ -124,14 +126,14 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
   auto locate = [&](int s, Item& it) {  // first item of this warp at or after unit s
     it.u = INT_MAX;
     while (s < u_end) {
-      const int rg = s / kta, e = min(u_end, (rg + 1) * kta);
+      const int rg = fast_div(s, a.kta_div), e = min(u_end, (rg + 1) * kta);
       if (s + warp < e) {
         const int kt = s + warp - rg * kta;
         it.u = s + warp;
         it.seg_end = e;
         it.src = a.w.data + (static_cast<long long>(a.kb0) * kTilesPerHad + kt) * a.w.row_stride +
-                 static_cast<long long>(a.g0 + rg % a.groups) * kTilesPerHad * a.w.tile_stride;
-        it.xsrc = static_cast<const __half*>(a.xh) + (rg / a.groups) * T::kRows * xh_stride + kt * kTile;
+                 static_cast<long long>(a.g0 + fast_mod(rg, a.groups_div)) * kTilesPerHad * a.w.tile_stride;
+        it.xsrc = static_cast<const __half*>(a.xh) + fast_div(rg, a.groups_div) * T::kRows * xh_stride + kt * kTile;
         return;
       }
       s = e;
@@ -166,7 +168,8 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
                  it.xsrc + x_copy_src);
   };
 
-  LaneWindows<kBits2> lw;
+  // mul1 loads the FMA pipe (hash multiply + byte-sum dot product per weight): its window shifts go to the ALU.
+  LaneWindows<kBits2, kMul1> lw;
   lw.init(lane);
 
   // Prologue: the weights do not depend on the previous kernel, so they stream before we wait for it; the
@@ -189,13 +192,14 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
     cp_async_commit();
     cp_async_wait<0>();  // once: from here on each stage's tiles and activations share one commit group
     __syncwarp();
+    if (trace && lane == 0) trace[2] = global_ns();
   }
 
   int slot = 0, pf_slot = T::kStages - 1;
   for (int seg = u_begin; seg < u_end;) {
-    const int rg_seg = seg / kta;
+    const int rg_seg = fast_div(seg, a.kta_div);
     const int seg_end = min(u_end, (rg_seg + 1) * kta);
-    const int chunk = rg_seg / a.groups, group = rg_seg % a.groups;
+    const int chunk = fast_div(rg_seg, a.groups_div), group = rg_seg - chunk * a.groups;
     float acc[T::kNT][kMT][4];
 #pragma unroll
     for (int nt = 0; nt < T::kNT; ++nt)
@@ -253,6 +257,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
       slot = slot + 1 == T::kStages ? 0 : slot + 1;
     }
 
+    if (trace && lane == 0) trace[3] = global_ns();
     // ---- segment epilogue: sum the warps' partials in shared memory (fixed warp order: deterministic) ----
     const int row0 = chunk * T::kRows;
     const int valid_rows = min(T::kRows, a.rows - row0);
@@ -284,7 +289,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
       }
     }
     __syncthreads();  // buf complete
-    const bool whole = (seg % kta == 0) && (seg_end - seg == kta);
+    const bool whole = seg == rg_seg * kta && seg_end - seg == kta;
     bool finalize = whole;
     if (!whole) {
       // Split column group: park this block's partial sum in its own slot; the block that completes the group
@@ -353,6 +358,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
     }
     seg = seg_end;
   }
+  if (trace && lane == 0) trace[4] = global_ns();
 }
 
 // Host side of one instantiation: kernel pointer and dynamic shared memory.

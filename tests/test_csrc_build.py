@@ -141,3 +141,15 @@ def test_lane_decoder_matches_reference(decode_host, codebook, bits2):
         hi = torch.from_numpy((cw >> 16).astype(np.uint16).view(np.float16).astype(np.float32))
         value = (lo + hi).half().float()
     assert torch.equal(value, lut)
+
+
+def test_fast_division_matches_integer_division(tmp_path):
+    """exl3::FastDiv (skinny kernel bookkeeping) equals n / d and n % d for n < 2^31, divisors 1 .. 2^31 - 1."""
+    nvcc = _require("nvcc")
+    exe = tmp_path / "fast_div_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "csrc" / "fast_div_host.cpp"), "-o",
+                        str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ok "), out.stdout + out.stderr
+    assert int(out.stdout.split()[1]) > 10_000_000
