@@ -32,10 +32,12 @@ constexpr int kSkinnyThreads = kSkinnyWarps * kWarp;
 #define EXL3_SKINNY_INFLIGHT 4096
 #endif
 constexpr int kSkinnyInFlight = EXL3_SKINNY_INFLIGHT;  // bytes of trellis per warp in flight (NOTES)
-// Blocks per SM for 1-8 rows (9-16 rows: 2). The kernel is latency-bound (ncu: IPC 2 of 4), so resident warps
-// matter; the register cap this implies is 80 at 3 blocks. Overridable at build time for tuning runs.
+// Blocks per SM for 1-8 rows (9-16 rows: 2). Two blocks (16 warps, up to 128 registers) beat three (24 warps, 80
+// registers) by 7 % on the H200: with 80 registers ptxas serializes the decode of one tile into a single chain of
+// four codewords per MMA, and the longer per-warp runs amortize the prologue (bench/NOTES.md, run v2-3).
+// Overridable at build time for tuning runs.
 #ifndef EXL3_SKINNY_MIN_BLOCKS
-#define EXL3_SKINNY_MIN_BLOCKS 3
+#define EXL3_SKINNY_MIN_BLOCKS 2
 #endif
 constexpr int kSkinnyMinBlocks1 = EXL3_SKINNY_MIN_BLOCKS;
 constexpr int kSkinnySlotRows = 2;  // activation rows per pass of the cross-warp reduction
