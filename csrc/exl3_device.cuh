@@ -29,6 +29,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
+// The same with the shared-memory address already in the shared window (see __cvta_generic_to_shared).
+__device__ __forceinline__ void cp_async16_s(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
@@ -126,6 +130,13 @@ __device__ __forceinline__ unsigned sm_id() {
   unsigned id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
   return id;
+}
+
+// The same value, through an identity shuffle: ptxas keeps it in a register instead of rematerializing the
+// arithmetic that produced it (it does that for values derived from the thread index, even inside hot loops).
+template <typename T>
+__device__ __forceinline__ T pin(T v) {
+  return static_cast<T>(__shfl_sync(0xFFFFFFFFu, static_cast<int>(v), threadIdx.x % kWarp));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -121,6 +121,8 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
   // row chunk), segments in order. Divisions happen once per segment, not per item.
   struct Item {
     int u, seg_end;
+    int xlanes;          // lanes that copy activations: two per valid row of the chunk (padding rows stay stale:
+                         // an MMA output row depends on its own activation row only, and padding rows are dropped)
     const int16_t* src;  // first tile of this item's k-tile row in the column group
     const __half* xsrc;  // first activation row of the row chunk at this k-tile
   };
@@ -135,7 +137,9 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
         it.seg_end = e;
         it.src = a.w.data + (static_cast<long long>(a.kb0) * kTilesPerHad + kt) * a.w.row_stride +
                  static_cast<long long>(a.g0 + fast_mod(rg, a.groups_div)) * kTilesPerHad * a.w.tile_stride;
-        it.xsrc = static_cast<const __half*>(a.xh) + fast_div(rg, a.groups_div) * T::kRows * xh_stride + kt * kTile;
+        const int chunk = fast_div(rg, a.groups_div);
+        it.xlanes = 2 * min(T::kRows, a.rows - chunk * T::kRows);
+        it.xsrc = static_cast<const __half*>(a.xh) + chunk * T::kRows * xh_stride + kt * kTile;
         return;
       }
       s = e;
@@ -148,26 +152,34 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
     if (it.u >= it.seg_end) locate(it.seg_end, it);
   };
   // Each lane copies 16-byte chunks lane, lane + 32, ... of an item's tiles (packed in shared memory) and chunk
-  // `lane` of its activations (row lane / 2, half lane % 2 of the 16 k).
+  // `lane` of its activations (row lane / 2, half lane % 2 of the 16 k). The per-lane offsets are fixed 32-bit
+  // numbers computed here once (per-item address arithmetic was ~15 % of the loop's instructions).
   int copy_src[T::kCopyIters];
 #pragma unroll
   for (int i = 0; i < T::kCopyIters; ++i) {
     const int c = lane + i * kWarp;
     copy_src[i] = (c / TB::kChunks16) * a.w.tile_stride + (c % TB::kChunks16) * 8;
   }
-  const long long x_copy_src = (lane / 2) * xh_stride + (lane % 2) * 8;
+  int x_copy_src = (lane / 2) * static_cast<int>(xh_stride) + (lane % 2) * 8;
+  uint32_t ring_lane = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + lane * 16;
+  uint32_t x_lane = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + T::kItemBytes +
+                    (lane / 2) * T::kXRowBytes + (lane % 2) * 16;
+  // Pinned: ptxas would otherwise recompute them from the thread index in every iteration.
+#pragma unroll
+  for (int i = 0; i < T::kCopyIters; ++i) copy_src[i] = pin(copy_src[i]);
+  x_copy_src = pin(x_copy_src);
+  ring_lane = pin(ring_lane);
+  x_lane = pin(x_lane);
   auto copy_tiles = [&](const Item& it, int slot) {
     if (it.u == INT_MAX) return;
-    unsigned char* dst = ring + slot * T::kStageBytes + lane * 16;
+    const uint32_t dst = ring_lane + slot * T::kStageBytes;
 #pragma unroll
     for (int i = 0; i < T::kCopyIters; ++i)
       if ((T::kNT * TB::kChunks16) % kWarp == 0 || lane + i * kWarp < T::kNT * TB::kChunks16)
-        cp_async16(dst + i * kWarp * 16, it.src + copy_src[i]);
+        cp_async16_s(dst + i * kWarp * 16, it.src + copy_src[i]);
   };
   auto copy_x = [&](const Item& it, int slot) {
-    if (it.u != INT_MAX && lane < T::kXChunks)
-      cp_async16(ring + slot * T::kStageBytes + T::kItemBytes + (lane / 2) * T::kXRowBytes + (lane % 2) * 16,
-                 it.xsrc + x_copy_src);
+    if (it.u != INT_MAX && lane < it.xlanes) cp_async16_s(x_lane + slot * T::kStageBytes, it.xsrc + x_copy_src);
   };
 
   // mul1 loads the FMA pipe (hash multiply + byte-sum dot product per weight): its window shifts go to the ALU.
