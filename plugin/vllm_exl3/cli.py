@@ -213,8 +213,9 @@ def _info(p: argparse.ArgumentParser):
 
 @command("load-bench")
 def _load_bench(p: argparse.ArgumentParser):
-    """Cold-cache read GB/s of a pack on this disk: a raw sequential read, then `--load-format exl3_parallel`'s
-    reader at each worker count (each tensor copied to the GPU when there is one, as vLLM does)."""
+    """Cold-cache read GB/s of a pack on this disk: raw sequential reads, then `--load-format exl3_parallel`'s
+    reader at each worker count (each tensor copied to the GPU when there is one, as vLLM does), in back-to-back
+    pairs repeated round the worker counts, so a drifting disk moves both sides of each ratio."""
     p.add_argument("pack", help="model directory (or one .safetensors file)")
     p.add_argument("--workers", default="1,8", help="comma-separated worker counts (default 1,8)")
     p.add_argument("--chunk-mib", type=int, help="read size per request")
@@ -224,6 +225,7 @@ def _load_bench(p: argparse.ArgumentParser):
     p.add_argument("--limit-gb", type=float, help="measure only the first files holding this many GB")
     p.add_argument("--device", help="where tensors land (default: cuda if available, else cpu)")
     p.add_argument("--safetensors", action="store_true", help="also measure the safetensors (mmap) default")
+    p.add_argument("--repeats", type=int, default=3, help="pairs (raw reads, reader) per worker count; medians")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(a: argparse.Namespace) -> int:
@@ -240,20 +242,28 @@ def _load_bench(p: argparse.ArgumentParser):
         files = loadbench.limit_files(loadbench.pack_files(a.pack), int(a.limit_gb * GB) if a.limit_gb else None)
         if not a.json:
             err_console.print(f"measuring {format_bytes(sum(f.size for f in files))} in {len(files)} file(s) ...")
-        result = loadbench.load_bench(files, workers, base, device, with_safetensors=a.safetensors)
+        result = loadbench.load_bench(files, workers, base, device, with_safetensors=a.safetensors,
+                                      repeats=a.repeats)
         if a.json:
             print(json.dumps(result, indent=2))
             return 0
         console.print(f"{a.pack}: {format_bytes(result['bytes'])} of tensors, cold cache, chunk "
-                      f"{result['chunk_mib']} MiB, {'O_DIRECT' if base.direct_io else 'buffered'}, to {device}")
+                      f"{result['chunk_mib']} MiB, {'O_DIRECT' if base.direct_io else 'buffered'}, to {device}; "
+                      f"medians of {a.repeats}")
         t = Table()
         t.add_column("read")
         t.add_column("GB/s", justify="right")
-        t.add_row("raw sequential (dd bs=16M)", f"{result['raw_gbps']:.2f}")
+        t.add_column("vs raw (median of pairs)", justify="right")
+        reference = {"raw_sequential": "raw sequential (dd bs=16M)",
+                     "raw_sequential_fadvise": "raw sequential, fadvise(SEQUENTIAL)",
+                     "raw_direct_1": "raw O_DIRECT, 1 thread"}
+        for method, label in reference.items():
+            t.add_row(label + (" = raw" if method == result["raw_method"] else ""), f"{result[method + '_gbps']:.2f}")
         if "safetensors_gbps" in result:
             t.add_row("safetensors (vLLM default)", f"{result['safetensors_gbps']:.2f}")
         for w, gbps in result["loader_gbps"].items():
-            t.add_row(f"exl3_parallel, {w} worker{'s' if w != '1' else ''}", f"{gbps:.2f}")
+            t.add_row(f"exl3_parallel, {w} worker{'s' if w != '1' else ''}", f"{gbps:.2f}",
+                      f"{result['loader_vs_raw'][w]:.0%}")
         console.print(t)
         return 0
 
