@@ -22,9 +22,11 @@ cat "$OUT/gpu.txt"
 
 EXL_SITE=/tmp/exl/site
 if [ "${EXL:-0}" = 1 ]; then
-  export TORCH_EXTENSIONS_DIR=/tmp/exl/ext
+  # Every process that imports exllamav3 must see the same arch list as its JIT build: torch hashes the flags, and a
+  # test or bench process with another list rebuilds (430 s) or waits on the build lock (lost a device session).
+  export TORCH_EXTENSIONS_DIR=/tmp/exl/ext TORCH_CUDA_ARCH_LIST_EXL=9.0
   [ -d $EXL_SITE/exllamav3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $EXL_SITE .whl/*.whl
-  ( t0=$(date +%s); PYTHONPATH=$EXL_SITE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=10 python3 -c "import exllamav3.ext" \
+  ( t0=$(date +%s); PYTHONPATH=$EXL_SITE TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST_EXL MAX_JOBS=10 python3 -c "import exllamav3.ext" \
       > "$OUT/exl_build.log" 2>&1; echo "rc=$? seconds=$(( $(date +%s) - t0 ))" >> "$OUT/exl_build.log" ) &
   EXL_PID=$!
 fi
@@ -89,12 +91,14 @@ if has bench; then
   if [ "${EXL:-0}" = 1 ]; then
     wait "$EXL_PID"; tail -2 "$OUT/exl_build.log"
     BENCH_ARGS+=(--exllamav3)
-    PYTHONPATH="$PWD/plugin:$EXL_SITE" timeout 300 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+    PYTHONPATH="$PWD/plugin:$EXL_SITE" TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST_EXL timeout 120 \
+      python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
       -k exllamav3 > "$OUT/tests_exllamav3.log" 2>&1
     echo "exllamav3 backend test rc=$?"; tail -1 "$OUT/tests_exllamav3.log"
   fi
   GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
-  PYTHONPATH="$PWD/plugin:$EXL_SITE" python3 bench/kernels.py --out "$OUT/$GPU-kernels.json" "${BENCH_ARGS[@]}" \
+  PYTHONPATH="$PWD/plugin:$EXL_SITE" TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST_EXL:-$ARCH} \
+    python3 bench/kernels.py --out "$OUT/$GPU-kernels.json" "${BENCH_ARGS[@]}" \
     > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
   grep -v "^{" "$OUT/bench.log" | tail -70
@@ -109,5 +113,5 @@ for v in ${VARIANTS:-}; do
 done
 
 # The device returns at most 8 files: everything but the results JSON travels as one archive.
-( cd "$OUT" && tar czf logs.tgz --exclude='*-kernels.json' --exclude=logs.tgz . \
-    && find . -maxdepth 1 -type f ! -name '*-kernels.json' ! -name logs.tgz -delete )
+( cd "$OUT" && tar czf /tmp/logs.tgz --exclude='*-kernels.json' . \
+    && find . -maxdepth 1 -type f ! -name '*-kernels.json' -delete && mv /tmp/logs.tgz . )
