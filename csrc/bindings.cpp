@@ -112,7 +112,10 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     y.zero_();
     return y;
   }
-  if (path == kAuto) path = rows <= skinny_max_rows() ? kSkinny : kReconstruct;
+  if (path == kAuto)
+    path = rows <= skinny_max_rows() && exl3::skinny_fits_device(w.codebook, w.bits2, static_cast<int>(rows))
+               ? kSkinny
+               : kReconstruct;
 
   exl3::InputTransformArgs it{};
   it.x = x.data_ptr();

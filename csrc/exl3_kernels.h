@@ -104,6 +104,9 @@ struct SkinnyPlan {
 // Picks the variant and grid for a call. force_split / force_dup < 0: automatic; 0/1 force (tests, bench).
 SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup);
 cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& plan, bool pdl, cudaStream_t stream);
+// Whether the skinny kernel for this codebook, width and row count fits the current device (its shared memory:
+// the widest variants need more than the 99 KB per block of sm_12x parts); `auto` falls back to reconstruct + cuBLAS.
+bool skinny_fits_device(int codebook, int bits2, int rows);
 
 // Ŵ (rotated basis, bit-exact with the reference) of the active part: out [kb_count*128, groups*128] row-major,
 // fp16 or bf16 (bf16 is Ŵ rounded once more).

@@ -109,6 +109,14 @@ SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup) {
   return p;
 }
 
+bool skinny_fits_device(int codebook, int bits2, int rows) {
+  SkinnyArgs a{};
+  a.w.codebook = codebook;
+  a.w.bits2 = bits2;
+  const SkinnyKernel k = pick(a, rows <= 8 ? 1 : 2, env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
+  return k.fn && prepare_kernel(k, current_device()) > 0;
+}
+
 cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cudaStream_t stream) {
   const SkinnyKernel k = pick(a, p.rows_per_chunk / 8, p.dup);
   if (!k.fn) return cudaErrorInvalidValue;
