@@ -58,9 +58,11 @@ struct SkinnyTraits {
   // the eight slots in warp order (one pass per row pair instead of eight serial warp turns).
   static constexpr int kSlotBytes = kSkinnyWarps * kSkinnySlotRows * kBufStride * 4;
   static constexpr int kMinBlocks = kMT == 1 ? kSkinnyMinBlocks1 : 2;
-  // Ring depth: kSkinnyInFlight bytes of tiles per warp, at least 3 stages, within the shared memory that lets
-  // kMinBlocks blocks share an SM (228 KB, 1 KB reserved per block).
-  static constexpr int kSmemBudget = (228 / kMinBlocks - 4) * 1024;
+  // Ring depth: kSkinnyInFlight bytes of tiles per warp, at least 4 stages, within the shared memory that lets
+  // kMinBlocks blocks share a Hopper SM (228 KB, 1 KB reserved per block) and at most 96 KB, under the 99 KB per
+  // block of sm_12x (DGX Spark).
+  static constexpr int kSmemBudgetSm = (228 / kMinBlocks - 4) * 1024;
+  static constexpr int kSmemBudget = kSmemBudgetSm < 96 * 1024 ? kSmemBudgetSm : 96 * 1024;
   static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
   static constexpr int kStagesFit = (kSmemBudget - kBufBytes - kSlotBytes - 16) / (kSkinnyWarps * kStageBytes);
   static constexpr int kStagesWanted = kStagesRaw > 12 ? 12 : kStagesRaw;
