@@ -3,7 +3,8 @@
 # vllm_exl3._C, check its SASS, run the correctness harness, benchmark. Logs and JSON go to $OUT; a short table
 # comes last on stdout.
 #
-#   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ...")      (carry: [".whl"] for ExLlamaV3)
+#   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]
+#   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ..."; VARIANTS="name:-DFLAG=1,-DOTHER=2 ..." rebuilds and re-times)      (carry: [".whl"] for ExLlamaV3)
 #
 # EXL=1 benchmarks ExLlamaV3 too (wheels from .whl, see ../shared/docs/h200-baseline.md; ~250 s JIT build, started
 # first so it overlaps our build and tests).
@@ -25,7 +26,8 @@ if [ "${EXL:-0}" = 1 ]; then
   # Every process that imports exllamav3 must see the same arch list as its JIT build: torch hashes the flags, and a
   # test or bench process with another list rebuilds (430 s) or waits on the build lock (lost a device session).
   export TORCH_EXTENSIONS_DIR=/tmp/exl/ext TORCH_CUDA_ARCH_LIST_EXL=9.0
-  [ -d $EXL_SITE/exllamav3 ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $EXL_SITE .whl/*.whl
+  [ -d $EXL_SITE/exllamav3 ] ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $EXL_SITE .whl/*.whl
   ( t0=$(date +%s); PYTHONPATH=$EXL_SITE TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST_EXL MAX_JOBS=10 python3 -c "import exllamav3.ext" \
       > "$OUT/exl_build.log" 2>&1; echo "rc=$? seconds=$(( $(date +%s) - t0 ))" >> "$OUT/exl_build.log" ) &
   EXL_PID=$!

@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
   int* last_flag = reinterpret_cast<int*>(smem + T::kRingBytes + T::kBufBytes + T::kSlotBytes);
 
   // Diagnostics: this warp's record {smid, entry, first data, last item done, exit} (VLLM_EXL3_SKINNY_TRACE).
-  unsigned long long* trace = a.trace ? a.trace + (static_cast<long long>(blockIdx.x) * kSkinnyWarps + warp) * 5 : nullptr;
+  unsigned long long* trace =
+      a.trace ? a.trace + (static_cast<long long>(blockIdx.x) * kSkinnyWarps + warp) * 5 : nullptr;
   if (trace && lane == 0) trace[0] = sm_id(), trace[1] = global_ns();
   const int kta = a.kb_count * kTilesPerHad;  // active k-tiles
   const int u_begin = floor_muldiv(blockIdx.x, units, gridDim.x);
