@@ -86,11 +86,11 @@ __host__ __device__ inline int skinny_block_of(long long u, long long units, lon
 }
 // floor(a * b / c) for a * b < 2^53: in double precision (the correctly rounded quotient of two exact integers
 // cannot cross an integer here, since c < 2^31), far cheaper on the device than a 64-bit integer division.
-__device__ __forceinline__ int floor_muldiv(int a, int b, int c) {
+__host__ __device__ __forceinline__ int floor_muldiv(int a, int b, int c) {
   return static_cast<int>(floor(static_cast<double>(a) * b / c));
 }
 // skinny_block_of without the 64-bit integer division: ceil(n / units) - 1 = floor(n / units) - (units divides n).
-__device__ __forceinline__ int skinny_block_of_dev(int u, int units, int grid) {
+__host__ __device__ __forceinline__ int skinny_block_of_dev(int u, int units, int grid) {
   const long long n = static_cast<long long>(u + 1) * grid;
   const int q = floor_muldiv(u + 1, grid, units);
   return q - (static_cast<long long>(q) * units == n);

@@ -153,3 +153,15 @@ def test_fast_division_matches_integer_division(tmp_path):
     out = subprocess.run([str(exe)], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("ok "), out.stdout + out.stderr
     assert int(out.stdout.split()[1]) > 10_000_000
+
+
+def test_stream_k_bookkeeping_matches_integer_forms(tmp_path):
+    """The skinny kernel's division-free block ranges and group-to-block mapping equal the host's exact forms."""
+    nvcc = _require("nvcc")
+    exe = tmp_path / "stream_k_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, str(ROOT / "tests" / "csrc" / "stream_k_host.cu"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ok "), out.stdout + out.stderr
+    assert int(out.stdout.split()[1]) > 100_000
