@@ -536,3 +536,17 @@ def test_everything_in_place_byte_identical_to_safetensors(tmp_path, monkeypatch
     assert last_load_stats().inplace_bytes > 0
     for path in FIXTURE_FILES:
         assert_identical({n: t.clone() for n, t in read_tensors([path], options)}, load_file(path))
+
+
+def test_large_fresh_destinations_ask_for_huge_pages(tmp_path, monkeypatch):
+    """Fresh host destinations of >= 4 MiB are advised MADV_HUGEPAGE before the read writes them; bytes unchanged."""
+    advised = []
+    real = L.advise_huge_pages
+    monkeypatch.setattr(L, "advise_huge_pages", lambda buffer: advised.append(buffer.numel()) or real(buffer))
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(5 * MIB // 4 + 3, generator=g)
+    small = torch.randn(1000, generator=g)
+    path = write_raw_safetensors(tmp_path / "h.safetensors", [("big", big, 0), ("small", small, 0)], data_phase=8)
+    got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=MIB))}
+    assert_identical(got, {"big": big, "small": small})
+    assert advised == [big.nbytes + 4096]  # the phased allocation, once; the small tensor is not advised
