@@ -119,7 +119,7 @@ def test_read_ahead_is_bounded_by_the_ring(tmp_path):
     admitted_beside_oversized = []
 
     class Watched(L.ParallelRead):
-        def _allocate(self, nbytes):
+        def _allocate(self, nbytes, *phase):
             if nbytes > options.ring_bytes:
                 assert not self._oversized  # never two larger than the ring at once
                 peaks["oversized"] = max(peaks["oversized"], nbytes)
@@ -127,7 +127,7 @@ def test_read_ahead_is_bounded_by_the_ring(tmp_path):
                 peaks["ring"] = max(peaks["ring"], self._outstanding + nbytes)
                 if self._oversized:
                     admitted_beside_oversized.append(self.plan.tensors[self._admitted].name)
-            return super()._allocate(nbytes)
+            return super()._allocate(nbytes, *phase)
 
     got = {}
     for name, tensor in Watched(plan, options):
@@ -317,3 +317,236 @@ def test_load_bench_command_json(tmp_path):
         ratios = sorted(p["loader"] / p[raw] for p in pairs)
         assert result["loader_vs_raw"][w] == pytest.approx(ratios[1], abs=1e-3)
         assert result["loader_gbps"][w] == sorted(p["loader"] for p in pairs)[1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# host destinations read in place (no bounce copy): alignment phases, heads and tails, failures mid-read
+# ------------------------------------------------------------------------------------------------------------
+def write_raw_safetensors(path: Path, entries: list[tuple[str, torch.Tensor, int]], data_phase: int = 0) -> Path:
+    """A safetensors file laid out by hand: each `(name, tensor, gap)` starts `gap` bytes after the previous one's
+    end, and the header is padded with spaces so that the data starts at `data_phase` modulo 4096: tests choose
+    every tensor's file offset modulo 4096
+    (writers such as safetensors' own keep offsets aligned; other files need not). A negative gap overlaps the
+    previous tensor (aliases; allowed by the format)."""
+    header, blobs, pos = {}, [], 0
+    for name, tensor, gap in entries:
+        pos += gap
+        data = as_bytes(tensor.contiguous()).numpy().tobytes()
+        dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16",
+                 torch.uint8: "U8", torch.int64: "I64"}[tensor.dtype]
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [pos, pos + len(data)]}
+        blobs.append((pos, data))
+        pos += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * ((data_phase - 8 - len(raw)) % 4096)
+    body = bytearray(max((p + len(d) for p, d in blobs), default=0))
+    for p, d in blobs:
+        body[p:p + len(d)] = d
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(body))
+    return path
+
+
+def file_reference(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `path` by plain seek-and-read (safetensors' own reader refuses gaps and aliases)."""
+    out = {}
+    with open(path, "rb") as f:
+        for rec in read_safetensors_header(path).tensors.values():
+            f.seek(rec.offset)
+            data = bytearray(f.read(rec.nbytes))
+            out[rec.name] = torch.frombuffer(data, dtype=torch.uint8).view(L.TORCH_DTYPES[rec.dtype]).reshape(rec.shape)
+    return out
+
+
+def phase_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor, int]]:
+    """Tensors whose file offsets fall on many phases modulo 4096, with heads and tails sharing blocks with their
+    neighbours, tensors spanning chunks, exact block multiples, a tensor inside one block, and gaps."""
+    g = torch.Generator().manual_seed(seed)
+    u8 = lambda n: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)  # noqa: E731
+    return [
+        ("a.u8", u8(3 * 4096 + 17), 0),  # starts mid-block (after the header), ends mid-block
+        ("b.u8", u8(4096), 0),  # exactly one block long, on no block boundary
+        ("c.f32", torch.randn(5000, generator=g), 3),  # element-aligned offset after a 3-byte gap
+        ("d.bf16", torch.randn(9001, generator=g).bfloat16(), 0),
+        ("e.u8", u8(100), 0),  # inside one block: no aligned middle, through the slot
+        ("f.u8", u8(8 * 4096), 4096 - 5),  # spans several chunks of the small-chunk options below
+        ("g.i16", torch.randint(-9, 9, (12345,), dtype=torch.int16, generator=g), 1),  # odd offset: not in place
+        ("h.u8", u8(2 * 4096 + 1), 0),
+        ("i.f16", torch.randn(4097, generator=g).half(), 0),
+        ("j.u8", u8(20000), 7),
+    ]
+
+
+@pytest.mark.parametrize("data_phase", [0, 1, 8, 2050, 4095])
+@pytest.mark.parametrize("options", [ReaderOptions(workers=1, chunk_bytes=8192, ring_bytes=65536),
+                                     ReaderOptions(workers=3, chunk_bytes=16384, ring_bytes=16384),
+                                     ReaderOptions(workers=2, chunk_bytes=MIB),
+                                     ReaderOptions(workers=3, chunk_bytes=8192, ring_bytes=16384, direct_io=False)],
+                         ids=["1w-8k", "3w-16k", "2w-1m", "3w-8k-buffered"])
+def test_inplace_reads_every_alignment_phase(tmp_path, monkeypatch, options, data_phase):
+    """Every tensor at least one byte large may be read in place: their aligned blocks go straight into the
+    destination (O_DIRECT must accept the scatter read: it stays on), heads, tails and small tensors through the
+    slot; the bytes are the file's."""
+    monkeypatch.setattr(L, "INPLACE_MIN_BYTES", 1)
+    entries = phase_tensors()
+    path = write_raw_safetensors(tmp_path / "phases.safetensors", entries, data_phase)
+    header = read_safetensors_header(path)
+    offsets = {name: header.tensors[name].offset for name, _, _ in entries}
+    assert len({o % 4096 for o in offsets.values()}) == len(entries)  # all phases differ
+    got = {}
+    for name, tensor in read_tensors([path], options):
+        if offsets[name] % tensor.element_size() == 0:  # in place: the address has the file offset's phase
+            assert (tensor.data_ptr() - offsets[name]) % 4096 == 0, name
+        else:  # an offset a wider dtype cannot be viewed at: an ordinary (aligned) destination, through the slot
+            assert tensor.data_ptr() % tensor.element_size() == 0, name
+        got[name] = tensor.clone()
+    assert_identical(got, file_reference(path))
+    assert_identical(got, {name: t for name, t, _ in entries})
+    stats = last_load_stats()
+    assert stats.direct_io is options.direct_io
+    assert 0 < stats.inplace_bytes < stats.bytes
+
+
+def test_inplace_threshold_keeps_small_tensors_in_the_slot(tmp_path):
+    """At the default threshold the fixture-sized tensors are copied from the slot and large ones read in place."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(L.INPLACE_MIN_BYTES // 4 + 1000, generator=g)
+    small = torch.randn(100, generator=g)
+    path = write_raw_safetensors(tmp_path / "m.safetensors", [("big", big, 0), ("small", small, 0)], data_phase=8)
+    got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=64 * 1024))}
+    assert_identical(got, {"big": big, "small": small})
+    inplace = last_load_stats().inplace_bytes
+    assert big.nbytes - 2 * 4096 < inplace <= big.nbytes  # all of big but its head and tail blocks
+
+
+def test_overlapping_tensors_go_through_the_slot(tmp_path, monkeypatch):
+    """Two tensors sharing bytes (aliases) cannot both receive them from one scatter read: the chunk is copied."""
+    monkeypatch.setattr(L, "INPLACE_MIN_BYTES", 1)
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(0, 256, (5 * 4096,), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8, generator=g)
+    path = write_raw_safetensors(tmp_path / "alias.safetensors", [("a", a, 0), ("b", b, -4096 - 10)])
+    got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=MIB))}
+    assert_identical(got, file_reference(path))
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o-direct", "buffered"])
+def test_inplace_short_reads_resume_at_the_right_byte(tmp_path, monkeypatch, direct_io):
+    """The kernel may return less than asked (a scatter read stops mid-iovec): the next read resumes in the right
+    segment at the right byte."""
+    monkeypatch.setattr(L, "INPLACE_MIN_BYTES", 1)
+    path = write_raw_safetensors(tmp_path / "p.safetensors", phase_tensors(3), data_phase=124)
+    real = L.read_into
+    cap = 3 * 4096 if direct_io else 5000  # O_DIRECT returns whole blocks except at end of file
+    calls = []
+
+    def short(fd, buffers, offset):
+        views, left = [], cap
+        for b in buffers:
+            m = memoryview(b).cast("B")
+            if left:
+                views.append(m[:left])
+                left -= len(views[-1])
+        calls.append(offset)
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(L, "read_into", short)
+    got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=65536,
+                                                                       direct_io=direct_io))}
+    assert_identical(got, file_reference(path))
+    assert len(calls) > len(plan_reads([read_safetensors_header(path)], 65536).chunks)  # chunks took several
+    assert last_load_stats().direct_io is direct_io and last_load_stats().inplace_bytes > 0
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o-direct", "buffered"])
+def test_inplace_file_truncated_mid_tensor(tmp_path, monkeypatch, direct_io):
+    """The file shrinks inside a tensor's in-place middle after the header was read: a short read names file,
+    offset and tensor; neither it nor anything after it is handed out."""
+    monkeypatch.setattr(L, "INPLACE_MIN_BYTES", 1)
+    path = write_raw_safetensors(tmp_path / "p.safetensors", phase_tensors(4), data_phase=77)
+    header = read_safetensors_header(path)
+    victim = header.tensors["f.u8"]
+    cut = victim.offset + 5 * 4096 + 300  # inside its aligned middle, in the chunk after its first
+    os.truncate(path, cut)
+    yielded = []
+    with pytest.raises(PackReadError) as err:
+        for name, _ in read_tensors([header], ReaderOptions(workers=1, chunk_bytes=16384, ring_bytes=65536,
+                                                            direct_io=direct_io)):
+            yielded.append(name)
+    e = err.value
+    assert (e.file, e.offset, e.tensor) == (str(path), cut, "f.u8")  # O_DIRECT too: a partial block at the end
+    assert f"end of file: the file is now {cut} bytes" in str(e)
+    assert "f.u8" not in yielded and not {"g.i16", "h.u8", "i.f16", "j.u8"} & set(yielded)
+    assert not [t for t in threading.enumerate() if t.name.startswith("exl3-loader")]
+
+
+def test_inplace_io_error_mid_tensor(tmp_path, monkeypatch):
+    """EIO on a read whose bytes go straight into a destination: the load stops, naming file and offset, and the
+    partly written tensor is never handed out."""
+    monkeypatch.setattr(L, "INPLACE_MIN_BYTES", 1)
+    path = write_raw_safetensors(tmp_path / "p.safetensors", phase_tensors(5), data_phase=900)
+    victim = read_safetensors_header(path).tensors["f.u8"]
+    bad_offset = victim.offset // 4096 * 4096 + 16384  # its second chunk (a tensor larger than a chunk)
+    real = L.read_into
+
+    def faulty(fd, buffers, offset):
+        if offset == bad_offset:
+            assert len(buffers) > 0
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(L, "read_into", faulty)
+    yielded = []
+    with pytest.raises(PackReadError) as err:
+        for name, _ in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=16384, ring_bytes=65536)):
+            yielded.append(name)
+    e = err.value
+    assert (e.file, e.offset, e.tensor) == (str(path), bad_offset, "f.u8") and "Input/output error" in str(e)
+    assert "f.u8" not in yielded
+
+
+def test_inplace_buffers_recycled_at_a_new_phase(tmp_path, monkeypatch):
+    """Released in-place destinations come back for tensors of the same size at other phases: re-sliced to the new
+    phase, with the new tensor's bytes; a kept tensor is never overwritten."""
+    g = torch.Generator().manual_seed(6)
+    n = L.INPLACE_MIN_BYTES // 2 + 3  # int16: 2n bytes, so each offset moves the phase by 6
+    tensors = [(f"t{i:02d}", torch.randint(-2**15, 2**15, (n,), dtype=torch.int16, generator=g), 0)
+               for i in range(24)]
+    path = write_raw_safetensors(tmp_path / "r.safetensors", tensors, data_phase=2)
+    options = ReaderOptions(workers=2, chunk_bytes=4 * 2 * n // 4096 * 4096, ring_bytes=8 * 2 * n)
+    expected = {name: t for name, t, _ in tensors}
+    storages, kept = set(), {}
+    for name, tensor in read_tensors([path], options):
+        assert torch.equal(tensor, expected[name]), name  # checked before the memory can be reused
+        storages.add(tensor.untyped_storage().data_ptr())
+        if name in ("t03", "t11"):
+            kept[name] = tensor  # holding it: never recycled under us
+    assert len(storages) < len(tensors)  # storage came back from the pool
+    assert last_load_stats().inplace_bytes > 20 * (2 * n - 2 * 4096)
+    assert_identical(kept, {k: expected[k] for k in kept})
+
+
+@pytest.mark.parametrize("options", [TINY, ReaderOptions(workers=2), ReaderOptions(workers=3, direct_io=False)],
+                         ids=["tiny", "default-chunks", "buffered"])
+def test_everything_in_place_byte_identical_to_safetensors(tmp_path, monkeypatch, options):
+    """With every tensor eligible for in-place reads, the generated pack and the real fixture packs still come out
+    byte-identical to safetensors'."""
+    monkeypatch.setattr(L, "INPLACE_MIN_BYTES", 1)
+    pack = generated_pack(tmp_path / "pack")
+    assert_identical({n: t.clone() for n, t in read_tensors(Pack.open(pack).files, options)}, reference(pack))
+    assert last_load_stats().inplace_bytes > 0
+    for path in FIXTURE_FILES:
+        assert_identical({n: t.clone() for n, t in read_tensors([path], options)}, load_file(path))
+
+
+def test_large_fresh_destinations_ask_for_huge_pages(tmp_path, monkeypatch):
+    """Fresh host destinations of >= 4 MiB are advised MADV_HUGEPAGE before the read writes them; bytes unchanged."""
+    advised = []
+    real = L.advise_huge_pages
+    monkeypatch.setattr(L, "advise_huge_pages", lambda buffer: advised.append(buffer.numel()) or real(buffer))
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(5 * MIB // 4 + 3, generator=g)
+    small = torch.randn(1000, generator=g)
+    path = write_raw_safetensors(tmp_path / "h.safetensors", [("big", big, 0), ("small", small, 0)], data_phase=8)
+    got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=MIB))}
+    assert_identical(got, {"big": big, "small": small})
+    assert advised == [big.nbytes + 4096]  # the phased allocation, once; the small tensor is not advised

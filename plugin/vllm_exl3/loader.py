@@ -5,8 +5,11 @@ many small pageable host->device copies are ~50x slower than pinned ones (deploy
 
 * a *plan* (loadplan.py) cuts every file into chunks: consecutive small tensors share one chunk, a tensor larger
   than a chunk gets several. Chunk boundaries are aligned, so the same plan works with O_DIRECT.
-* N worker threads claim chunks in plan order, read each into their own bounce slot (pinned when the tensors go to
-  a GPU) and scatter its bytes into the destination tensors: a host memcpy, or an H2D copy on the worker's stream.
+* N worker threads claim chunks in plan order. To a GPU: each chunk is read into the worker's pinned bounce slot,
+  then copied to the destination tensors on the worker's stream (a DMA). To host memory: one scatter read
+  (`preadv`) per chunk puts the bytes of every large tensor straight into its destination, whose address is
+  allocated in the same phase as its file offset modulo `ALIGN` (so O_DIRECT can write there); only the blocks a
+  tensor shares with its neighbours, and small tensors, pass through the bounce slot and a memcpy.
 * The caller gets each tensor once all its bytes have landed, in file order then offset order, whatever order the
   reads finished in.
 * Read-ahead is bounded: destination tensors not yet handed out never exceed `ring_bytes`, plus at most one
@@ -43,6 +46,27 @@ logger = logging.getLogger("vllm_exl3.loader")
 MIB = 1 << 20
 GB = 1e9  # throughput is reported in GB/s (10^9 bytes), like disk vendors and the issue's reference numbers
 LOG_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
+# Host destinations of at least this many bytes are read in place (no bounce copy). Each costs up to ALIGN bytes
+# of over-allocation (<= 3 % at this size) to put its address in phase with its file offset; smaller tensors go
+# through the bounce slot, where a copy costs less than the over-allocation and the extra iovecs.
+INPLACE_MIN_BYTES = 128 * 1024
+# iovecs per scatter read: Linux refuses more than IOV_MAX (1024); the rest of a chunk goes through the slot.
+MAX_IOVECS = 512
+# Fresh host destinations of at least two huge pages are advised MADV_HUGEPAGE (the 2 MiB-aligned part of them)
+# before their first byte is written: the page faults of 4 KiB pages, not the reads, capped a hot-cache load on
+# the 2-core guest at ~4.8 GB/s (14 GB/s with huge pages; bench/NOTES.md). A hint: ignored where THP is off.
+HUGE_PAGE = 2 * MIB
+_MADV_HUGEPAGE = 14  # Linux
+_madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if os.name == "posix" else None
+
+
+def advise_huge_pages(buffer: torch.Tensor) -> bool:
+    """Ask for transparent huge pages under the 2 MiB-aligned interior of a host buffer not yet touched."""
+    start = -(-buffer.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (buffer.data_ptr() + buffer.numel() * buffer.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if _madvise is None or end <= start or not os.uname().sysname == "Linux":
+        return False
+    return _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
 
 
 class PackReadError(Exl3FormatError):
@@ -156,6 +180,8 @@ class LoadStats:
     # time with no read in flight between the first read and the last: what the disk lost to copies, ring waits
     # and hand-offs (a raw read's is ~0). Near 0 with `wait_seconds` near `seconds`: the disk itself set the pace.
     idle_seconds: float = 0.0
+    # bytes the kernel wrote straight into their destination tensors (host loads), not through a bounce slot
+    inplace_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -234,11 +260,21 @@ class ProgressReporter:
 # ------------------------------------------------------------------------------------------------------------
 # Reading
 # ------------------------------------------------------------------------------------------------------------
-def read_into(fd: int, buffer: memoryview, offset: int) -> int:
-    """One positional read into `buffer` (the seam tests use to inject faults). Releases the GIL."""
-    return os.preadv(fd, [buffer], offset)
+def read_into(fd: int, buffers, offset: int) -> int:
+    """One positional read into `buffers`, a writable buffer or a list of them filled in order (a scatter read:
+    the seam tests use to inject faults). Releases the GIL."""
+    return os.preadv(fd, buffers if isinstance(buffers, list) else [buffers], offset)
 
 
+def _views(segments: list[tuple[int, int, int]], start: int) -> list:
+    """Writable buffers for the bytes of `segments` ((first, end, address): chunk-relative byte ranges in order,
+    and where each lands) from chunk-relative byte `start` on."""
+    out = []
+    for first, end, address in segments:
+        skip = max(start - first, 0)
+        if end - first > skip:
+            out.append((ctypes.c_char * (end - first - skip)).from_address(address + skip))
+    return out
 
 
 class _OpenFile:
@@ -318,6 +354,8 @@ class RecycledHostBuffers:
         self._unreferenced = self._use_count(torch.empty(1, dtype=torch.uint8)) if use_count else None
 
     def put(self, buffer: torch.Tensor) -> None:
+        if buffer._base is not None:  # an ALIGN-phased view: pool the whole allocation
+            buffer = buffer._base
         if self._use_count is not None and self.bytes + buffer.numel() <= self.capacity:
             self._by_size.setdefault(buffer.numel(), []).append(buffer)
             self.bytes += buffer.numel()
@@ -370,6 +408,12 @@ class ParallelRead:
         # writing: a block the consumer freed may still be read by its queued copies into the parameters.
         self._consumer_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self._recycled = RecycledHostBuffers(options.ring_bytes) if self._consumer_stream is None else None
+        # host tensors read in place: large enough, and at an element-aligned offset (the phased address inherits
+        # the offset's alignment; a view as a wider dtype needs it)
+        self._inplace = [self._recycled is not None and t.nbytes >= INPLACE_MIN_BYTES
+                         and t.offset % TORCH_DTYPES[t.dtype].itemsize == 0
+                         for t in plan.tensors]
+        self._inplace_bytes = 0
 
     # -- the consumer side ------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -406,7 +450,8 @@ class ParallelRead:
             seconds = time.perf_counter() - start
             _last_stats = LoadStats(done, seconds, self.options.workers, self.options.chunk_bytes,
                                     self.options.ring_bytes, all(f.direct for f in self._files), len(self.plan.files),
-                                    len(self.plan.tensors), waited, str(self.device), self._idle)
+                                    len(self.plan.tensors), waited, str(self.device), self._idle,
+                                    self._inplace_bytes)
             logger.info("loaded %s (%d tensors, %d files) in %.2f s: %.2f GB/s with %d workers%s",
                         format_bytes(done), len(self.plan.tensors), len(self.plan.files), seconds, _last_stats.gbps,
                         self.options.workers, ", O_DIRECT" if _last_stats.direct_io else "")
@@ -479,13 +524,22 @@ class ParallelRead:
                     chunk = self.plan.chunks[self._next_chunk]
                     self._next_chunk += 1
                 self._admit_through(chunk.last_tensor)
+                if stream is None:  # host: large tensors' bytes straight into their destinations
+                    segments, copies, inplace = self._host_layout(chunk, slot)
+                else:  # GPU: the whole chunk into the pinned slot, then DMA
+                    segments, copies, inplace = [(0, chunk.length, slot.tensor.data_ptr())], None, 0
                 self._reading_starts()
                 try:
-                    self._read(chunk, slot)
+                    self._read(chunk, segments)
                 finally:
                     self._reading_ends()
-                self._scatter(chunk, slot, stream)
+                if stream is None:
+                    for dest, source, nbytes in copies:
+                        ctypes.memmove(dest, source, nbytes)  # GIL released
+                else:
+                    self._scatter(chunk, slot, stream)
                 with self._lock:
+                    self._inplace_bytes += inplace
                     for piece in chunk.pieces:
                         self._remaining[piece.tensor] -= piece.nbytes
                         if piece.tensor == self._wanted and not self._remaining[piece.tensor]:
@@ -513,7 +567,8 @@ class ParallelRead:
                 index = self._admitted
                 nbytes = self.plan.tensors[index].nbytes
                 if nbytes:
-                    self._dest[index] = self._allocate(nbytes)
+                    phase = self.plan.tensors[index].offset if self._inplace[index] else None
+                    self._dest[index] = self._allocate(nbytes, phase)
                     if nbytes > self.options.ring_bytes:
                         self._oversized = nbytes
                     else:
@@ -522,10 +577,20 @@ class ParallelRead:
             if self._space_waiters and self._head_fits():
                 self._ring_space.notify_all()  # room left for tensors other workers wait to admit
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
+    def _allocate(self, nbytes: int, phase: int | None = None) -> torch.Tensor:
+        """A destination of `nbytes`; on the host with `phase` (a file offset), one whose address is congruent to
+        it modulo ALIGN, so that the aligned blocks of the file map to aligned addresses of the tensor."""
         if self._consumer_stream is None:
-            recycled = self._recycled.take(nbytes)
-            return recycled if recycled is not None else torch.empty(nbytes, dtype=torch.uint8)
+            size = nbytes if phase is None else nbytes + ALIGN
+            buffer = self._recycled.take(size)
+            if buffer is None:
+                buffer = torch.empty(size, dtype=torch.uint8)
+                if size >= 2 * HUGE_PAGE:
+                    advise_huge_pages(buffer)
+            if phase is None:
+                return buffer
+            skip = (phase - buffer.data_ptr()) % ALIGN
+            return buffer[skip:skip + nbytes]
         with torch.cuda.stream(self._consumer_stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
@@ -541,14 +606,48 @@ class ParallelRead:
             if not self._reading:
                 self._idle_since = time.perf_counter()
 
-    def _read(self, chunk: Chunk, slot: AlignedBuffer) -> None:
+    def _host_layout(self, chunk: Chunk, slot: AlignedBuffer) -> tuple[list[tuple[int, int, int]],
+                                                                        list[tuple[int, int, int]], int]:
+        """Where each byte of `chunk` lands on the host: `segments` ((first, end, address) covering the chunk in
+        order) for the scatter read, then `copies` ((to, from, nbytes), from the slot) and the bytes read in place.
+
+        An in-place tensor receives the aligned blocks of its piece directly (its address is phased like its file
+        offset, so those blocks are aligned in memory too: O_DIRECT accepts them). The rest of the chunk (blocks
+        shared with a neighbour, small tensors, gaps) lands in the slot at its chunk-relative offset; from there a
+        tensor's head and tail, and each small tensor whole, are copied out after the read."""
+        base = slot.tensor.data_ptr()
+        pieces = chunk.pieces
+        overlapping = any(a.chunk_offset + a.nbytes > b.chunk_offset for a, b in zip(pieces, pieces[1:]))
+        segments, copies = [], []
+        pos = inplace = 0  # chunk-relative: the bytes before `pos` have a segment
+        for p in pieces:
+            address = self._dest[p.tensor].data_ptr() + p.tensor_offset  # of the piece's first byte
+            lo, hi = -(-p.chunk_offset // ALIGN) * ALIGN, (p.chunk_offset + p.nbytes) // ALIGN * ALIGN
+            if self._inplace[p.tensor] and not overlapping and hi > lo and len(segments) + 2 < MAX_IOVECS:
+                if lo > pos:
+                    segments.append((pos, lo, base + pos))
+                segments.append((lo, hi, address + lo - p.chunk_offset))
+                pos = hi
+                inplace += hi - lo
+                if lo > p.chunk_offset:
+                    copies.append((address, base + p.chunk_offset, lo - p.chunk_offset))
+                if p.chunk_offset + p.nbytes > hi:
+                    copies.append((address + hi - p.chunk_offset, base + hi, p.chunk_offset + p.nbytes - hi))
+            else:
+                copies.append((address, base + p.chunk_offset, p.nbytes))
+        if pos < chunk.length:
+            segments.append((pos, chunk.length, base + pos))
+        return segments, copies, inplace
+
+    def _read(self, chunk: Chunk, segments: list[tuple[int, int, int]]) -> None:
+        """Read the chunk's bytes (at least `needed`) into `segments`, resuming after short reads."""
         f = self._files[chunk.file]
         got = 0
         while got < chunk.needed:
             fd, direct = f.fd, f.direct
             offset = chunk.offset + got
             try:
-                n = read_into(fd, slot.view[got:chunk.length], offset)
+                n = read_into(fd, _views(segments, got), offset)
             except OSError as e:
                 if direct and e.errno == errno.EINVAL and got == 0:
                     f.fall_back_to_buffered(fd)
@@ -574,12 +673,7 @@ class ParallelRead:
                              f"{chunk.needed - rel} readable bytes", found)
 
     def _scatter(self, chunk: Chunk, slot: AlignedBuffer, stream) -> None:
-        if stream is None:
-            base = slot.tensor.data_ptr()
-            for p in chunk.pieces:
-                dest = self._dest[p.tensor]
-                ctypes.memmove(dest.data_ptr() + p.tensor_offset, base + p.chunk_offset, p.nbytes)  # GIL released
-            return
+        """GPU destinations: the chunk's bytes from the pinned slot, on the worker's stream."""
         with torch.cuda.stream(stream):
             stream.wait_stream(self._consumer_stream)
             for p in chunk.pieces:
