@@ -160,6 +160,24 @@ def test_strided_input_and_many_rows():
         assert rel(run(x, w, path), ref) < BOUND[torch.float16]
 
 
+def test_skinny_trace_is_a_consistent_timeline(monkeypatch):
+    """VLLM_EXL3_SKINNY_TRACE (bench --trace): every warp of the launch leaves entry <= first data <= last item
+    <= exit on one SM of this device, and tracing leaves the result bitwise unchanged."""
+    w = random_weights(1024, 2048, 4, "mul1", seed=21, device=DEV)
+    x = torch.randn(3, 1024, device=DEV, dtype=torch.float16)
+    plain = run(x, w, native.PATH_SKINNY_SPLIT)
+    monkeypatch.setenv("VLLM_EXL3_SKINNY_TRACE", "1")
+    traced = run(x, w, native.PATH_SKINNY_SPLIT)
+    torch.cuda.synchronize()
+    t = torch.ops.vllm_exl3.skinny_trace().cpu()  # [blocks, warps, {smid, entry, data, loop end, exit}]
+    assert torch.equal(plain, traced)
+    assert t.dim() == 3 and t.shape[2] == 5 and t.shape[0] >= 1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((t[..., 0] >= 0) & (t[..., 0] < sms)).all()
+    assert (t[..., 1] > 0).all()
+    assert (t[..., 1] <= t[..., 2]).all() and (t[..., 2] <= t[..., 3]).all() and (t[..., 3] <= t[..., 4]).all()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the op as vLLM calls it; CUDA graphs; fake implementations; coexistence with the Python-defined ops
 # ---------------------------------------------------------------------------------------------------------------
