@@ -36,8 +36,8 @@ fi
 # Built through torch's JIT loader with setup.py's own sources and flags (independent of the image's setuptools);
 # the library lands where `import vllm_exl3._C` finds it. build DIR [extra nvcc flags...]
 build() {
-  local dir=$1; shift
-  local t0=$(date +%s)
+  local dir=$1 t0; shift
+  t0=$(date +%s)
   TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=${MAX_JOBS:-8} BUILD_DIR="$dir" EXTRA_NVCC="$*" python3 - \
     > "$OUT/build$(basename "$dir").log" 2>&1 <<'PY'
 import os, shutil, sys, sysconfig
@@ -109,7 +109,8 @@ fi
 # VARIANTS="name:-DFLAG=1 name2:-DFLAG=2": rebuild with extra nvcc flags and time the quick table for each (tuning).
 for v in ${VARIANTS:-}; do
   name=${v%%:*}; flags=${v#*:}
-  build "/tmp/vx-build-$name" ${flags//,/ }
+  read -ra extra <<< "${flags//,/ }"
+  build "/tmp/vx-build-$name" "${extra[@]}"
   python3 bench/kernels.py --quick --iters 30 --out "$OUT/variant-$name.json" > "$OUT/variant-$name.log" 2>&1
   echo "variant $name rc=$?"; grep -v "^{" "$OUT/variant-$name.log" | tail -20
 done
