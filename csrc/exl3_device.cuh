@@ -24,13 +24,9 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 16-byte global->shared copy that bypasses L1 (weights are read once).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-// The same with the shared-memory address already in the shared window (see __cvta_generic_to_shared).
-__device__ __forceinline__ void cp_async16_s(uint32_t smem, const void* gmem) {
+// 16-byte global->shared copy that bypasses L1 (weights are read once); `smem` is a shared-window address
+// (__cvta_generic_to_shared), which callers compute once per lane.
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -52,19 +48,6 @@ __device__ __forceinline__ void griddep_wait() {
 __device__ __forceinline__ void griddep_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// Four fp32 adds into global memory (split-K partial sums; L2 atomics).
-__device__ __forceinline__ void red_add_f32x4(float* gmem, float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
-#else
-  atomicAdd(gmem + 0, a);
-  atomicAdd(gmem + 1, b);
-  atomicAdd(gmem + 2, c);
-  atomicAdd(gmem + 3, d);
 #endif
 }
 

@@ -179,10 +179,10 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
 #pragma unroll
     for (int i = 0; i < T::kCopyIters; ++i)
       if ((T::kNT * TB::kChunks16) % kWarp == 0 || lane + i * kWarp < T::kNT * TB::kChunks16)
-        cp_async16_s(dst + i * kWarp * 16, it.src + copy_src[i]);
+        cp_async16(dst + i * kWarp * 16, it.src + copy_src[i]);
   };
   auto copy_x = [&](const Item& it, int slot) {
-    if (it.u != INT_MAX && lane < it.xlanes) cp_async16_s(x_lane + slot * T::kStageBytes, it.xsrc + x_copy_src);
+    if (it.u != INT_MAX && lane < it.xlanes) cp_async16(x_lane + slot * T::kStageBytes, it.xsrc + x_copy_src);
   };
 
   // mul1 loads the FMA pipe (hash multiply + byte-sum dot product per weight): its window shifts go to the ALU.
