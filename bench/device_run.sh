@@ -4,7 +4,8 @@
 # comes last on stdout.
 #
 #   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]
-#   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ..."; VARIANTS="name:-DFLAG=1,-DOTHER=2 ..." rebuilds and re-times)      (carry: [".whl"] for ExLlamaV3)
+#   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ..."; VARIANTS="name:-DFLAG=1,-DOTHER=2 ..." rebuilds and re-times,
+#   VARIANT_ARGS="--trace 4096,14336,4,mul1,1" adds bench arguments to those runs)      (carry: [".whl"] for ExLlamaV3)
 #
 # EXL=1 benchmarks ExLlamaV3 too (wheels from .whl, see ../shared/docs/h200-baseline.md; ~250 s JIT build, started
 # first so it overlaps our build and tests).
@@ -111,7 +112,9 @@ for v in ${VARIANTS:-}; do
   name=${v%%:*}; flags=${v#*:}
   read -ra extra <<< "${flags//,/ }"
   build "/tmp/vx-build-$name" "${extra[@]}"
-  python3 bench/kernels.py --quick --iters 30 --out "$OUT/variant-$name.json" > "$OUT/variant-$name.log" 2>&1
+  read -ra vargs <<< "${VARIANT_ARGS:-}"
+  python3 bench/kernels.py --quick --iters 30 "${vargs[@]}" --out "$OUT/variant-$name.json" \
+    > "$OUT/variant-$name.log" 2>&1
   echo "variant $name rc=$?"; grep -v "^{" "$OUT/variant-$name.log" | tail -20
 done
 
