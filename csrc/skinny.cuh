@@ -40,13 +40,6 @@ constexpr int kSkinnyInFlight = EXL3_SKINNY_INFLIGHT;  // bytes of trellis per w
 #define EXL3_SKINNY_MIN_BLOCKS 2
 #endif
 constexpr int kSkinnyMinBlocks1 = EXL3_SKINNY_MIN_BLOCKS;
-// Block barrier every this many items of a segment (power of two; 0 = none): equal-work warps otherwise drift apart
-// (the scheduler favours some), and the block then runs its tail with few warps. Tuning knob (bench/NOTES.md).
-#ifndef EXL3_SKINNY_SYNC_EVERY
-#define EXL3_SKINNY_SYNC_EVERY 0
-#endif
-constexpr int kSkinnySyncEvery = EXL3_SKINNY_SYNC_EVERY;
-static_assert((kSkinnySyncEvery & (kSkinnySyncEvery - 1)) == 0, "EXL3_SKINNY_SYNC_EVERY: a power of two or 0");
 constexpr int kSkinnySlotRows = 2;  // activation rows per pass of the cross-warp reduction
 
 template <int kBits2, bool kMul1, int kMT, bool kDup>
@@ -232,12 +225,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][rg][e] = 0.f;
 
-    // Every warp of the block has at least `common` items in this segment (the warps take every kSkinnyWarps-th).
-    const int common = (seg_end - seg) / kSkinnyWarps;
-    for (int u = seg + warp, i = 0; u < seg_end; u += kSkinnyWarps, ++i) {
-      if constexpr (kSkinnySyncEvery > 0) {
-        if ((i & (kSkinnySyncEvery - 1)) == kSkinnySyncEvery - 1 && i < common) __syncthreads();
-      }
+    for (int u = seg + warp; u < seg_end; u += kSkinnyWarps) {
       cp_async_wait<T::kStages - 2>();
       __syncwarp();
       copy_tiles(pf, pf_slot);  // refills the slot consumed last iteration
