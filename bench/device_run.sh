@@ -84,8 +84,8 @@ if has ncu; then
     echo "ncu $t rc=$?"
     ncu -i "/tmp/ncu_$tag.ncu-rep" --print-details all > "$OUT/ncu_${tag}_details.txt" 2>&1
     ncu -i "/tmp/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${tag}_sass.csv" 2>&1
-    grep -E "Duration|Issue Slots Busy|Executed Ipc A|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued" \
-      "$OUT/ncu_${tag}_details.txt" | head -12
+    grep -E "Duration|Executed Instructions  |Issue Slots Busy|Executed Ipc A|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued" \
+      "$OUT/ncu_${tag}_details.txt" | head -14
   done
 fi
 

@@ -178,6 +178,7 @@ def main() -> int:
     ap.add_argument("--exllamav3", action="store_true", help="include ExLlamaV3 1.6.5 (must be importable)")
     ap.add_argument("--quick", action="store_true", help="headline shapes only")
     ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--rows", help="comma-separated row counts instead of the default list, e.g. 1,8")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="also time kernel variants (paths, grids) for tuning")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
@@ -213,6 +214,8 @@ def main() -> int:
     if args.quick:
         shapes = shapes[:2] + [shapes[3], shapes[6]]
         rows_list = [1, 8, 64, 512]
+    if args.rows:
+        rows_list = [int(r) for r in args.rows.split(",")]
 
     exl_ok = False
     if args.exllamav3:
