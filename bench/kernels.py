@@ -210,7 +210,7 @@ def main() -> int:
     shapes = [(4096, 14336, 4, "mul1"), (4096, 14336, 2, "mul1"), (4096, 14336, 3, "mul1"), (4096, 14336, 4, "mcg"),
               (4096, 14336, 2, "mcg"), (14336, 4096, 2, "mul1"), (14336, 4096, 4, "mul1"), (2048, 6144, 4, "mul1"),
               (2048, 6144, 4, "3inst"), (2048, 768, 4, "mul1")]
-    rows_list = [1, 8, 64, 512, 4096]
+    rows_list = [1, 8, 32, 64, 128, 512, 4096]
     if args.quick:
         shapes = shapes[:2] + [shapes[3], shapes[6]]
         rows_list = [1, 8, 64, 512]
@@ -272,8 +272,9 @@ def main() -> int:
                     var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
                     print(json.dumps(var[-1]), flush=True)
             if (k, n) == (4096, 14336) and bits == 4 and cb == "mul1":
-                for rows in (16, 32, 64, 128, 256, 512, 1024):
-                    for name, path in [("skinny", native.PATH_SKINNY), ("recon", native.PATH_RECONSTRUCT)]:
+                for rows in (16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
+                    for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
+                                       ("recon", native.PATH_RECONSTRUCT)]:
                         t = bench_native(case, rows, max(10, args.iters // 2), path)
                         var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
                         print(json.dumps(var[-1]), flush=True)

@@ -4,12 +4,13 @@
 // Ops (fake implementations live in plugin/vllm_exl3/kernels/native.py):
 //   native_linear(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path) -> y
 //       path 0 auto, 1 skinny tensor-core kernel, 2 reconstruct + cuBLAS, 3 skinny forced split-K, 4 forced direct,
-//       5 skinny with rounded Ŵ pairs instead of codewords (bench)
+//       5 skinny with rounded Ŵ pairs instead of codewords (bench), 6 panel kernel (64-row chunks)
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
 //   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
 #include <Python.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -26,7 +27,9 @@ namespace {
 constexpr int64_t kHad = 128;
 constexpr int64_t kTile = 16;
 
-enum Path : int64_t { kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5 };
+enum Path : int64_t {
+  kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5, kPanel = 6
+};
 
 void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "vllm_exl3: ", what, " failed: ", cudaGetErrorString(err));
@@ -37,10 +40,14 @@ int64_t env_int(const char* name, int64_t fallback) {
   return v && *v ? std::atoll(v) : fallback;
 }
 
-// Rows above which reconstruct + cuBLAS beats the skinny kernel: measured on the H200 between 32 and 64 rows
-// (4096x14336, bench/NOTES.md).
+// `auto`: the skinny kernel up to VLLM_EXL3_SKINNY_MAX_ROWS rows, the panel kernel up to VLLM_EXL3_PANEL_MAX_ROWS,
+// reconstruct + cuBLAS above (crossovers measured on the H200, 4096x14336, bench/NOTES.md).
 int64_t skinny_max_rows() {
-  static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 48);
+  static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 16);
+  return rows;
+}
+int64_t panel_max_rows() {
+  static const int64_t rows = env_int("VLLM_EXL3_PANEL_MAX_ROWS", 128);
   return rows;
 }
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
@@ -112,10 +119,12 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     y.zero_();
     return y;
   }
-  if (path == kAuto)
-    path = rows <= skinny_max_rows() && exl3::skinny_fits_device(w.codebook, w.bits2, static_cast<int>(rows))
-               ? kSkinny
-               : kReconstruct;
+  if (path == kAuto) {
+    const int r = static_cast<int>(std::min<int64_t>(rows, 1 << 30));
+    path = rows <= skinny_max_rows() && exl3::skinny_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
+           : rows <= panel_max_rows() && exl3::skinny_fits_device(w.codebook, w.bits2, r, true)  ? kPanel
+                                                                                                 : kReconstruct;
+  }
 
   exl3::InputTransformArgs it{};
   it.x = x.data_ptr();
@@ -148,7 +157,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     return y;
   }
 
-  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain,
+  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain || path == kPanel,
               "unknown path ", path);
   exl3::SkinnyArgs sa{};
   sa.w = w;
@@ -164,7 +173,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   sa.g0 = static_cast<int>(g0);
   sa.groups = static_cast<int>(groups);
   const exl3::SkinnyPlan plan = exl3::plan_skinny(sa, path == kSkinnySplit ? 1 : path == kSkinnyDirect ? 0 : -1,
-                                                   path == kSkinnyPlain ? 0 : -1);
+                                                   path == kSkinnyPlain ? 0 : -1, path == kPanel);
   const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
   const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
   const size_t xh_bytes = align256(xh_rows * ka * 2), rs_bytes = align256(rows * parts * 4);
@@ -185,7 +194,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   sa.xh = it.xh;
   sa.rowsum_parts = it.rowsum_parts;
   sa.parts = parts;
-  if (env_int("VLLM_EXL3_SKINNY_TRACE", 0) != 0) {
+  if (env_int("VLLM_EXL3_SKINNY_TRACE", 0) != 0 && !plan.panel) {
     last_skinny_trace() = at::zeros({plan.grid, exl3::kSkinnyWarps, 5}, x.options().dtype(at::kLong));
     sa.trace = reinterpret_cast<unsigned long long*>(last_skinny_trace().data_ptr());
   }

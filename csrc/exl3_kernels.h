@@ -44,7 +44,8 @@ struct InputTransformArgs {
 int input_transform_parts(int kb_count);
 cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream);
 
-// Skinny GEMM (1..16 rows per row chunk, any number of chunks): decodes tiles in registers and feeds tensor cores.
+// Skinny GEMM (1..16 rows per row chunk, any number of chunks) and panel GEMM (64 rows per chunk): decode tiles in
+// registers and feed tensor cores; both take SkinnyArgs.
 // y [rows, out_features] (x's dtype, row stride y_stride) = output columns [out_offset, out_offset + out_features).
 // Division by a runtime constant d >= 1 for numerators n < 2^31 in three instructions (round-up method, Hacker's
 // Delight 10-9): q = (umulhi(n, mul) + n) >> shift. Set up on the host with make_fast_div.
@@ -93,7 +94,8 @@ struct SkinnyArgs {
   unsigned long long* trace;
 };
 struct SkinnyPlan {
-  int rows_per_chunk;  // 8 or 16
+  bool panel;          // the panel kernel (64-row chunks, each tile decoded once per chunk) instead of the skinny one
+  int rows_per_chunk;  // 8 or 16 (skinny), 64 (panel)
   int row_chunks;
   int grid;            // blocks
   bool split_k;        // stream-K with atomics (needs acc/counters) vs one block per (row chunk, group)
@@ -101,12 +103,14 @@ struct SkinnyPlan {
   int max_slots;       // split-K: most blocks sharing one column group
   size_t partial_bytes, counter_bytes;
 };
-// Picks the variant and grid for a call. force_split / force_dup < 0: automatic; 0/1 force (tests, bench).
-SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup);
+// Picks the kernel, variant and grid for a call: the panel kernel when `panel`, else the skinny one.
+// force_split / force_dup < 0: automatic; 0/1 force (tests, bench; dup: skinny only).
+SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup, bool panel);
 cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& plan, bool pdl, cudaStream_t stream);
-// Whether the skinny kernel for this codebook, width and row count fits the current device (its shared memory:
-// the widest variants need more than the 99 KB per block of sm_12x parts); `auto` falls back to reconstruct + cuBLAS.
-bool skinny_fits_device(int codebook, int bits2, int rows);
+// Whether the skinny (or panel) kernel for this codebook, width and row count fits the current device (its shared
+// memory: the widest skinny variants need more than the 99 KB per block of sm_12x parts); `auto` falls back to
+// reconstruct + cuBLAS.
+bool skinny_fits_device(int codebook, int bits2, int rows, bool panel);
 
 // Ŵ (rotated basis, bit-exact with the reference) of the active part: out [kb_count*128, groups*128] row-major,
 // fp16 or bf16 (bf16 is Ŵ rounded once more).

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "exl3_kernels.h"
+#include "panel.cuh"
 #include "skinny.cuh"
 
 // setup.py passes the target list as a token, e.g. sm_90a__sm_121a (a quoted string would not survive the shell).
@@ -54,7 +55,7 @@ int sm_count(int dev) {
 }
 
 // Raises the kernel's dynamic shared memory limit (once per device) and returns its occupancy.
-int prepare_kernel(const SkinnyKernel& k, int dev) {
+int prepare_kernel(const GemmKernel& k, int dev) {
   DeviceCache& c = cache();
   const long long key = (static_cast<long long>(dev) << 48) ^ reinterpret_cast<long long>(k.fn);
   std::lock_guard<std::mutex> lock(c.mu);
@@ -62,32 +63,38 @@ int prepare_kernel(const SkinnyKernel& k, int dev) {
   if (it != c.blocks_per_sm.end()) return it->second;
   int blocks = 0;
   if (cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k.fn, kSkinnyThreads, k.smem) != cudaSuccess)
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k.fn, kGemmThreads, k.smem) != cudaSuccess)
     blocks = 0;
   c.blocks_per_sm.emplace(key, blocks);
   return blocks;
 }
 
-SkinnyKernel pick(const SkinnyArgs& a, int mt, bool dup) {
+// mt: 8-row groups per row chunk (skinny: 1 or 2; the panel kernel has one size).
+GemmKernel pick(const SkinnyArgs& a, bool panel, int mt, bool dup) {
+  if (panel) return panel_kernel_for(a.w.codebook, a.w.bits2);
   return a.w.codebook == kCbMul1 ? skinny_kernel_mul1(a.w.bits2, mt, dup) : skinny_kernel_xcg(a.w.bits2, mt, dup);
 }
 
 }  // namespace
 
-SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup) {
+SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup, bool panel) {
   SkinnyPlan p{};
-  // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0).
-  p.dup = force_dup >= 0 ? force_dup != 0 : env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0;
-  p.rows_per_chunk = a.rows <= 8 ? 8 : 16;
+  p.panel = panel;
+  // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0); the panel
+  // kernel always rounds Ŵ pairs.
+  p.dup = !panel && (force_dup >= 0 ? force_dup != 0 : env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
+  p.rows_per_chunk = panel ? kPanelRows : a.rows <= 8 ? 8 : 16;
   p.row_chunks = (a.rows + p.rows_per_chunk - 1) / p.rows_per_chunk;
   const long long items = static_cast<long long>(p.row_chunks) * a.groups;
   const long long units = items * a.kb_count * kTilesPerHad;
   const int dev = current_device();
   // Prepare both row-chunk variants now: a later call with another row count may come during CUDA-graph capture,
   // where attribute changes are best avoided.
-  const SkinnyKernel other = pick(a, p.rows_per_chunk == 8 ? 2 : 1, p.dup);
-  if (other.fn) prepare_kernel(other, dev);
-  const SkinnyKernel k = pick(a, p.rows_per_chunk / 8, p.dup);
+  if (!panel) {
+    const GemmKernel other = pick(a, false, p.rows_per_chunk == 8 ? 2 : 1, p.dup);
+    if (other.fn) prepare_kernel(other, dev);
+  }
+  const GemmKernel k = pick(a, panel, p.rows_per_chunk / 8, p.dup);
   const int per_sm = k.fn ? prepare_kernel(k, dev) : 0;
   const long long slots = static_cast<long long>(per_sm > 0 ? per_sm : 1) * sm_count(dev);
   p.split_k = force_split >= 0 ? force_split != 0 : items < kDirectWaves * slots;
@@ -109,16 +116,16 @@ SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup) {
   return p;
 }
 
-bool skinny_fits_device(int codebook, int bits2, int rows) {
+bool skinny_fits_device(int codebook, int bits2, int rows, bool panel) {
   SkinnyArgs a{};
   a.w.codebook = codebook;
   a.w.bits2 = bits2;
-  const SkinnyKernel k = pick(a, rows <= 8 ? 1 : 2, env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
+  const GemmKernel k = pick(a, panel, rows <= 8 ? 1 : 2, !panel && env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
   return k.fn && prepare_kernel(k, current_device()) > 0;
 }
 
 cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cudaStream_t stream) {
-  const SkinnyKernel k = pick(a, p.rows_per_chunk / 8, p.dup);
+  const GemmKernel k = pick(a, p.panel, p.rows_per_chunk / 8, p.dup);
   if (!k.fn) return cudaErrorInvalidValue;
   if (prepare_kernel(k, current_device()) <= 0) return cudaErrorInvalidConfiguration;
   const long long units = static_cast<long long>(p.row_chunks) * a.groups * a.kb_count * kTilesPerHad;
@@ -130,7 +137,7 @@ cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cu
   args.groups_div = make_fast_div(a.groups);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(p.grid);
-  cfg.blockDim = dim3(kSkinnyThreads);
+  cfg.blockDim = dim3(kGemmThreads);
   cfg.dynamicSmemBytes = k.smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -154,7 +161,7 @@ const char* built_archs() {
 cudaError_t probe_device_support() {
   // Any kernel of the library: fails with cudaErrorNoKernelImageForDevice (or InvalidDeviceFunction) when the
   // binary holds no code this device can run.
-  const SkinnyKernel k = skinny_kernel_mul1(8, 1, true);
+  const GemmKernel k = skinny_kernel_mul1(8, 1, true);
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, k.fn);
 }

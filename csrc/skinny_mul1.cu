@@ -3,8 +3,8 @@
 
 namespace exl3 {
 
-SkinnyKernel skinny_kernel_mul1(int bits2, int mt, bool dup) {
-  SkinnyKernel k{nullptr, 0};
+GemmKernel skinny_kernel_mul1(int bits2, int mt, bool dup) {
+  GemmKernel k{nullptr, 0};
   auto pick = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;
     if (mt == 1) k = dup ? skinny_kernel_ref<kB, true, 1, true>() : skinny_kernel_ref<kB, true, 1, false>();

@@ -4,8 +4,8 @@
 
 namespace exl3 {
 
-SkinnyKernel skinny_kernel_xcg(int bits2, int mt, bool dup) {
-  SkinnyKernel k{nullptr, 0};
+GemmKernel skinny_kernel_xcg(int bits2, int mt, bool dup) {
+  GemmKernel k{nullptr, 0};
   auto pick = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;
     if constexpr (kB % 2 == 0) {

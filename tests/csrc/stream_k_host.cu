@@ -1,10 +1,10 @@
-// Host check of the skinny kernel's stream-K bookkeeping: the device's division-free forms (floor_muldiv for the
+// Host check of the GEMM kernels' stream-K bookkeeping: the device's division-free forms (floor_muldiv for the
 // block ranges, skinny_block_of_dev for a group's first and last block) against the exact 64-bit integer forms the
 // host plans with (skinny_block_of sizes the split-K partial slots: a device answer off by one would write past
 // them). Prints the first mismatch and exits 1; prints "ok <checks>" otherwise.
 #include <cstdio>
 
-#include "skinny.cuh"
+#include "stream_k.cuh"
 
 int main() {
   long long checks = 0;

@@ -50,7 +50,7 @@ WIDTH_IDS = [f"{c}-{b:g}b" for c, b in WIDTHS]
 SHAPES = [(256, 384), (320, 200), (1024, 640)]  # (in, out) logical; stored padded to 128
 ROWS = [1, 2, 5, 8, 9, 16, 17, 40, 130]
 PATHS = {"split": native.PATH_SKINNY_SPLIT, "direct": native.PATH_SKINNY_DIRECT, "plain": native.PATH_SKINNY_PLAIN,
-         "recon": native.PATH_RECONSTRUCT, "auto": native.PATH_AUTO}
+         "panel": native.PATH_PANEL, "recon": native.PATH_RECONSTRUCT, "auto": native.PATH_AUTO}
 
 _observed: dict[str, float] = defaultdict(float)
 
@@ -144,7 +144,7 @@ def test_linear_offsets(codebook, bits):
             for dtype in (torch.float16, torch.bfloat16):
                 x = torch.randn(rows, width, device=DEV).to(dtype)
                 ref = R.forward(x.float(), w, w_hat, in_offset=in_off, out_offset=out_off, out_features=nout)
-                for name in ("split", "direct", "recon"):
+                for name in ("split", "direct", "panel", "recon"):
                     y = run(x, w, PATHS[name], in_off, out_off, nout)
                     err = rel(y, ref)
                     _note(f"offsets/{name}/{str(dtype)[6:]}", err)
@@ -156,7 +156,7 @@ def test_strided_input_and_many_rows():
     base = torch.randn(300, 1024, device=DEV, dtype=torch.float16)
     x = base[:, 100:612]  # row stride 1024
     ref = R.forward(x.float(), w)
-    for path in (native.PATH_SKINNY, native.PATH_RECONSTRUCT, native.PATH_AUTO):
+    for path in (native.PATH_SKINNY, native.PATH_PANEL, native.PATH_RECONSTRUCT, native.PATH_AUTO):
         assert rel(run(x, w, path), ref) < BOUND[torch.float16]
 
 
@@ -193,7 +193,8 @@ def test_through_custom_op_with_native_backend():
         assert rel(y, ref) < BOUND[torch.bfloat16]
 
 
-@pytest.mark.parametrize("rows,path", [(1, "split"), (8, "direct"), (16, "split"), (3, "auto"), (200, "recon")])
+@pytest.mark.parametrize("rows,path", [(1, "split"), (8, "direct"), (16, "split"), (3, "auto"), (40, "panel"),
+                                       (200, "recon")])
 def test_cuda_graph_capture_and_replay(rows, path):
     w = random_weights(1024, 2048, 4, "mcg", seed=13, device=DEV)
     x = torch.randn(rows, 1024, device=DEV, dtype=torch.float16)

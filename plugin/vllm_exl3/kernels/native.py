@@ -4,9 +4,10 @@ Imports fine without the extension (CPU installs); `unavailable_reason()` then s
 live in the `vllm_exl3` namespace next to the Python-defined ones; their fake (shape-only) implementations are
 registered here, so torch.compile traces through them.
 
-Per call, the C++ side picks the kernel by row count: up to VLLM_EXL3_SKINNY_MAX_ROWS rows (default 48) the skinny
-tensor-core kernel that decodes tiles in registers, above that reconstruct-to-fp16 + cuBLAS (bench/NOTES.md has
-the measured crossover). Both are CUDA-graph safe: no host syncs, workspace sized by shape, current stream.
+Per call, the C++ side picks the kernel by row count: up to VLLM_EXL3_SKINNY_MAX_ROWS rows (default 16) the skinny
+tensor-core kernel that decodes tiles in registers once per 16 rows, up to VLLM_EXL3_PANEL_MAX_ROWS (default 128)
+the panel kernel that decodes them once per 64 rows, above that reconstruct-to-fp16 + cuBLAS (bench/NOTES.md has
+the measured crossovers). All are CUDA-graph safe: no host syncs, workspace sized by shape, current stream.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ..format import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK, Exl3Weights
 from . import Backend, LinearSpec, register_backend
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
-PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN = range(6)
+(PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
+ PATH_PANEL) = range(7)
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
