@@ -47,7 +47,7 @@ int64_t skinny_max_rows() {
   return rows;
 }
 int64_t panel_max_rows() {
-  static const int64_t rows = env_int("VLLM_EXL3_PANEL_MAX_ROWS", 128);
+  static const int64_t rows = env_int("VLLM_EXL3_PANEL_MAX_ROWS", 64);
   return rows;
 }
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
