@@ -41,14 +41,17 @@ int64_t env_int(const char* name, int64_t fallback) {
 }
 
 // `auto`: the skinny kernel up to VLLM_EXL3_SKINNY_MAX_ROWS rows, the panel kernel up to VLLM_EXL3_PANEL_MAX_ROWS,
-// reconstruct + cuBLAS above (crossovers measured on the H200, 4096x14336, bench/NOTES.md).
+// reconstruct + cuBLAS above. Measured on the H200 (4096x14336, bench/NOTES.md): 16 and 64 (two 64-row panels lose
+// to reconstruct + cuBLAS there). On sm_12x (DGX Spark: 273 GB/s) reconstruct + cuBLAS writes and re-reads fp16 Ŵ
+// (8x a 4-bit pack) through a ~17x slower memory while the panels' decode slows ~2x, so panels win far longer: 256
+// there is a bandwidth estimate (bench/NOTES.md), not a measurement; the variable overrides it.
 int64_t skinny_max_rows() {
   static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 16);
   return rows;
 }
 int64_t panel_max_rows() {
-  static const int64_t rows = env_int("VLLM_EXL3_PANEL_MAX_ROWS", 64);
-  return rows;
+  const int64_t fallback = at::cuda::getCurrentDeviceProperties()->major == 12 ? 256 : 64;
+  return env_int("VLLM_EXL3_PANEL_MAX_ROWS", fallback);
 }
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
 
@@ -157,7 +160,8 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     return y;
   }
 
-  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain || path == kPanel,
+  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain ||
+                  path == kPanel,
               "unknown path ", path);
   exl3::SkinnyArgs sa{};
   sa.w = w;

@@ -42,8 +42,8 @@ __host__ __device__ __forceinline__ int skinny_block_of_dev(int u, int units, in
 // adds the slots in slot order (deterministic: no float atomics) and writes y = H(z) * svh. Block-wide: every
 // thread of the block calls it. kAffine: mul1 codewords, z = inv_scale * acc + bias * sum_k(xh) first.
 template <int kRows, int kBufStride, bool kAffine>
-__device__ __forceinline__ void finish_segment(const SkinnyArgs& a, int units, float* buf, int* last_flag, int seg, int seg_end,
-                               int valid_rows) {
+__device__ __forceinline__ void finish_segment(const SkinnyArgs& a, int units, float* buf, int* last_flag, int seg,
+                                              int seg_end, int valid_rows) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int kta = a.kb_count * kTilesPerHad;
   const int rg_seg = fast_div(seg, a.kta_div);

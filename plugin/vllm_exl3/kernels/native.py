@@ -5,9 +5,10 @@ live in the `vllm_exl3` namespace next to the Python-defined ones; their fake (s
 registered here, so torch.compile traces through them.
 
 Per call, the C++ side picks the kernel by row count: up to VLLM_EXL3_SKINNY_MAX_ROWS rows (default 16) the skinny
-tensor-core kernel that decodes tiles in registers once per 16 rows, up to VLLM_EXL3_PANEL_MAX_ROWS (default 64)
-the panel kernel that decodes them once per 64 rows, above that reconstruct-to-fp16 + cuBLAS (bench/NOTES.md has
-the measured crossovers). All are CUDA-graph safe: no host syncs, workspace sized by shape, current stream.
+tensor-core kernel that decodes tiles in registers once per 16 rows, up to VLLM_EXL3_PANEL_MAX_ROWS (default 64;
+256 on sm_12x, an unmeasured estimate) the panel kernel that decodes them once per 64 rows, above that
+reconstruct-to-fp16 + cuBLAS (bench/NOTES.md has the measured crossovers). All are CUDA-graph safe: no host syncs,
+workspace sized by shape, current stream.
 """
 
 from __future__ import annotations
