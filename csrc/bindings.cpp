@@ -56,7 +56,7 @@ int64_t panel_max_rows() {
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
 
 // Diagnostics for bench/kernels.py --trace: with VLLM_EXL3_SKINNY_TRACE=1 each skinny launch records per-warp
-// timestamps (exl3::SkinnyArgs::trace) into a fresh tensor, which skinny_trace() returns until the next launch.
+// timestamps (exl3::GemmArgs::trace) into a fresh tensor, which skinny_trace() returns until the next launch.
 at::Tensor& last_skinny_trace() {
   static at::Tensor t;
   return t;
@@ -124,8 +124,8 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   }
   if (path == kAuto) {
     const int r = static_cast<int>(std::min<int64_t>(rows, 1 << 30));
-    path = rows <= skinny_max_rows() && exl3::skinny_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
-           : rows <= panel_max_rows() && exl3::skinny_fits_device(w.codebook, w.bits2, r, true)  ? kPanel
+    path = rows <= skinny_max_rows() && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
+           : rows <= panel_max_rows() && exl3::gemm_fits_device(w.codebook, w.bits2, r, true)  ? kPanel
                                                                                                  : kReconstruct;
   }
 
@@ -163,7 +163,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain ||
                   path == kPanel,
               "unknown path ", path);
-  exl3::SkinnyArgs sa{};
+  exl3::GemmArgs sa{};
   sa.w = w;
   sa.svh = svh.data_ptr();
   sa.y = y.data_ptr();
@@ -176,7 +176,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   sa.kb_count = static_cast<int>(kb_count);
   sa.g0 = static_cast<int>(g0);
   sa.groups = static_cast<int>(groups);
-  const exl3::SkinnyPlan plan = exl3::plan_skinny(sa, path == kSkinnySplit ? 1 : path == kSkinnyDirect ? 0 : -1,
+  const exl3::GemmPlan plan = exl3::plan_gemm(sa, path == kSkinnySplit ? 1 : path == kSkinnyDirect ? 0 : -1,
                                                    path == kSkinnyPlain ? 0 : -1, path == kPanel);
   const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
   const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
@@ -199,11 +199,11 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   sa.rowsum_parts = it.rowsum_parts;
   sa.parts = parts;
   if (env_int("VLLM_EXL3_SKINNY_TRACE", 0) != 0 && !plan.panel) {
-    last_skinny_trace() = at::zeros({plan.grid, exl3::kSkinnyWarps, 5}, x.options().dtype(at::kLong));
+    last_skinny_trace() = at::zeros({plan.grid, exl3::kGemmWarps, 5}, x.options().dtype(at::kLong));
     sa.trace = reinterpret_cast<unsigned long long*>(last_skinny_trace().data_ptr());
   }
   check_cuda(exl3::launch_input_transform(it, stream), "input transform");
-  check_cuda(exl3::launch_skinny(sa, plan, use_pdl(), stream), "skinny GEMM");
+  check_cuda(exl3::launch_gemm(sa, plan, use_pdl(), stream), plan.panel ? "panel GEMM" : "skinny GEMM");
   return y;
 }
 

@@ -45,7 +45,7 @@ int input_transform_parts(int kb_count);
 cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream);
 
 // Skinny GEMM (1..16 rows per row chunk, any number of chunks) and panel GEMM (64 rows per chunk): decode tiles in
-// registers and feed tensor cores; both take SkinnyArgs.
+// registers and feed tensor cores; both take GemmArgs.
 // y [rows, out_features] (x's dtype, row stride y_stride) = output columns [out_offset, out_offset + out_features).
 // Division by a runtime constant d >= 1 for numerators n < 2^31 in three instructions (round-up method, Hacker's
 // Delight 10-9): q = (umulhi(n, mul) + n) >> shift. Set up on the host with make_fast_div.
@@ -73,9 +73,9 @@ EXL3_FASTDIV_HD int fast_div(int n, const FastDiv& f) {
 }
 EXL3_FASTDIV_HD int fast_mod(int n, const FastDiv& f) { return n - fast_div(n, f) * f.d; }
 
-constexpr int kSkinnyWarps = 8;  // warps per block of the skinny GEMM
+constexpr int kGemmWarps = 8;  // warps per block of the skinny and panel GEMMs
 
-struct SkinnyArgs {
+struct GemmArgs {
   TrellisView w;
   const void* xh;  // fp16 [row_chunks * rows_per_chunk, kb_count * 128], from launch_input_transform
   const void* svh; // fp16 [N]
@@ -89,11 +89,12 @@ struct SkinnyArgs {
   long long y_stride;
   int out_offset, out_features;
   int rows, kb0, kb_count, g0, groups;
-  FastDiv kta_div, groups_div;  // by kb_count * 8 (active k-tiles) and by groups; set by launch_skinny
-  // Diagnostics (null normally): per warp {smid, entry, first data, last item done, exit} in %globaltimer ns.
+  FastDiv kta_div, groups_div;  // by kb_count * 8 (active k-tiles) and by groups; set by launch_gemm
+  // Diagnostics (null normally; skinny kernel only): per warp {smid, entry, first data, last item done, exit} in
+  // %globaltimer ns.
   unsigned long long* trace;
 };
-struct SkinnyPlan {
+struct GemmPlan {
   bool panel;          // the panel kernel (64-row chunks, each tile decoded once per chunk) instead of the skinny one
   int rows_per_chunk;  // 8 or 16 (skinny), 64 (panel)
   int row_chunks;
@@ -105,12 +106,12 @@ struct SkinnyPlan {
 };
 // Picks the kernel, variant and grid for a call: the panel kernel when `panel`, else the skinny one.
 // force_split / force_dup < 0: automatic; 0/1 force (tests, bench; dup: skinny only).
-SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup, bool panel);
-cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& plan, bool pdl, cudaStream_t stream);
+GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel);
+cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& plan, bool pdl, cudaStream_t stream);
 // Whether the skinny (or panel) kernel for this codebook, width and row count fits the current device (its shared
 // memory: the widest skinny variants need more than the 99 KB per block of sm_12x parts); `auto` falls back to
 // reconstruct + cuBLAS.
-bool skinny_fits_device(int codebook, int bits2, int rows, bool panel);
+bool gemm_fits_device(int codebook, int bits2, int rows, bool panel);
 
 // Ŵ (rotated basis, bit-exact with the reference) of the active part: out [kb_count*128, groups*128] row-major,
 // fp16 or bf16 (bf16 is Ŵ rounded once more).

@@ -1,5 +1,5 @@
-// Host side of the skinny GEMM: variant choice, grid planning, launch (with programmatic dependent launch), and
-// the build/device probes. Plain CUDA runtime; no torch.
+// Host side of the GEMM kernels (skinny, panel): variant choice, grid planning, launch (with programmatic dependent
+// launch), and the build/device probes. Plain CUDA runtime; no torch.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -70,15 +70,15 @@ int prepare_kernel(const GemmKernel& k, int dev) {
 }
 
 // mt: 8-row groups per row chunk (skinny: 1 or 2; the panel kernel has one size).
-GemmKernel pick(const SkinnyArgs& a, bool panel, int mt, bool dup) {
+GemmKernel pick(const GemmArgs& a, bool panel, int mt, bool dup) {
   if (panel) return panel_kernel_for(a.w.codebook, a.w.bits2);
   return a.w.codebook == kCbMul1 ? skinny_kernel_mul1(a.w.bits2, mt, dup) : skinny_kernel_xcg(a.w.bits2, mt, dup);
 }
 
 }  // namespace
 
-SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup, bool panel) {
-  SkinnyPlan p{};
+GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel) {
+  GemmPlan p{};
   p.panel = panel;
   // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0); the panel
   // kernel always rounds Ŵ pairs.
@@ -106,8 +106,8 @@ SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup, bool
     p.grid = static_cast<int>(std::max(1LL, grid));
     const long long kta = static_cast<long long>(a.kb_count) * kTilesPerHad;
     for (long long rg = 0; rg < items; ++rg)
-      p.max_slots = std::max(p.max_slots, skinny_block_of((rg + 1) * kta - 1, units, p.grid) -
-                                              skinny_block_of(rg * kta, units, p.grid) + 1);
+      p.max_slots = std::max(p.max_slots, block_of_unit((rg + 1) * kta - 1, units, p.grid) -
+                                              block_of_unit(rg * kta, units, p.grid) + 1);
     p.partial_bytes = static_cast<size_t>(items) * p.max_slots * p.rows_per_chunk * kHadBlock * sizeof(float);
     p.counter_bytes = (static_cast<size_t>(items) * sizeof(int) + 15) / 16 * 16;
   } else {
@@ -116,15 +116,15 @@ SkinnyPlan plan_skinny(const SkinnyArgs& a, int force_split, int force_dup, bool
   return p;
 }
 
-bool skinny_fits_device(int codebook, int bits2, int rows, bool panel) {
-  SkinnyArgs a{};
+bool gemm_fits_device(int codebook, int bits2, int rows, bool panel) {
+  GemmArgs a{};
   a.w.codebook = codebook;
   a.w.bits2 = bits2;
   const GemmKernel k = pick(a, panel, rows <= 8 ? 1 : 2, !panel && env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
   return k.fn && prepare_kernel(k, current_device()) > 0;
 }
 
-cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cudaStream_t stream) {
+cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& p, bool pdl, cudaStream_t stream) {
   const GemmKernel k = pick(a, p.panel, p.rows_per_chunk / 8, p.dup);
   if (!k.fn) return cudaErrorInvalidValue;
   if (prepare_kernel(k, current_device()) <= 0) return cudaErrorInvalidConfiguration;
@@ -132,7 +132,7 @@ cudaError_t launch_skinny(const SkinnyArgs& a, const SkinnyPlan& p, bool pdl, cu
   if (units <= 0) return cudaSuccess;
   if (units >= (1LL << 31)) return cudaErrorInvalidValue;
   int units32 = static_cast<int>(units);
-  SkinnyArgs args = a;
+  GemmArgs args = a;
   args.kta_div = make_fast_div(a.kb_count * kTilesPerHad);
   args.groups_div = make_fast_div(a.groups);
   cudaLaunchConfig_t cfg{};

@@ -49,7 +49,7 @@ struct PanelTraits {
 };
 
 template <int kBits2, bool kMul1>
-__global__ void __launch_bounds__(kGemmThreads, 2) panel_kernel(const SkinnyArgs a, const int units) {
+__global__ void __launch_bounds__(kGemmThreads, 2) panel_kernel(const GemmArgs a, const int units) {
   using T = PanelTraits<kBits2>;
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];

@@ -57,7 +57,7 @@ struct SkinnyTraits {
   static constexpr int kBufBytes = kRows * kBufStride * 4;
   // Cross-warp reduction: every warp parks kSkinnySlotRows rows of its partial sums at once, then all threads add
   // the eight slots in warp order (one pass per row pair instead of eight serial warp turns).
-  static constexpr int kSlotBytes = kSkinnyWarps * kSkinnySlotRows * kBufStride * 4;
+  static constexpr int kSlotBytes = kGemmWarps * kSkinnySlotRows * kBufStride * 4;
   static constexpr int kMinBlocks = kMT == 1 ? kSkinnyMinBlocks1 : 2;
   // Ring depth: kSkinnyInFlight bytes of tiles per warp, at least 4 stages, within the shared memory that lets
   // kMinBlocks blocks share a Hopper SM (228 KB, 1 KB reserved per block) and at most 96 KB, under the 99 KB per
@@ -65,13 +65,13 @@ struct SkinnyTraits {
   static constexpr int kSmemBudgetSm = (228 / kMinBlocks - 4) * 1024;
   static constexpr int kSmemBudget = kSmemBudgetSm < 96 * 1024 ? kSmemBudgetSm : 96 * 1024;
   static constexpr int kStagesRaw = 1 + (kSkinnyInFlight + kItemBytes - 1) / kItemBytes;
-  static constexpr int kStagesFit = (kSmemBudget - kBufBytes - kSlotBytes - 16) / (kSkinnyWarps * kStageBytes);
+  static constexpr int kStagesFit = (kSmemBudget - kBufBytes - kSlotBytes - 16) / (kGemmWarps * kStageBytes);
   static constexpr int kStagesWanted = kStagesRaw > 12 ? 12 : kStagesRaw;
   static constexpr int kStagesCapped = kStagesWanted < kStagesFit ? kStagesWanted : kStagesFit;
   // At least 4: nvcc 13.0's cicc segfaults on the sm_121a build of a 3-stage ring (reproducible, sm_90a is fine);
   // the widest tiles then fit two blocks per SM instead of three.
   static constexpr int kStages = kStagesCapped < 4 ? 4 : kStagesCapped;
-  static constexpr int kRingBytes = kSkinnyWarps * kStages * kStageBytes;
+  static constexpr int kRingBytes = kGemmWarps * kStages * kStageBytes;
   static_assert(kRingBytes + kBufBytes + kSlotBytes + 16 <= 226 * 1024, "shared memory per block");
   static constexpr int kSmemBytes = kRingBytes + kBufBytes + kSlotBytes + 16;
   static constexpr int kCopyIters = (kNT * TB::kChunks16 + kWarp - 1) / kWarp;
@@ -83,7 +83,7 @@ struct SkinnyTraits {
 // 1-8 rows: kSkinnyMinBlocks1 blocks per SM; 9-16 rows need the registers of two.
 template <int kBits2, bool kMul1, int kMT, bool kDup>
 __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2)
-    skinny_kernel(const SkinnyArgs a, const int units) {
+    skinny_kernel(const GemmArgs a, const int units) {
   using T = SkinnyTraits<kBits2, kMul1, kMT, kDup>;
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
 
   // Diagnostics: this warp's record {smid, entry, first data, last item done, exit} (VLLM_EXL3_SKINNY_TRACE).
   unsigned long long* trace =
-      a.trace ? a.trace + (static_cast<long long>(blockIdx.x) * kSkinnyWarps + warp) * 5 : nullptr;
+      a.trace ? a.trace + (static_cast<long long>(blockIdx.x) * kGemmWarps + warp) * 5 : nullptr;
   if (trace && lane == 0) trace[0] = sm_id(), trace[1] = global_ns();
   const int kta = a.kb_count * kTilesPerHad;  // active k-tiles
   const int u_begin = floor_muldiv(blockIdx.x, units, gridDim.x);
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
     const int16_t* src;  // first tile of this item's k-tile row in the column group
     const __half* xsrc;  // first activation row of the row chunk at this k-tile
   };
-  const long long item_step = static_cast<long long>(kSkinnyWarps) * a.w.row_stride;
+  const long long item_step = static_cast<long long>(kGemmWarps) * a.w.row_stride;
   auto locate = [&](int s, Item& it) {  // first item of this warp at or after unit s
     it.u = INT_MAX;
     while (s < u_end) {
@@ -133,9 +133,9 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
     }
   };
   auto advance = [&](Item& it) {
-    it.u += kSkinnyWarps;
+    it.u += kGemmWarps;
     it.src += item_step;
-    it.xsrc += kSkinnyWarps * kTile;
+    it.xsrc += kGemmWarps * kTile;
     if (it.u >= it.seg_end) locate(it.seg_end, it);
   };
   // Each lane copies 16-byte chunks lane, lane + 32, ... of an item's tiles (packed in shared memory) and chunk
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][rg][e] = 0.f;
 
-    for (int u = seg + warp; u < seg_end; u += kSkinnyWarps) {
+    for (int u = seg + warp; u < seg_end; u += kGemmWarps) {
       cp_async_wait<T::kStages - 2>();
       __syncwarp();
       copy_tiles(pf, pf_slot);  // refills the slot consumed last iteration
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
         const float* q = slots + r * T::kBufStride + col;
         float sum = q[0];
 #pragma unroll
-        for (int w = 1; w < kSkinnyWarps; ++w) sum += q[w * kSkinnySlotRows * T::kBufStride];
+        for (int w = 1; w < kGemmWarps; ++w) sum += q[w * kSkinnySlotRows * T::kBufStride];
         buf[(r0 + r) * T::kBufStride + col] = sum;
       }
     }

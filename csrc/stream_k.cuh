@@ -11,7 +11,7 @@
 
 namespace exl3 {
 
-constexpr int kGemmThreads = kSkinnyWarps * kWarp;  // both GEMM kernels run 8 warps per block
+constexpr int kGemmThreads = kGemmWarps * kWarp;
 
 // Host side of one kernel instantiation: kernel pointer and dynamic shared memory.
 struct GemmKernel {
@@ -21,7 +21,7 @@ struct GemmKernel {
 
 // Stream-K bookkeeping shared by kernel and host: unit u (row chunk, column group, k-tile; k-tile fastest) lives in
 // block floor(u * grid / units) .. ; block b starts at floor(b * units / grid).
-__host__ __device__ inline int skinny_block_of(long long u, long long units, long long grid) {
+__host__ __device__ inline int block_of_unit(long long u, long long units, long long grid) {
   return static_cast<int>(((u + 1) * grid + units - 1) / units - 1);
 }
 // floor(a * b / c) for a * b < 2^53: in double precision (the correctly rounded quotient of two exact integers
@@ -29,8 +29,8 @@ __host__ __device__ inline int skinny_block_of(long long u, long long units, lon
 __host__ __device__ __forceinline__ int floor_muldiv(int a, int b, int c) {
   return static_cast<int>(floor(static_cast<double>(a) * b / c));
 }
-// skinny_block_of without the 64-bit integer division: ceil(n / units) - 1 = floor(n / units) - (units divides n).
-__host__ __device__ __forceinline__ int skinny_block_of_dev(int u, int units, int grid) {
+// block_of_unit without the 64-bit integer division: ceil(n / units) - 1 = floor(n / units) - (units divides n).
+__host__ __device__ __forceinline__ int block_of_unit_dev(int u, int units, int grid) {
   const long long n = static_cast<long long>(u + 1) * grid;
   const int q = floor_muldiv(u + 1, grid, units);
   return q - (static_cast<long long>(q) * units == n);
@@ -42,7 +42,7 @@ __host__ __device__ __forceinline__ int skinny_block_of_dev(int u, int units, in
 // adds the slots in slot order (deterministic: no float atomics) and writes y = H(z) * svh. Block-wide: every
 // thread of the block calls it. kAffine: mul1 codewords, z = inv_scale * acc + bias * sum_k(xh) first.
 template <int kRows, int kBufStride, bool kAffine>
-__device__ __forceinline__ void finish_segment(const SkinnyArgs& a, int units, float* buf, int* last_flag, int seg,
+__device__ __forceinline__ void finish_segment(const GemmArgs& a, int units, float* buf, int* last_flag, int seg,
                                               int seg_end, int valid_rows) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int kta = a.kb_count * kTilesPerHad;
@@ -54,9 +54,9 @@ __device__ __forceinline__ void finish_segment(const SkinnyArgs& a, int units, f
   if (!whole) {
     // Split column group: park this block's partial sum in its own slot; the block that completes the group
     // adds the slots in slot order, so the result does not depend on which block finishes last.
-    // Blocks of this group: those holding its first and last unit, and every block between (skinny_block_of).
-    const int first = skinny_block_of_dev(rg_seg * kta, units, gridDim.x);
-    const int nslots = skinny_block_of_dev((rg_seg + 1) * kta - 1, units, gridDim.x) - first + 1;
+    // Blocks of this group: those holding its first and last unit, and every block between (block_of_unit).
+    const int first = block_of_unit_dev(rg_seg * kta, units, gridDim.x);
+    const int nslots = block_of_unit_dev((rg_seg + 1) * kta - 1, units, gridDim.x) - first + 1;
     float* group_slots = a.partials + static_cast<long long>(rg_seg) * a.max_slots * kRows * kHadBlock;
     float* mine = group_slots + static_cast<long long>(blockIdx.x - first) * kRows * kHadBlock;
     for (int i = threadIdx.x; i < valid_rows * (kHadBlock / 4); i += kGemmThreads) {
@@ -95,7 +95,7 @@ __device__ __forceinline__ void finish_segment(const SkinnyArgs& a, int units, f
     for (int e = 0; e < 4; ++e) sv[e] = kHadScale * __half2float(static_cast<const __half*>(a.svh)[n0 + e]);
     const int oc = n0 - a.out_offset;
     const int lo = max(0, -oc), hi = min(4, a.out_features - oc);
-    for (int r = warp; r < valid_rows; r += kSkinnyWarps) {
+    for (int r = warp; r < valid_rows; r += kGemmWarps) {
       const int row = row0 + r;
       float v[4];
 #pragma unroll

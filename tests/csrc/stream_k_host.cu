@@ -1,6 +1,6 @@
 // Host check of the GEMM kernels' stream-K bookkeeping: the device's division-free forms (floor_muldiv for the
-// block ranges, skinny_block_of_dev for a group's first and last block) against the exact 64-bit integer forms the
-// host plans with (skinny_block_of sizes the split-K partial slots: a device answer off by one would write past
+// block ranges, block_of_unit_dev for a group's first and last block) against the exact 64-bit integer forms the
+// host plans with (block_of_unit sizes the split-K partial slots: a device answer off by one would write past
 // them). Prints the first mismatch and exits 1; prints "ok <checks>" otherwise.
 #include <cstdio>
 
@@ -24,10 +24,10 @@ int main() {
       const long long step = units / 4099 + 1;
       for (long long u = 0; u < units; u += (u % 3 == 0 ? 1 : step)) {
         ++checks;
-        const int exact = exl3::skinny_block_of(u, units, grid);
-        const int fast = exl3::skinny_block_of_dev(static_cast<int>(u), static_cast<int>(units), grid);
+        const int exact = exl3::block_of_unit(u, units, grid);
+        const int fast = exl3::block_of_unit_dev(static_cast<int>(u), static_cast<int>(units), grid);
         if (exact != fast) {
-          std::printf("skinny_block_of(%lld, %lld, %d): exact %d, division-free %d\n", u, units, grid, exact, fast);
+          std::printf("block_of_unit(%lld, %lld, %d): exact %d, division-free %d\n", u, units, grid, exact, fast);
           return 1;
         }
       }
