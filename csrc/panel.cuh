@@ -208,7 +208,12 @@ __global__ void __launch_bounds__(kGemmThreads, 2) panel_kernel(const GemmArgs a
       if (r + 1 < valid_rows) p[T::kBufStride] = acc[rg][1], p[T::kBufStride + 8] = acc[rg][3];
     }
     __syncthreads();  // buf complete
-    finish_segment<T::kRows, T::kBufStride, false>(a, units, buf, last_flag, seg, seg_end, valid_rows);
+    // (The segment's indices recomputed here rather than kept from its start: fewer live registers in the loop.)
+    const int rg_seg = fast_div(seg, a.kta_div), chunk = fast_div(rg_seg, a.groups_div);
+    finish_segment<T::kRows, T::kBufStride, false>(a, units, buf, last_flag, seg, seg_end, rg_seg,
+                                                   rg_seg - chunk * a.groups, chunk * T::kRows, valid_rows,
+                                                   a.kb_count * kTilesPerHad, threadIdx.x / kWarp,
+                                                   threadIdx.x % kWarp);
   }
 }
 

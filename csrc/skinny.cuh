@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
   for (int seg = u_begin; seg < u_end;) {
     const int rg_seg = fast_div(seg, a.kta_div);
     const int seg_end = min(u_end, (rg_seg + 1) * kta);
-    const int chunk = fast_div(rg_seg, a.groups_div);
+    const int chunk = fast_div(rg_seg, a.groups_div), group = rg_seg - chunk * a.groups;
     float acc[T::kNT][kMT][4];
 #pragma unroll
     for (int nt = 0; nt < T::kNT; ++nt)
@@ -290,7 +290,8 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
       }
     }
     __syncthreads();  // buf complete
-    finish_segment<T::kRows, T::kBufStride, T::kAffineEpilogue>(a, units, buf, last_flag, seg, seg_end, valid_rows);
+    finish_segment<T::kRows, T::kBufStride, T::kAffineEpilogue>(a, units, buf, last_flag, seg, seg_end, rg_seg, group,
+                                                                 row0, valid_rows, kta, warp, lane);
     seg = seg_end;
   }
   if (trace && lane == 0) trace[4] = global_ns();

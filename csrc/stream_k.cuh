@@ -42,13 +42,10 @@ __host__ __device__ __forceinline__ int block_of_unit_dev(int u, int units, int 
 // adds the slots in slot order (deterministic: no float atomics) and writes y = H(z) * svh. Block-wide: every
 // thread of the block calls it. kAffine: mul1 codewords, z = inv_scale * acc + bias * sum_k(xh) first.
 template <int kRows, int kBufStride, bool kAffine>
+// rg_seg: the segment's (row chunk, group) index; group: its column group; row0: the chunk's first row.
 __device__ __forceinline__ void finish_segment(const GemmArgs& a, int units, float* buf, int* last_flag, int seg,
-                                              int seg_end, int valid_rows) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int kta = a.kb_count * kTilesPerHad;
-  const int rg_seg = fast_div(seg, a.kta_div);
-  const int chunk = fast_div(rg_seg, a.groups_div), group = rg_seg - chunk * a.groups;
-  const int row0 = chunk * kRows;
+                                              int seg_end, int rg_seg, int group, int row0, int valid_rows, int kta,
+                                              int warp, int lane) {
   const bool whole = seg == rg_seg * kta && seg_end - seg == kta;
   bool finalize = whole;
   if (!whole) {
