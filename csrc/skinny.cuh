@@ -15,8 +15,9 @@
 //   of each column group they visit; each warp streams its tiles *and* the matching activations through a private
 //   cp.async ring (several k-tiles deep: loads are latency-bound otherwise). A block that holds only part of a
 //   column group parks its partial sum in its own fp32 slot; the block that completes the group (counter) sums
-//   the slots in a fixed order (deterministic, no float atomics), then applies the output Hadamard and svh. When
-//   there is enough work, each block owns whole groups and writes directly.
+//   the slots in a fixed order (deterministic, no float atomics), then applies the output Hadamard and svh
+//   (stream_k.cuh, shared with the panel kernel). When there is enough work, each block owns whole groups and
+//   writes directly.
 #pragma once
 
 #include <climits>
