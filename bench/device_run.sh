@@ -26,7 +26,8 @@ EXL_SITE=/tmp/exl/site
 if [ "${EXL:-0}" = 1 ]; then
   # Every process that imports exllamav3 must see the same arch list as its JIT build: torch hashes the flags, and a
   # test or bench process with another list rebuilds (430 s) or waits on the build lock (lost a device session).
-  export TORCH_EXTENSIONS_DIR=/tmp/exl/ext TORCH_CUDA_ARCH_LIST_EXL=9.0
+  # ExLlamaV3's JIT build takes the plain arch (9.0 for our 9.0a, 12.1 on a DGX Spark).
+  export TORCH_EXTENSIONS_DIR=/tmp/exl/ext TORCH_CUDA_ARCH_LIST_EXL=${ARCH%a}
   [ -d $EXL_SITE/exllamav3 ] ||
     python3 -m pip install -q --no-index --no-deps --no-compile --target $EXL_SITE .whl/*.whl
   ( t0=$(date +%s); PYTHONPATH=$EXL_SITE TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST_EXL MAX_JOBS=${EXL_JOBS:-14} python3 -c "import exllamav3.ext" \
