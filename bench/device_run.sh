@@ -4,7 +4,8 @@
 # comes last on stdout.
 #
 #   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]
-#   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ..."; VARIANTS="name:-DFLAG=1,-DOTHER=2 ..." rebuilds and re-times,
+#   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ...", NCU_KERNEL=panel_kernel for 17-64 rows;
+#   VARIANTS="name:-DFLAG=1,-DOTHER=2 ..." rebuilds and re-times,
 #   VARIANT_ARGS="--trace 4096,14336,4,mul1,1" adds bench arguments to those runs)      (carry: [".whl"] for ExLlamaV3)
 #
 # EXL=1 benchmarks ExLlamaV3 too (wheels from .whl, see ../shared/docs/h200-baseline.md; ~250 s JIT build, started
@@ -80,7 +81,7 @@ if has ncu; then
   # source counters (stall reasons per instruction), printed as text for reading here.
   for t in ${NCU_TARGETS:-4096,14336,4,mul1,1}; do
     tag=$(echo "$t" | tr ',' '_')
-    timeout 240 ncu --clock-control none -k regex:skinny_kernel --launch-skip 2 --launch-count 1 --set full \
+    timeout 240 ncu --clock-control none -k "regex:${NCU_KERNEL:-skinny_kernel}" --launch-skip 2 --launch-count 1 --set full \
       --import-source yes -f -o "/tmp/ncu_$tag" python3 bench/kernels.py --ncu-target "$t" > "$OUT/ncu_$tag.log" 2>&1
     echo "ncu $t rc=$?"
     ncu -i "/tmp/ncu_$tag.ncu-rep" --print-details all > "$OUT/ncu_${tag}_details.txt" 2>&1
