@@ -29,7 +29,6 @@
 
 namespace exl3 {
 
-constexpr int kSkinnyThreads = kGemmThreads;
 #ifndef EXL3_SKINNY_INFLIGHT
 #define EXL3_SKINNY_INFLIGHT 4096
 #endif
@@ -83,7 +82,7 @@ struct SkinnyTraits {
 
 // 1-8 rows: kSkinnyMinBlocks1 blocks per SM; 9-16 rows need the registers of two.
 template <int kBits2, bool kMul1, int kMT, bool kDup>
-__global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2)
+__global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2)
     skinny_kernel(const GemmArgs a, const int units) {
   using T = SkinnyTraits<kBits2, kMul1, kMT, kDup>;
   using TB = typename T::TB;
@@ -266,7 +265,7 @@ __global__ void __launch_bounds__(kSkinnyThreads, kMT == 1 ? kSkinnyMinBlocks1 :
     // One pass per pair of valid rows: the lanes holding rows r0, r0+1 (C fragment: c0/c1 rows 2*c4 + {0,1} at
     // column g8, c2/c3 the same rows at g8 + 8) park them in this warp's slot; then thread t adds up the eight
     // slots of output (r0 + t / 128, t % 128) in warp order. Padding rows of the chunk are never touched.
-    static_assert(kSkinnyThreads == kSkinnySlotRows * kHadBlock, "one output per thread and pass");
+    static_assert(kGemmThreads == kSkinnySlotRows * kHadBlock, "one output per thread and pass");
     for (int r0 = 0; r0 < valid_rows; r0 += kSkinnySlotRows) {
       __syncthreads();  // the previous pass (or segment) is done with the slots and buf
 #pragma unroll

@@ -41,8 +41,10 @@ __host__ __device__ __forceinline__ int block_of_unit_dev(int u, int units, int 
 // part of the column group parks them in its own slot of a.partials; the block that completes the group (counter)
 // adds the slots in slot order (deterministic: no float atomics) and writes y = H(z) * svh. Block-wide: every
 // thread of the block calls it. kAffine: mul1 codewords, z = inv_scale * acc + bias * sum_k(xh) first.
+// rg_seg: the segment's (row chunk, group) index; group: its column group; row0: the chunk's first row. The caller
+// passes these, kta, warp and lane in: recomputing them here changed the skinny kernels' register allocation and
+// slowed mcg by 4 % (bench/NOTES.md, v3).
 template <int kRows, int kBufStride, bool kAffine>
-// rg_seg: the segment's (row chunk, group) index; group: its column group; row0: the chunk's first row.
 __device__ __forceinline__ void finish_segment(const GemmArgs& a, int units, float* buf, int* last_flag, int seg,
                                               int seg_end, int rg_seg, int group, int row0, int valid_rows, int kta,
                                               int warp, int lane) {
