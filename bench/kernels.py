@@ -117,7 +117,8 @@ def profile_kernels() -> list[dict]:
                                        (4096, 14336, 4, "mul1", 8, native.PATH_AUTO),
                                        (4096, 14336, 2, "mul1", 1, native.PATH_AUTO),
                                        (4096, 14336, 4, "mcg", 1, native.PATH_AUTO),
-                                       (4096, 14336, 4, "mul1", 512, native.PATH_AUTO)]:
+                                       (4096, 14336, 4, "mul1", 512, native.PATH_AUTO),
+                                       (4096, 14336, 4, "mul1", 4096, native.PATH_AUTO)]:
         case = Case(k, n, bits, cb)
         x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
         for w in case.ws:
@@ -180,7 +181,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--rows", help="comma-separated row counts instead of the default list, e.g. 1,8")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--variants", action="store_true", help="also time kernel variants (paths, grids) for tuning")
+    ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
+    ap.add_argument("--crossover", action="store_true", help="time skinny / panel / reconstruct at 16..1024 rows")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
     ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
@@ -254,7 +256,7 @@ def main() -> int:
     result["table"] = table
 
     if args.variants:
-        # Kernel choices for tuning: skinny codeword (dup) vs rounded pairs, split-K vs direct, grid size, crossover.
+        # Skinny choices for tuning: codeword (dup) vs rounded pairs, split-K vs direct, grid size, PDL.
         var = []
         for k, n, bits, cb in [(4096, 14336, 4, "mul1"), (4096, 14336, 2, "mul1"), (4096, 14336, 4, "mcg"),
                                (14336, 4096, 4, "mul1")]:
@@ -271,16 +273,22 @@ def main() -> int:
                     t = bench_native(case, rows, args.iters, path, env)
                     var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
                     print(json.dumps(var[-1]), flush=True)
-            if (k, n) == (4096, 14336) and bits == 4 and cb == "mul1":
-                for rows in (16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
-                    for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
-                                       ("recon", native.PATH_RECONSTRUCT)]:
-                        t = bench_native(case, rows, max(10, args.iters // 2), path)
-                        var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
-                        print(json.dumps(var[-1]), flush=True)
             del case
             torch.cuda.empty_cache()
         result["variants"] = var
+
+    if args.variants or args.crossover:
+        # Where `auto` should switch kernels: each path at each row count on the large layer.
+        case = Case(4096, 14336, 4, "mul1")
+        var = result.setdefault("variants", [])
+        for rows in (16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
+            for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
+                               ("recon", native.PATH_RECONSTRUCT)]:
+                t = bench_native(case, rows, max(10, args.iters // 2), path)
+                var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
+                print(json.dumps(var[-1]), flush=True)
+        del case
+        torch.cuda.empty_cache()
 
     if args.trace:
         result["trace"] = [trace_skinny(spec) for spec in args.trace]

@@ -83,15 +83,17 @@ int act_dtype(const at::Tensor& x) {
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-void cublas_xh_what(const at::Tensor& xh, const at::Tensor& w_hat, const at::Tensor& z) {
-  // z[M][Na] = xh[M][Ka] @ Ŵ[Ka][Na]  (row-major) == column-major Z^T = Ŵ^T · xh^T
+// y[M][N] = x[M][K] . W[K][N] (row-major; W with row stride ldw elements, x's dtype throughout, fp32 accumulate)
+// == column-major Y^T = W^T . X^T.
+void cublas_x_w(const at::Tensor& x, const void* w, int64_t ldw, int64_t k, at::Tensor& y) {
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-  const int m = static_cast<int>(w_hat.size(1)), n = static_cast<int>(xh.size(0)), k = static_cast<int>(xh.size(1));
+  const cudaDataType_t dt = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const int m = static_cast<int>(y.size(1)), n = static_cast<int>(x.size(0));
   const float alpha = 1.f, beta = 0.f;
-  const cudaDataType_t ct = z.scalar_type() == at::kFloat ? CUDA_R_32F : CUDA_R_16F;
-  const cublasStatus_t st =
-      cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, w_hat.data_ptr(), CUDA_R_16F, m, xh.data_ptr(),
-                   CUDA_R_16F, k, &beta, z.data_ptr(), ct, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  const cublasStatus_t st = cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, static_cast<int>(k), &alpha, w, dt,
+                                         static_cast<int>(ldw), x.data_ptr(), dt, static_cast<int>(x.stride(0)), &beta,
+                                         y.data_ptr(), dt, static_cast<int>(y.stride(0)), CUBLAS_COMPUTE_32F,
+                                         CUBLAS_GEMM_DEFAULT);
   TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "vllm_exl3: cublasGemmEx failed (status ", static_cast<int>(st), ")");
 }
 
@@ -129,6 +131,24 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
                                                                                                  : kReconstruct;
   }
 
+  const int64_t ka = kb_count * kHad, na = groups * kHad;
+  if (path == kReconstruct) {
+    // W of the active part in the original basis and x's dtype, then y = x . W[input columns, output columns]
+    // straight from cuBLAS: no activation transforms, no intermediate.
+    at::Tensor w_full = at::empty({ka, na}, x.options());
+    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
+                             static_cast<int>(groups), w_full.data_ptr(), xdt, suh.data_ptr(), svh.data_ptr()};
+    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct (original basis)");
+    const int64_t elem = x.element_size();
+    const char* w_slice = static_cast<const char*>(w_full.data_ptr()) +
+                          ((in_offset - kb0 * kHad) * na + (out_offset - g0 * kHad)) * elem;
+    cublas_x_w(x, w_slice, na, in_width, y);
+    return y;
+  }
+
+  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain ||
+                  path == kPanel,
+              "unknown path ", path);
   exl3::InputTransformArgs it{};
   it.x = x.data_ptr();
   it.x_dtype = xdt;
@@ -139,30 +159,6 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.suh = suh.data_ptr();
   it.kb0 = static_cast<int>(kb0);
   it.kb_count = static_cast<int>(kb_count);
-  const int64_t ka = kb_count * kHad, na = groups * kHad;
-
-  if (path == kReconstruct) {
-    at::Tensor xh = at::empty({rows, ka}, x.options().dtype(at::kHalf));
-    it.xh_rows = static_cast<int>(rows);
-    it.xh = xh.data_ptr();
-    check_cuda(exl3::launch_input_transform(it, stream), "input transform");
-    at::Tensor w_hat = at::empty({ka, na}, x.options().dtype(at::kHalf));
-    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
-                             static_cast<int>(groups), w_hat.data_ptr(), exl3::kActF16};
-    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct");
-    // fp16 activations keep ExLlamaV3's fp16 intermediate; bf16 ones get fp32 (their range exceeds fp16's).
-    at::Tensor z = at::empty({rows, na}, x.options().dtype(xdt == exl3::kActBF16 ? at::kFloat : at::kHalf));
-    cublas_xh_what(xh, w_hat, z);
-    exl3::OutputTransformArgs ot{z.data_ptr(), z.scalar_type() == at::kFloat, na, static_cast<int>(rows),
-                                 static_cast<int>(g0), static_cast<int>(groups), svh.data_ptr(), y.data_ptr(), xdt,
-                                 y.stride(0), static_cast<int>(out_offset), static_cast<int>(out_features)};
-    check_cuda(exl3::launch_output_transform(ot, stream), "output transform");
-    return y;
-  }
-
-  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain ||
-                  path == kPanel,
-              "unknown path ", path);
   exl3::GemmArgs sa{};
   sa.w = w;
   sa.svh = svh.data_ptr();
@@ -217,17 +213,15 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor out = at::empty({kt * kTile, nt * kTile}, trellis.options().dtype(bf16 ? at::kBFloat16 : at::kHalf));
   const int odt = bf16 ? exl3::kActBF16 : exl3::kActF16;
-  if (!suh.has_value()) {
-    exl3::ReconstructArgs ra{w, 0, static_cast<int>(kt * kTile / kHad), 0, static_cast<int>(nt * kTile / kHad),
-                             out.data_ptr(), odt};
-    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct");
-    return out;
+  exl3::ReconstructArgs ra{w, 0, static_cast<int>(kt * kTile / kHad), 0, static_cast<int>(nt * kTile / kHad),
+                           out.data_ptr(), odt, nullptr, nullptr};
+  if (suh.has_value()) {
+    TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == kt * kTile, "suh must be fp16 [K]");
+    TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == nt * kTile, "svh must be fp16 [N]");
+    ra.suh = suh->data_ptr();
+    ra.svh = svh->data_ptr();
   }
-  TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == kt * kTile, "suh must be fp16 [K]");
-  TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == nt * kTile, "svh must be fp16 [N]");
-  exl3::ReconstructFullArgs fa{w, static_cast<int>(kt), static_cast<int>(nt), suh->data_ptr(), svh->data_ptr(),
-                               out.data_ptr(), odt};
-  check_cuda(exl3::launch_reconstruct_full(fa, stream), "reconstruct (original basis)");
+  check_cuda(exl3::launch_reconstruct(ra, stream), suh.has_value() ? "reconstruct (original basis)" : "reconstruct");
   return out;
 }
 

@@ -113,41 +113,19 @@ cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& plan, bool pdl, cudaS
 // reconstruct + cuBLAS.
 bool gemm_fits_device(int codebook, int bits2, int rows, bool panel);
 
-// Ŵ (rotated basis, bit-exact with the reference) of the active part: out [kb_count*128, groups*128] row-major,
-// fp16 or bf16 (bf16 is Ŵ rounded once more).
+// The active part of the weight as a dense row-major matrix out [kb_count*128, groups*128], fp16 or bf16:
+// * suh/svh null: Ŵ (rotated basis), bit-exact with the reference (bf16: Ŵ rounded once more);
+// * suh/svh given: W = diag(suh) H Ŵ H diag(svh) (original basis, what x multiplies directly), the Hadamards on
+//   tensor cores with fp32 sums; rounded twice (the k-side transform to fp16 between the two sides, then W).
 struct ReconstructArgs {
   TrellisView w;
   int kb0, kb_count, g0, groups;
   void* out;
   int out_dtype;
+  const void* suh;  // fp16 [K_in] (whole linear), or null
+  const void* svh;  // fp16 [N], or null
 };
 cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream);
-
-// W in the original basis, diag(suh) H Ŵ H diag(svh), fp32 math, one rounding: out [K_in, N] (whole matrix).
-struct ReconstructFullArgs {
-  TrellisView w;
-  int kt_total, nt_total;
-  const void* suh;
-  const void* svh;
-  void* out;
-  int out_dtype;
-};
-cudaError_t launch_reconstruct_full(const ReconstructFullArgs& a, cudaStream_t stream);
-
-// y [rows, out_features] = (128-block Hadamard of z [rows, groups*128], row stride z_stride) * svh, for output
-// columns [out_offset, out_offset + out_features) of group g0.. ; z fp32 or fp16.
-struct OutputTransformArgs {
-  const void* z;
-  bool z_f32;
-  long long z_stride;
-  int rows, g0, groups;
-  const void* svh;
-  void* y;
-  int y_dtype;
-  long long y_stride;
-  int out_offset, out_features;
-};
-cudaError_t launch_output_transform(const OutputTransformArgs& a, cudaStream_t stream);
 
 // Which kernels this library was built for (e.g. "sm_90a sm_121a") and whether the current device can run them.
 const char* built_archs();

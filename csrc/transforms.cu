@@ -1,4 +1,4 @@
-// Input/output Hadamard transforms and the reconstruct kernels (Ŵ bit-exact; W in the original basis).
+// The input Hadamard transform (skinny and panel paths) and the reconstruct kernels (Ŵ bit-exact; W in the original basis).
 #include "exl3_decode.cuh"
 #include "exl3_device.cuh"
 #include "exl3_kernels.h"
@@ -74,73 +74,33 @@ cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t str
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// y = H(z) * svh per 128-column group (reconstruct + GEMM path).
-// ------------------------------------------------------------------------------------------------------------
-template <bool kF32>
-__global__ void __launch_bounds__(kXfThreads) output_transform_kernel(const OutputTransformArgs a) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int row = blockIdx.x, group = blockIdx.y * kXfWarps + warp;
-  if (group >= a.groups) return;  // warp-uniform
-  const long long zi = row * a.z_stride + group * kHadBlock + 4 * lane;
-  float v[4];
-  if constexpr (kF32) {
-    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(a.z) + zi);
-    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-  } else {
-    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const __half*>(a.z) + zi);
-    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-  }
-  fwht128_warp(v, lane);
-  const int n0 = (a.g0 + group) * kHadBlock + 4 * lane;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) v[e] *= kHadScale * __half2float(static_cast<const __half*>(a.svh)[n0 + e]);
-  const int oc = n0 - a.out_offset;
-  const int lo = max(0, -oc), hi = min(4, a.out_features - oc);
-  if (lo < hi) {
-    const long long o = row * a.y_stride + oc;
-    store_act4(a.y, o, v, a.y_dtype, (o & 3) == 0, lo, hi);
-  }
-}
-
-cudaError_t launch_output_transform(const OutputTransformArgs& a, cudaStream_t stream) {
-  if (a.rows <= 0 || a.groups <= 0) return cudaSuccess;
-  const dim3 grid(a.rows, (a.groups + kXfWarps - 1) / kXfWarps);
-  if (a.z_f32) output_transform_kernel<true><<<grid, kXfThreads, 0, stream>>>(a);
-  else output_transform_kernel<false><<<grid, kXfThreads, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
-// ------------------------------------------------------------------------------------------------------------
 // Reconstruct: one block per (16-row k-tile, 128-column group); each warp decodes one tile straight from global
 // memory into registers (the same lane decoder as the GEMM kernels), shared memory turns fragments into rows.
 // ------------------------------------------------------------------------------------------------------------
-// One lane's 8 weights of a tile, bit-exact Ŵ, from the words it loaded.
+// One lane's 8 weights of a tile, bit-exact Ŵ, from the words it loaded: as 4 half2 pairs (positions 2i, 2i+1;
+// pair i is register i of the lane's fragment in position order) or as 8 halves.
 template <int kBits2, bool kMul1>
-__device__ __forceinline__ void rounded_weights(const LaneWindows<kBits2>& lw, const uint32_t (&w)[TileBits<kBits2>::kLoadWords],
-                                                uint32_t mul, uint32_t add, __half (&v)[kLanePositions]) {
+__device__ __forceinline__ void rounded_pairs(const LaneWindows<kBits2>& lw, const uint32_t (&w)[TileBits<kBits2>::kLoadWords],
+                                              uint32_t mul, uint32_t add, uint32_t (&p)[kLanePositions / 2]) {
   uint32_t s[kLanePositions], cw[kLanePositions];
   lw.states(w, s);
 #pragma unroll
   for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
 #pragma unroll
-  for (int j = 0; j < kLanePositions; j += 2) {
-    const uint32_t p = rounded_pair<kMul1>(cw[j], cw[j + 1]);
-    const __half2 h = *reinterpret_cast<const __half2*>(&p);
-    v[j] = __low2half(h);
-    v[j + 1] = __high2half(h);
-  }
+  for (int i = 0; i < kLanePositions / 2; ++i) p[i] = rounded_pair<kMul1>(cw[2 * i], cw[2 * i + 1]);
 }
 
 template <int kBits2, bool kMul1>
-__device__ __forceinline__ void decode_tile_rounded(const int16_t* rec, const LaneWindows<kBits2>& lw, uint32_t mul,
-                                                    uint32_t add, __half (&v)[kLanePositions]) {
-  uint32_t w[TileBits<kBits2>::kLoadWords];
+__device__ __forceinline__ void rounded_weights(const LaneWindows<kBits2>& lw, const uint32_t (&w)[TileBits<kBits2>::kLoadWords],
+                                                uint32_t mul, uint32_t add, __half (&v)[kLanePositions]) {
+  uint32_t p[kLanePositions / 2];
+  rounded_pairs<kBits2, kMul1>(lw, w, mul, add, p);
 #pragma unroll
-  for (int i = 0; i < TileBits<kBits2>::kLoadWords; ++i)
-    w[i] = *reinterpret_cast<const uint32_t*>(reinterpret_cast<const unsigned char*>(rec) + lw.word_byte[i]);
-  rounded_weights<kBits2, kMul1>(lw, w, mul, add, v);
+  for (int i = 0; i < kLanePositions / 2; ++i) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&p[i]);
+    v[2 * i] = __low2half(h);
+    v[2 * i + 1] = __high2half(h);
+  }
 }
 
 // Each warp walks one 16-column tile column down kReconRows k-tiles, keeping kReconDepth tiles of trellis words in
@@ -208,83 +168,166 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
   }
 }
 
-// W = diag(suh) H Ŵ H diag(svh) for one 128x128 block, fp32 in shared memory (tools; not on the serving path).
-constexpr int kFullStride = kHadBlock + 1;
-constexpr int kFullSmem = kHadBlock * kFullStride * 4;
+// ------------------------------------------------------------------------------------------------------------
+// Reconstruct in the original basis, W = diag(suh) H Ŵ H diag(svh), one 128x128 block per CTA (what the
+// reconstruct + cuBLAS path multiplies x with directly: no activation transforms, no fp32 intermediate).
+// H128 = H8 (x) H16 (Sylvester order), so each side is a 16-point Hadamard inside every tile, on tensor cores, and
+// an 8-point butterfly across tiles in fp32 registers. Register identities make the MMAs free of shuffles: the
+// decoded fragment of Ŵ^T (an A operand) is, pair for pair, the B operand of Ŵ; an MMA's fp32 result, rounded to
+// fp16 pairs, is the A operand of the next MMA; H16 is symmetric, so one set of registers is both its A and B.
+// Warp w decodes tile column w (8 k-tiles) and finishes the k side in registers, then applies the in-tile n side;
+// the 8-point n-side butterfly needs all 8 tile columns, so the results meet in shared memory, where warp w takes
+// k-tile row w, finishes, scales by suh[k] svh[n] / 128 and writes it out.
+// ------------------------------------------------------------------------------------------------------------
+// Floats per shared row. 136: the fragment-order 8-byte stores (row = lane/4) and the row-order 16-byte loads
+// (row = lane/2, alternate 16-byte halves) both hit distinct banks.
+constexpr int kOrigStride = kHadBlock + 8;
+constexpr int kOrigSmem = kHadBlock * kOrigStride * 4;
+
+// H16[i][j] and H16[i][j+1] (+-1) as a half2: the lane's A-fragment registers of H16 are pairs (g, 2t), (g+8, 2t),
+// (g, 2t+8), (g+8, 2t+8); by symmetry, {h0, h2} / {h1, h3} are its B fragments for output columns 0-7 / 8-15.
+__device__ __forceinline__ uint32_t had16_pair(int i, int j) {
+  const uint32_t lo = (__popc(i & j) & 1) ? 0xBC00u : 0x3C00u;
+  const uint32_t hi = (__popc(i & (j + 1)) & 1) ? 0xBC00u : 0x3C00u;
+  return lo | (hi << 16);
+}
+
+// Unnormalized 8-point Hadamard (Sylvester order) over the first index, for each of kN lanes of values.
+template <int kN>
+__device__ __forceinline__ void butterfly8(float (&v)[kTilesPerHad][kN]) {
+#pragma unroll
+  for (int m = 1; m < kTilesPerHad; m <<= 1)
+#pragma unroll
+    for (int i = 0; i < kTilesPerHad; ++i)
+      if (!(i & m))
+#pragma unroll
+        for (int e = 0; e < kN; ++e) {
+          const float p = v[i][e], q = v[i | m][e];
+          v[i][e] = p + q;
+          v[i | m][e] = p - q;
+        }
+}
+
+__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
 
 template <int kBits2, bool kMul1>
-__global__ void __launch_bounds__(kXfThreads) reconstruct_full_kernel(const ReconstructFullArgs a) {
-  extern __shared__ float blk[];  // [128][129]
+__global__ void __launch_bounds__(kXfThreads) reconstruct_original_kernel(const ReconstructArgs a) {
+  using TB = TileBits<kBits2>;
+  static_assert(kXfWarps == kTilesPerHad, "one warp per tile column of a 128x128 block");
+  extern __shared__ float xchg[];  // [128][kOrigStride]: k rows x n columns of the block
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int group = blockIdx.x, kb = blockIdx.y;
+  const int g = lane / 4, t = lane % 4;
+  const int group = blockIdx.x, kb = blockIdx.y;  // within the active part
   LaneWindows<kBits2> lw;
   lw.init(lane);
   const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
-  for (int t = warp; t < kTilesPerHad * kTilesPerHad; t += kXfWarps) {
-    const int ki = t / kTilesPerHad, ni = t % kTilesPerHad;
-    const int16_t* rec = a.w.data + static_cast<long long>(kb * kTilesPerHad + ki) * a.w.row_stride +
-                         static_cast<long long>(group * kTilesPerHad + ni) * a.w.tile_stride;
-    __half v[kLanePositions];
-    decode_tile_rounded<kBits2, kMul1>(rec, lw, mul, add, v);
+  const unsigned char* col = reinterpret_cast<const unsigned char*>(
+      a.w.data + static_cast<long long>(a.kb0 + kb) * kTilesPerHad * a.w.row_stride +
+      static_cast<long long>((a.g0 + group) * kTilesPerHad + warp) * a.w.tile_stride);
+  const long long row_bytes = a.w.row_stride * 2;
+  uint32_t words[kTilesPerHad][TB::kLoadWords];  // all 8 tiles in flight at once
 #pragma unroll
-    for (int j = 0; j < kLanePositions; ++j)
-      blk[(ki * kTile + tile_row(lane, j)) * kFullStride + ni * kTile + tile_col(lane, j)] = __half2float(v[j]);
+  for (int kt = 0; kt < kTilesPerHad; ++kt)
+#pragma unroll
+    for (int i = 0; i < TB::kLoadWords; ++i)
+      words[kt][i] = __ldcs(reinterpret_cast<const unsigned int*>(col + kt * row_bytes + lw.word_byte[i]));
+  const uint32_t h0 = had16_pair(g, 2 * t), h1 = had16_pair(g + 8, 2 * t), h2 = had16_pair(g, 2 * t + 8),
+                 h3 = had16_pair(g + 8, 2 * t + 8);
+
+  // k side. Per tile: H16 . Ŵ for tile columns 0-7 (pairs 0, 1 = B) and 8-15 (pairs 2, 3); acc[kt] holds rows
+  // (g, g+8) x columns (2t, 2t+1) of each, in the MMA result order. Then the butterfly across the 8 k-tiles.
+  float acc[kTilesPerHad][8];
+#pragma unroll
+  for (int kt = 0; kt < kTilesPerHad; ++kt) {
+    uint32_t p[kLanePositions / 2];
+    rounded_pairs<kBits2, kMul1>(lw, words[kt], mul, add, p);
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_16816(d0, h0, h1, h2, h3, p[0], p[1]);
+    mma_16816(d1, h0, h1, h2, h3, p[2], p[3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[kt][e] = d0[e], acc[kt][4 + e] = d1[e];
+  }
+  butterfly8(acc);
+
+  // n side inside each tile: T (fp16 A operand: rows k, columns n) . H16, then to shared memory.
+  float* const sw = xchg + warp * kTile + 2 * t;
+#pragma unroll
+  for (int kt = 0; kt < kTilesPerHad; ++kt) {
+    const float(&d)[8] = acc[kt];
+    const uint32_t a0 = half2_bits(d[0], d[1]), a1 = half2_bits(d[2], d[3]), a2 = half2_bits(d[4], d[5]),
+                   a3 = half2_bits(d[6], d[7]);
+    float e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_16816(e0, a0, a1, a2, a3, h0, h2);
+    mma_16816(e1, a0, a1, a2, a3, h1, h3);
+    float* r0 = sw + (kt * kTile + g) * kOrigStride;
+    float* r8 = r0 + 8 * kOrigStride;
+    *reinterpret_cast<float2*>(r0) = make_float2(e0[0], e0[1]);
+    *reinterpret_cast<float2*>(r0 + 8) = make_float2(e1[0], e1[1]);
+    *reinterpret_cast<float2*>(r8) = make_float2(e0[2], e0[3]);
+    *reinterpret_cast<float2*>(r8 + 8) = make_float2(e1[2], e1[3]);
   }
   __syncthreads();
-  for (int n = warp; n < kHadBlock; n += kXfWarps) {  // down each column, then scale row k by suh[k]
-    float v[4];
+
+  // Row k of k-tile `warp`, columns 4h..4h+3 and 8+4h..8+4h+3 of every tile column: the butterfly across the 8 tile
+  // columns, the scales, the store.
+  const int r = lane / 2, h = lane % 2;
+  float v[kTilesPerHad][8];
+  const float* sr = xchg + (warp * kTile + r) * kOrigStride + 4 * h;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = blk[(4 * lane + e) * kFullStride + n];
-    fwht128_warp(v, lane);
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      blk[(4 * lane + e) * kFullStride + n] =
-          v[e] * kHadScale * __half2float(static_cast<const __half*>(a.suh)[kb * kHadBlock + 4 * lane + e]);
-  }
-  __syncthreads();
-  const long long n_total = static_cast<long long>(a.nt_total) * kTile;
-  for (int k = warp; k < kHadBlock; k += kXfWarps) {  // along each row, then scale column n by svh[n]
-    float v[4];
+    for (int q = 0; q < 2; ++q) {
+      const float4 f = *reinterpret_cast<const float4*>(sr + nt * kTile + 8 * q);
+      v[nt][4 * q] = f.x, v[nt][4 * q + 1] = f.y, v[nt][4 * q + 2] = f.z, v[nt][4 * q + 3] = f.w;
+    }
+  butterfly8(v);
+  const int k = (a.kb0 + kb) * kHadBlock + warp * kTile + r;
+  const float row_scale = __half2float(static_cast<const __half*>(a.suh)[k]) * (kHadScale * kHadScale);
+  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock + 4 * h;
+  const long long na = static_cast<long long>(a.groups) * kHadBlock;
+  const long long o = (static_cast<long long>(kb) * kHadBlock + warp * kTile + r) * na + group * kHadBlock + 4 * h;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = blk[k * kFullStride + 4 * lane + e];
-    fwht128_warp(v, lane);
-    const int n0 = group * kHadBlock + 4 * lane;
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] *= kHadScale * __half2float(static_cast<const __half*>(a.svh)[n0 + e]);
-    store_act4(a.out, (static_cast<long long>(kb) * kHadBlock + k) * n_total + n0, v, a.out_dtype, true, 0, 4);
-  }
+    for (int q = 0; q < 2; ++q) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(svh + nt * kTile + 8 * q));
+      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+      const float w4[4] = {v[nt][4 * q] * row_scale * s01.x, v[nt][4 * q + 1] * row_scale * s01.y,
+                           v[nt][4 * q + 2] * row_scale * s23.x, v[nt][4 * q + 3] * row_scale * s23.y};
+      store_act4(a.out, o + nt * kTile + 8 * q, w4, a.out_dtype, true, 0, 4);
+    }
 }
 
 cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream) {
   if (a.kb_count <= 0 || a.groups <= 0) return cudaSuccess;
-  const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (a.kb_count * kTilesPerHad + kReconRows - 1) / kReconRows);
-  cudaError_t err = cudaErrorInvalidValue;
-  auto go = [&](auto b2) {
-    constexpr int kB = decltype(b2)::value;
-    if (a.w.codebook == kCbMul1) reconstruct_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a);
-    else if constexpr (kB % 2 == 0) reconstruct_kernel<kB, false><<<grid, kXfThreads, 0, stream>>>(a);
-    else return;
-    err = cudaGetLastError();
-  };
-  EXL3_DISPATCH_BITS2(a.w.bits2, go)
-  return err;
-}
-
-cudaError_t launch_reconstruct_full(const ReconstructFullArgs& a, cudaStream_t stream) {
-  if (a.kt_total % kTilesPerHad || a.nt_total % kTilesPerHad) return cudaErrorInvalidValue;
-  const dim3 grid(a.nt_total / kTilesPerHad, a.kt_total / kTilesPerHad);
-  if (grid.x == 0 || grid.y == 0) return cudaSuccess;
+  if (!a.suh != !a.svh) return cudaErrorInvalidValue;
   cudaError_t err = cudaErrorInvalidValue;
   auto go = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;
     const void* fn = nullptr;
-    if (a.w.codebook == kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_full_kernel<kB, true>);
-    else if constexpr (kB % 2 == 0) fn = reinterpret_cast<const void*>(&reconstruct_full_kernel<kB, false>);
+    if (a.suh) {
+      if (a.w.codebook == kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, true>);
+      else if constexpr (kB % 2 == 0) fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, false>);
+    } else {
+      if (a.w.codebook == kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_kernel<kB, true>);
+      else if constexpr (kB % 2 == 0) fn = reinterpret_cast<const void*>(&reconstruct_kernel<kB, false>);
+    }
     if (!fn) return;
-    err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kFullSmem);
-    if (err != cudaSuccess) return;
-    void* args[] = {const_cast<ReconstructFullArgs*>(&a)};
-    err = cudaLaunchKernel(fn, grid, dim3(kXfThreads), args, kFullSmem, stream);
+    dim3 grid(a.groups * kTilesPerHad / kXfWarps, (a.kb_count * kTilesPerHad + kReconRows - 1) / kReconRows);
+    int smem = 0;
+    if (a.suh) {
+      grid = dim3(a.groups, a.kb_count);
+      smem = kOrigSmem;
+      // A host-side attribute (not a stream operation): cheap, and allowed during graph capture.
+      err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return;
+    }
+    void* args[] = {const_cast<ReconstructArgs*>(&a)};
+    err = cudaLaunchKernel(fn, grid, dim3(kXfThreads), args, smem, stream);
   };
   EXL3_DISPATCH_BITS2(a.w.bits2, go)
   return err;
