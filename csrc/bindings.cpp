@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -83,17 +84,16 @@ int act_dtype(const at::Tensor& x) {
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-// y[M][N] = x[M][K] . W[K][N] (row-major; W with row stride ldw elements, x's dtype throughout, fp32 accumulate)
-// == column-major Y^T = W^T . X^T.
-void cublas_x_w(const at::Tensor& x, const void* w, int64_t ldw, int64_t k, at::Tensor& y) {
+// y[M][N] = a[M][K] . W[K][N] (row-major, a's dtype throughout, W with row stride ldw elements, fp32 accumulate)
+// == column-major Y^T = W^T . A^T.
+void cublas_gemm(const at::Tensor& a, const void* w, int64_t ldw, at::Tensor& y) {
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-  const cudaDataType_t dt = x.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
-  const int m = static_cast<int>(y.size(1)), n = static_cast<int>(x.size(0));
+  const cudaDataType_t dt = a.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  const int m = static_cast<int>(y.size(1)), n = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1));
   const float alpha = 1.f, beta = 0.f;
-  const cublasStatus_t st = cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, static_cast<int>(k), &alpha, w, dt,
-                                         static_cast<int>(ldw), x.data_ptr(), dt, static_cast<int>(x.stride(0)), &beta,
-                                         y.data_ptr(), dt, static_cast<int>(y.stride(0)), CUBLAS_COMPUTE_32F,
-                                         CUBLAS_GEMM_DEFAULT);
+  const cublasStatus_t st = cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &alpha, w, dt, static_cast<int>(ldw),
+                                         a.data_ptr(), dt, static_cast<int>(a.stride(0)), &beta, y.data_ptr(), dt,
+                                         static_cast<int>(y.stride(0)), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "vllm_exl3: cublasGemmEx failed (status ", static_cast<int>(st), ")");
 }
 
@@ -131,24 +131,6 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
                                                                                                  : kReconstruct;
   }
 
-  const int64_t ka = kb_count * kHad, na = groups * kHad;
-  if (path == kReconstruct) {
-    // W of the active part in the original basis and x's dtype, then y = x . W[input columns, output columns]
-    // straight from cuBLAS: no activation transforms, no intermediate.
-    at::Tensor w_full = at::empty({ka, na}, x.options());
-    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
-                             static_cast<int>(groups), w_full.data_ptr(), xdt, suh.data_ptr(), svh.data_ptr()};
-    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct (original basis)");
-    const int64_t elem = x.element_size();
-    const char* w_slice = static_cast<const char*>(w_full.data_ptr()) +
-                          ((in_offset - kb0 * kHad) * na + (out_offset - g0 * kHad)) * elem;
-    cublas_x_w(x, w_slice, na, in_width, y);
-    return y;
-  }
-
-  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain ||
-                  path == kPanel,
-              "unknown path ", path);
   exl3::InputTransformArgs it{};
   it.x = x.data_ptr();
   it.x_dtype = xdt;
@@ -159,6 +141,28 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.suh = suh.data_ptr();
   it.kb0 = static_cast<int>(kb0);
   it.kb_count = static_cast<int>(kb_count);
+  const int64_t ka = kb_count * kHad, na = groups * kHad;
+
+  if (path == kReconstruct) {
+    // xh in x's dtype, W' = Ŵ H diag(svh) of the active part, then y = xh . W'[:, output columns] straight from
+    // cuBLAS: no output transform, no intermediate.
+    at::Tensor xh = at::empty({rows, ka}, x.options());
+    it.xh_rows = static_cast<int>(rows);
+    it.xh = xh.data_ptr();
+    it.xh_dtype = xdt;
+    check_cuda(exl3::launch_input_transform(it, stream), "input transform");
+    at::Tensor w_out = at::empty({ka, na}, x.options());
+    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
+                             static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr()};
+    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct (output side)");
+    const void* w_cols = static_cast<const char*>(w_out.data_ptr()) + (out_offset - g0 * kHad) * x.element_size();
+    cublas_gemm(xh, w_cols, na, y);
+    return y;
+  }
+
+  TORCH_CHECK(path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect || path == kSkinnyPlain ||
+                  path == kPanel,
+              "unknown path ", path);
   exl3::GemmArgs sa{};
   sa.w = w;
   sa.svh = svh.data_ptr();
@@ -183,6 +187,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   char* base = static_cast<char*>(ws.data_ptr());
   it.xh_rows = static_cast<int>(xh_rows);
   it.xh = base;
+  it.xh_dtype = exl3::kActF16;
   it.rowsum_parts = reinterpret_cast<float*>(base + xh_bytes);
   if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
     sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
@@ -206,23 +211,32 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
 at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::optional<at::Tensor>& suh,
                        const std::optional<at::Tensor>& svh, bool bf16) {
   const exl3::TrellisView w = trellis_view(trellis, codebook);
-  const int64_t kt = trellis.size(0), nt = trellis.size(1);
-  TORCH_CHECK((kt * kTile) % kHad == 0 && (nt * kTile) % kHad == 0, "EXL3 linears are padded to 128 on both sides");
+  const int64_t k = trellis.size(0) * kTile, n = trellis.size(1) * kTile;
+  TORCH_CHECK(k % kHad == 0 && n % kHad == 0, "EXL3 linears are padded to 128 on both sides");
   TORCH_CHECK(suh.has_value() == svh.has_value(), "give both suh and svh (original basis) or neither (Ŵ)");
   const c10::cuda::CUDAGuard guard(trellis.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor out = at::empty({kt * kTile, nt * kTile}, trellis.options().dtype(bf16 ? at::kBFloat16 : at::kHalf));
-  const int odt = bf16 ? exl3::kActBF16 : exl3::kActF16;
-  exl3::ReconstructArgs ra{w, 0, static_cast<int>(kt * kTile / kHad), 0, static_cast<int>(nt * kTile / kHad),
-                           out.data_ptr(), odt, nullptr, nullptr};
-  if (suh.has_value()) {
-    TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == kt * kTile, "suh must be fp16 [K]");
-    TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == nt * kTile, "svh must be fp16 [N]");
-    ra.suh = suh->data_ptr();
-    ra.svh = svh->data_ptr();
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kHalf;
+  if (!suh.has_value()) {
+    at::Tensor out = at::empty({k, n}, trellis.options().dtype(dtype));
+    exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), out.data_ptr(),
+                             bf16 ? exl3::kActBF16 : exl3::kActF16, nullptr};
+    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct");
+    return out;
   }
-  check_cuda(exl3::launch_reconstruct(ra, stream), suh.has_value() ? "reconstruct (original basis)" : "reconstruct");
-  return out;
+  TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == k, "suh must be fp16 [K]");
+  TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == n, "svh must be fp16 [N]");
+  // Tools, not the serving path: the output side by the kernel (fp16), the input side as a batched fp32 matmul.
+  at::Tensor w_out = at::empty({k, n}, trellis.options().dtype(at::kHalf));
+  exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), w_out.data_ptr(),
+                           exl3::kActF16, svh->data_ptr()};
+  check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct (output side)");
+  at::Tensor h = at::empty({kHad, kHad}, at::kFloat);
+  float* hp = h.data_ptr<float>();
+  for (int i = 0; i < kHad; ++i)
+    for (int j = 0; j < kHad; ++j) hp[i * kHad + j] = (__builtin_popcount(i & j) & 1 ? -1.f : 1.f) / std::sqrt(128.f);
+  const at::Tensor full = at::matmul(h.to(trellis.device()), w_out.to(at::kFloat).view({k / kHad, kHad, n}));
+  return (full.view({k, n}) * suh->to(at::kFloat).view({k, 1})).to(dtype);
 }
 
 std::string build_info() { return std::string("archs=") + exl3::built_archs(); }

@@ -25,9 +25,10 @@ struct TrellisView {
 };
 
 // x [rows, in_width] (fp16/bf16, row stride x_stride) placed at input column in_offset of a zero input, times suh,
-// 128-point Hadamard per block, rounded to fp16: xh [xh_rows, kb_count * 128] (dense), for blocks kb0.. only;
-// rows rows .. xh_rows-1 are written as zeros (the skinny kernel reads whole row chunks).
-// Optionally writes per-row partial sums of xh (rowsum_parts [rows, input_transform_parts(kb_count)]) and clears
+// 128-point Hadamard per block, rounded to xh_dtype (fp16 for the skinny and panel kernels): xh [xh_rows,
+// kb_count * 128] (dense), for blocks kb0.. only; rows rows .. xh_rows-1 are written as zeros (the skinny kernel
+// reads whole row chunks). Optionally writes per-row partial sums of fp16 xh (rowsum_parts [rows,
+// input_transform_parts(kb_count)]) and clears
 // `zero_bytes` (multiple of 16) at `zero` (the split-K workspace of the next kernel).
 struct InputTransformArgs {
   const void* x;
@@ -37,6 +38,7 @@ struct InputTransformArgs {
   const void* suh;  // fp16 [K_in]
   int kb0, kb_count;
   void* xh;
+  int xh_dtype;  // exl3::ActDtype
   float* rowsum_parts;
   void* zero;
   size_t zero_bytes;
@@ -114,16 +116,15 @@ cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& plan, bool pdl, cudaS
 bool gemm_fits_device(int codebook, int bits2, int rows, bool panel);
 
 // The active part of the weight as a dense row-major matrix out [kb_count*128, groups*128], fp16 or bf16:
-// * suh/svh null: Ŵ (rotated basis), bit-exact with the reference (bf16: Ŵ rounded once more);
-// * suh/svh given: W = diag(suh) H Ŵ H diag(svh) (original basis, what x multiplies directly), the Hadamards on
-//   tensor cores with fp32 sums; rounded twice (the k-side transform to fp16 between the two sides, then W).
+// * svh null: Ŵ (rotated basis), bit-exact with the reference (bf16: Ŵ rounded once more);
+// * svh given: W' = Ŵ H diag(svh), the output side applied (what the transformed input xh multiplies to give y),
+//   the Hadamard on tensor cores with fp32 sums, one rounding.
 struct ReconstructArgs {
   TrellisView w;
   int kb0, kb_count, g0, groups;
   void* out;
   int out_dtype;
-  const void* suh;  // fp16 [K_in] (whole linear), or null
-  const void* svh;  // fp16 [N], or null
+  const void* svh;  // fp16 [N] (whole linear), or null
 };
 cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream);
 

@@ -1,4 +1,6 @@
 // The input Hadamard transform (skinny and panel paths) and the reconstruct kernels (Ŵ bit-exact; W in the original basis).
+#include <algorithm>
+
 #include "exl3_decode.cuh"
 #include "exl3_device.cuh"
 #include "exl3_kernels.h"
@@ -9,8 +11,8 @@ constexpr int kXfWarps = 8;  // one warp per (row, 128-block)
 constexpr int kXfThreads = kXfWarps * kWarp;
 
 // ------------------------------------------------------------------------------------------------------------
-// xh = H(x * suh) per 128-block, fp32 math, one fp16 rounding (exl3-format.md §3.3); per-row partial sums of the
-// rounded xh (mul1's affine epilogue needs sum_k xh exactly as the tensor cores saw it).
+// xh = H(x * suh) per 128-block, fp32 math, one rounding to fp16 (exl3-format.md §3.3) or bf16; per-row partial sums
+// of the rounded fp16 xh (mul1's affine epilogue needs sum_k xh exactly as the tensor cores saw it).
 // ------------------------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const InputTransformArgs a) {
   griddep_launch_dependents();  // the skinny kernel may start streaming weights now; it waits for our results
@@ -30,9 +32,8 @@ __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const Input
   float sum = 0.f;
   if (kb < a.kb_count) {
     const int k = (a.kb0 + kb) * kHadBlock + 4 * lane;
-    __half h[4] = {__float2half_rn(0.f), __float2half_rn(0.f), __float2half_rn(0.f), __float2half_rn(0.f)};
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
     if (row < a.rows) {
-      float v[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int xi = k + e - a.in_offset;
@@ -43,14 +44,12 @@ __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const Input
       fwht128_warp(v, lane);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        h[e] = __float2half_rn(v[e] * kHadScale);
-        sum += __half2float(h[e]);
+        v[e] *= kHadScale;
+        sum += __half2float(__float2half_rn(v[e]));  // read only for fp16 xh (the skinny kernels)
       }
     }
-    __half2 lo = __halves2half2(h[0], h[1]), hi = __halves2half2(h[2], h[3]);
-    uint2 u = {*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi)};
-    *reinterpret_cast<uint2*>(static_cast<__half*>(a.xh) + static_cast<long long>(row) * a.kb_count * kHadBlock +
-                              kb * kHadBlock + 4 * lane) = u;
+    store_act4(a.xh, static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 4 * lane, v, a.xh_dtype,
+               true, 0, 4);
   }
   if (a.rowsum_parts && row < a.rows) {  // block-uniform condition
     sum = warp_sum(sum);
@@ -169,30 +168,26 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Reconstruct in the original basis, W = diag(suh) H Ŵ H diag(svh), one 128x128 block per CTA (what the
-// reconstruct + cuBLAS path multiplies x with directly: no activation transforms, no fp32 intermediate).
-// H128 = H8 (x) H16 (Sylvester order), so each side is a 16-point Hadamard inside every tile, on tensor cores, and
-// an 8-point butterfly across tiles in fp32 registers. Register identities make the MMAs free of shuffles: the
-// decoded fragment of Ŵ^T (an A operand) is, pair for pair, the B operand of Ŵ; an MMA's fp32 result, rounded to
-// fp16 pairs, is the A operand of the next MMA; H16 is symmetric, so one set of registers is both its A and B.
-// Warp w decodes tile column w (8 k-tiles) and finishes the k side in registers, then applies the in-tile n side;
-// the 8-point n-side butterfly needs all 8 tile columns, so the results meet in shared memory, where warp w takes
-// k-tile row w, finishes, scales by suh[k] svh[n] / 128 and writes it out.
+// Reconstruct with the output side applied, W' = Ŵ H diag(svh): the weight the transformed input xh multiplies to
+// give y directly (the reconstruct + cuBLAS path: no output transform, no intermediate).
+// H128 = H8 (x) H16 (Sylvester order): a 16-point Hadamard inside each tile on tensor cores, then an 8-point
+// butterfly across the 8 tiles of a column group in fp32 registers. A warp owns whole 128-column rows: it walks down
+// `rows_per_warp` k-tile rows of one column group with the next row's words in flight, so nothing crosses warps.
+// Register identities keep shuffles out: movmatrix turns the decoded fragment of Ŵ^T (an A operand) into the A
+// operand of Ŵ; H16 is symmetric, so the lane's A-fragment registers of H16 are also its B fragments. A per-warp
+// shared tile turns the MMA result layout into whole 256-byte rows for the stores.
 // ------------------------------------------------------------------------------------------------------------
-// Floats per shared row. 136: the fragment-order 8-byte stores (row = lane/4) and the row-order 16-byte loads
-// (row = lane/2, alternate 16-byte halves) both hit distinct banks.
-constexpr int kOrigStride = kHadBlock + 8;
-constexpr int kOrigSmem = kHadBlock * kOrigStride * 4;
+constexpr int kStageStride = kHadBlock + 8;  // halves per staged row: the fragment-order 4-byte stores hit distinct banks
 
-// H16[i][j] and H16[i][j+1] (+-1) as a half2: the lane's A-fragment registers of H16 are pairs (g, 2t), (g+8, 2t),
-// (g, 2t+8), (g+8, 2t+8); by symmetry, {h0, h2} / {h1, h3} are its B fragments for output columns 0-7 / 8-15.
+// H16[i][j] and H16[i][j+1] (+-1) as a half2. The lane's A fragment of H16 is pairs (g, 2t), (g+8, 2t), (g, 2t+8),
+// (g+8, 2t+8); by symmetry {h0, h2} and {h1, h3} are its B fragments for output columns 0-7 and 8-15.
 __device__ __forceinline__ uint32_t had16_pair(int i, int j) {
   const uint32_t lo = (__popc(i & j) & 1) ? 0xBC00u : 0x3C00u;
   const uint32_t hi = (__popc(i & (j + 1)) & 1) ? 0xBC00u : 0x3C00u;
   return lo | (hi << 16);
 }
 
-// Unnormalized 8-point Hadamard (Sylvester order) over the first index, for each of kN lanes of values.
+// Unnormalized 8-point Hadamard (Sylvester order) over the first index, for each of kN values.
 template <int kN>
 __device__ __forceinline__ void butterfly8(float (&v)[kTilesPerHad][kN]) {
 #pragma unroll
@@ -208,126 +203,131 @@ __device__ __forceinline__ void butterfly8(float (&v)[kTilesPerHad][kN]) {
         }
 }
 
-__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
+// The 8x8 b16 matrix held in fragment order (row lane/4, columns 2(lane%4), +1), transposed, in the same order.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
+  return r;
+}
+
+// Scales one set of accumulators (rows g, g+8 x columns 2t, 2t+1 of 8-column half nb of each tile column) by svs,
+// rounds to T and stores the pairs into the warp's staged rows (sw: the lane's pair in row g, at half nb).
+template <typename T>
+__device__ __forceinline__ void stage_half_row(const float (&acc)[kTilesPerHad][4], const float* svs, uint32_t* sw) {
+#pragma unroll
+  for (int nt = 0; nt < kTilesPerHad; ++nt) {
+    const float2 s = *reinterpret_cast<const float2*>(svs + nt * kTile);
+    sw[nt * kTile / 2] = to_act2(acc[nt][0] * s.x, acc[nt][1] * s.y, static_cast<T*>(nullptr));
+    sw[(8 * kStageStride + nt * kTile) / 2] = to_act2(acc[nt][2] * s.x, acc[nt][3] * s.y, static_cast<T*>(nullptr));
+  }
 }
 
 template <int kBits2, bool kMul1>
-__global__ void __launch_bounds__(kXfThreads) reconstruct_original_kernel(const ReconstructArgs a) {
+__global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
   using TB = TileBits<kBits2>;
-  static_assert(kXfWarps == kTilesPerHad, "one warp per tile column of a 128x128 block");
-  extern __shared__ float xchg[];  // [128][kOrigStride]: k rows x n columns of the block
+  static_assert(kXfWarps * kWarp >= kHadBlock, "the block loads svh of its group");
+  // k-tile rows of words held in registers: two (one in flight) where a row is 16 words; 24 would spill at 128.
+  constexpr int kDepth = TB::kLoadWords <= 2 ? 2 : 1;
+  __shared__ float svs[kHadBlock];  // svh / sqrt(128) of this block's column group
+  __shared__ __align__(16) __half stage[kXfWarps][kTile * kStageStride];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, t = lane % 4;
-  const int group = blockIdx.x, kb = blockIdx.y;  // within the active part
+  const int group = blockIdx.x;
+  const int kt_lo = (blockIdx.y * kXfWarps + warp) * rows_per_warp;
+  const int kt_hi = min(kt_lo + rows_per_warp, a.kb_count * kTilesPerHad);
+  if (threadIdx.x < kHadBlock)
+    svs[threadIdx.x] =
+        __half2float(static_cast<const __half*>(a.svh)[(a.g0 + group) * kHadBlock + threadIdx.x]) * kHadScale;
+  __syncthreads();
+  if (kt_lo >= kt_hi) return;  // warp-uniform, after the only barrier
+
   LaneWindows<kBits2> lw;
   lw.init(lane);
   const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
-  const unsigned char* col = reinterpret_cast<const unsigned char*>(
-      a.w.data + static_cast<long long>(a.kb0 + kb) * kTilesPerHad * a.w.row_stride +
-      static_cast<long long>((a.g0 + group) * kTilesPerHad + warp) * a.w.tile_stride);
+  const unsigned char* rows = reinterpret_cast<const unsigned char*>(
+      a.w.data + static_cast<long long>(a.kb0) * kTilesPerHad * a.w.row_stride +
+      static_cast<long long>(a.g0 + group) * kTilesPerHad * a.w.tile_stride);
   const long long row_bytes = a.w.row_stride * 2;
-  uint32_t words[kTilesPerHad][TB::kLoadWords];  // all 8 tiles in flight at once
+  const int tile_bytes = a.w.tile_stride * 2;
+  uint32_t ring[kDepth][kTilesPerHad][TB::kLoadWords];
+  auto fetch = [&](int kt, uint32_t (&w)[kTilesPerHad][TB::kLoadWords]) {
+    if (kt < kt_hi) {
 #pragma unroll
-  for (int kt = 0; kt < kTilesPerHad; ++kt)
+      for (int nt = 0; nt < kTilesPerHad; ++nt)
 #pragma unroll
-    for (int i = 0; i < TB::kLoadWords; ++i)
-      words[kt][i] = __ldcs(reinterpret_cast<const unsigned int*>(col + kt * row_bytes + lw.word_byte[i]));
+        for (int i = 0; i < TB::kLoadWords; ++i)
+          w[nt][i] = __ldcs(reinterpret_cast<const unsigned int*>(rows + kt * row_bytes + nt * tile_bytes + lw.word_byte[i]));
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < kDepth; ++d) fetch(kt_lo + d, ring[d]);
   const uint32_t h0 = had16_pair(g, 2 * t), h1 = had16_pair(g + 8, 2 * t), h2 = had16_pair(g, 2 * t + 8),
                  h3 = had16_pair(g + 8, 2 * t + 8);
-
-  // k side. Per tile: H16 . Ŵ for tile columns 0-7 (pairs 0, 1 = B) and 8-15 (pairs 2, 3); acc[kt] holds rows
-  // (g, g+8) x columns (2t, 2t+1) of each, in the MMA result order. Then the butterfly across the 8 k-tiles.
-  float acc[kTilesPerHad][8];
-#pragma unroll
-  for (int kt = 0; kt < kTilesPerHad; ++kt) {
-    uint32_t p[kLanePositions / 2];
-    rounded_pairs<kBits2, kMul1>(lw, words[kt], mul, add, p);
-    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_16816(d0, h0, h1, h2, h3, p[0], p[1]);
-    mma_16816(d1, h0, h1, h2, h3, p[2], p[3]);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[kt][e] = d0[e], acc[kt][4 + e] = d1[e];
-  }
-  butterfly8(acc);
-
-  // n side inside each tile: T (fp16 A operand: rows k, columns n) . H16, then to shared memory.
-  float* const sw = xchg + warp * kTile + 2 * t;
-#pragma unroll
-  for (int kt = 0; kt < kTilesPerHad; ++kt) {
-    const float(&d)[8] = acc[kt];
-    const uint32_t a0 = half2_bits(d[0], d[1]), a1 = half2_bits(d[2], d[3]), a2 = half2_bits(d[4], d[5]),
-                   a3 = half2_bits(d[6], d[7]);
-    float e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_16816(e0, a0, a1, a2, a3, h0, h2);
-    mma_16816(e1, a0, a1, a2, a3, h1, h3);
-    float* r0 = sw + (kt * kTile + g) * kOrigStride;
-    float* r8 = r0 + 8 * kOrigStride;
-    *reinterpret_cast<float2*>(r0) = make_float2(e0[0], e0[1]);
-    *reinterpret_cast<float2*>(r0 + 8) = make_float2(e1[0], e1[1]);
-    *reinterpret_cast<float2*>(r8) = make_float2(e0[2], e0[3]);
-    *reinterpret_cast<float2*>(r8 + 8) = make_float2(e1[2], e1[3]);
-  }
-  __syncthreads();
-
-  // Row k of k-tile `warp`, columns 4h..4h+3 and 8+4h..8+4h+3 of every tile column: the butterfly across the 8 tile
-  // columns, the scales, the store.
-  const int r = lane / 2, h = lane % 2;
-  float v[kTilesPerHad][8];
-  const float* sr = xchg + (warp * kTile + r) * kOrigStride + 4 * h;
-#pragma unroll
-  for (int nt = 0; nt < kTilesPerHad; ++nt)
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const float4 f = *reinterpret_cast<const float4*>(sr + nt * kTile + 8 * q);
-      v[nt][4 * q] = f.x, v[nt][4 * q + 1] = f.y, v[nt][4 * q + 2] = f.z, v[nt][4 * q + 3] = f.w;
-    }
-  butterfly8(v);
-  const int k = (a.kb0 + kb) * kHadBlock + warp * kTile + r;
-  const float row_scale = __half2float(static_cast<const __half*>(a.suh)[k]) * (kHadScale * kHadScale);
-  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock + 4 * h;
   const long long na = static_cast<long long>(a.groups) * kHadBlock;
-  const long long o = (static_cast<long long>(kb) * kHadBlock + warp * kTile + r) * na + group * kHadBlock + 4 * h;
+  __half* const sw = stage[warp];
+  uint32_t* const sw_lo = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);  // row g; row g+8 below it
+  for (int kt0 = kt_lo; kt0 < kt_hi; kt0 += kDepth) {
 #pragma unroll
-  for (int nt = 0; nt < kTilesPerHad; ++nt)
+    for (int d = 0; d < kDepth; ++d) {
+      const int kt = kt0 + d;
+      if (kt >= kt_hi) break;
+      uint32_t af[kTilesPerHad][4];  // A fragments of the row's 8 tiles of Ŵ
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint2 u = __ldg(reinterpret_cast<const uint2*>(svh + nt * kTile + 8 * q));
-      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-      const float w4[4] = {v[nt][4 * q] * row_scale * s01.x, v[nt][4 * q + 1] * row_scale * s01.y,
-                           v[nt][4 * q + 2] * row_scale * s23.x, v[nt][4 * q + 3] * row_scale * s23.y};
-      store_act4(a.out, o + nt * kTile + 8 * q, w4, a.out_dtype, true, 0, 4);
+      for (int nt = 0; nt < kTilesPerHad; ++nt) {
+        uint32_t p[kLanePositions / 2];
+        rounded_pairs<kBits2, kMul1>(lw, ring[d][nt], mul, add, p);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) af[nt][i] = movmatrix_trans(p[i]);
+      }
+      fetch(kt + kDepth, ring[d]);
+      // Output columns 0-7 of every tile column, then 8-15 (half the accumulators live at a time): acc[nt] holds
+      // rows (g, g+8) x columns (2t, 2t+1).
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        float acc[kTilesPerHad][4];
+#pragma unroll
+        for (int nt = 0; nt < kTilesPerHad; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+          mma_16816(acc[nt], af[nt][0], af[nt][1], af[nt][2], af[nt][3], nb ? h1 : h0, nb ? h3 : h2);
+        }
+        butterfly8(acc);
+        if (a.out_dtype == kActBF16) stage_half_row<__nv_bfloat16>(acc, svs + nb * 8 + 2 * t, sw_lo + nb * 4);
+        else stage_half_row<__half>(acc, svs + nb * 8 + 2 * t, sw_lo + nb * 4);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
+        const int r = 2 * i + lane / 16, c = (lane % 16) * 8;
+        const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kStageStride + c);
+        *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(kt) * kTile + r) * na +
+                                  group * kHadBlock + c) = u;
+      }
+      __syncwarp();
     }
+  }
 }
 
 cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream) {
   if (a.kb_count <= 0 || a.groups <= 0) return cudaSuccess;
-  if (!a.suh != !a.svh) return cudaErrorInvalidValue;
+  const int kt_total = a.kb_count * kTilesPerHad;
   cudaError_t err = cudaErrorInvalidValue;
   auto go = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;
-    const void* fn = nullptr;
-    if (a.suh) {
-      if (a.w.codebook == kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, true>);
-      else if constexpr (kB % 2 == 0) fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, false>);
+    constexpr bool kXcg = kB % 2 == 0;  // 3inst/mcg exist for integer widths only
+    if (a.w.codebook != kCbMul1 && !kXcg) return;
+    if (a.svh) {
+      // Up to 4 k-tile rows per warp, fewer when that would leave under ~2048 warps (small layers).
+      const int rows_per_warp = std::max(1, std::min(4, kt_total * a.groups / 2048));
+      const dim3 grid(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
+      if (a.w.codebook == kCbMul1) reconstruct_output_side_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a, rows_per_warp);
+      else if constexpr (kXcg) reconstruct_output_side_kernel<kB, false><<<grid, kXfThreads, 0, stream>>>(a, rows_per_warp);
     } else {
-      if (a.w.codebook == kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_kernel<kB, true>);
-      else if constexpr (kB % 2 == 0) fn = reinterpret_cast<const void*>(&reconstruct_kernel<kB, false>);
+      const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (kt_total + kReconRows - 1) / kReconRows);
+      if (a.w.codebook == kCbMul1) reconstruct_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a);
+      else if constexpr (kXcg) reconstruct_kernel<kB, false><<<grid, kXfThreads, 0, stream>>>(a);
     }
-    if (!fn) return;
-    dim3 grid(a.groups * kTilesPerHad / kXfWarps, (a.kb_count * kTilesPerHad + kReconRows - 1) / kReconRows);
-    int smem = 0;
-    if (a.suh) {
-      grid = dim3(a.groups, a.kb_count);
-      smem = kOrigSmem;
-      // A host-side attribute (not a stream operation): cheap, and allowed during graph capture.
-      err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return;
-    }
-    void* args[] = {const_cast<ReconstructArgs*>(&a)};
-    err = cudaLaunchKernel(fn, grid, dim3(kXfThreads), args, smem, stream);
+    err = cudaGetLastError();
   };
   EXL3_DISPATCH_BITS2(a.w.bits2, go)
   return err;
