@@ -34,13 +34,18 @@ __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const Input
     const int k = (a.kb0 + kb) * kHadBlock + 4 * lane;
     float v[4] = {0.f, 0.f, 0.f, 0.f};
     if (row < a.rows) {
+      const int xi = k - a.in_offset;
+      if (xi >= 0 && xi + 4 <= a.in_width && act4_aligned(a.x, row * a.x_stride + xi)) {
+        load_act4(a.x, row * a.x_stride + xi, a.x_dtype, v);  // one 8-byte load (prefill rows are bandwidth-bound)
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int xi = k + e - a.in_offset;
-        v[e] = (xi >= 0 && xi < a.in_width)
-                   ? load_act(a.x, row * a.x_stride + xi, a.x_dtype) * __half2float(static_cast<const __half*>(a.suh)[k + e])
-                   : 0.f;
+        for (int e = 0; e < 4; ++e)
+          v[e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, row * a.x_stride + xi + e, a.x_dtype) : 0.f;
       }
+      const uint2 su = *reinterpret_cast<const uint2*>(static_cast<const __half*>(a.suh) + k);
+      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&su.x));
+      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&su.y));
+      v[0] *= s01.x, v[1] *= s01.y, v[2] *= s23.x, v[3] *= s23.y;
       fwht128_warp(v, lane);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -177,6 +182,12 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 // operand of Ŵ; H16 is symmetric, so the lane's A-fragment registers of H16 are also its B fragments. A per-warp
 // shared tile turns the MMA result layout into whole 256-byte rows for the stores.
 // ------------------------------------------------------------------------------------------------------------
+#ifndef EXL3_OUT_SIDE_BLOCKS  // tuning (bench VARIANTS): blocks per SM the register budget is set for
+#define EXL3_OUT_SIDE_BLOCKS 2
+#endif
+#ifndef EXL3_OUT_SIDE_ROWS  // tuning: most k-tile rows per warp
+#define EXL3_OUT_SIDE_ROWS 4
+#endif
 constexpr int kStageStride = kHadBlock + 8;  // halves per staged row: the fragment-order 4-byte stores hit distinct banks
 
 // H16[i][j] and H16[i][j+1] (+-1) as a half2. The lane's A fragment of H16 is pairs (g, 2t), (g+8, 2t), (g, 2t+8),
@@ -223,11 +234,11 @@ __device__ __forceinline__ void stage_half_row(const float (&acc)[kTilesPerHad][
 }
 
 template <int kBits2, bool kMul1>
-__global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
+__global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
   using TB = TileBits<kBits2>;
   static_assert(kXfWarps * kWarp >= kHadBlock, "the block loads svh of its group");
   // k-tile rows of words held in registers: two (one in flight) where a row is 16 words; 24 would spill at 128.
-  constexpr int kDepth = TB::kLoadWords <= 2 ? 2 : 1;
+  constexpr int kDepth = TB::kLoadWords <= 2 && EXL3_OUT_SIDE_BLOCKS < 3 ? 2 : 1;
   __shared__ float svs[kHadBlock];  // svh / sqrt(128) of this block's column group
   __shared__ __align__(16) __half stage[kXfWarps][kTile * kStageStride];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -318,7 +329,7 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream) {
     if (a.w.codebook != kCbMul1 && !kXcg) return;
     if (a.svh) {
       // Up to 4 k-tile rows per warp, fewer when that would leave under ~2048 warps (small layers).
-      const int rows_per_warp = std::max(1, std::min(4, kt_total * a.groups / 2048));
+      const int rows_per_warp = std::max(1, std::min(EXL3_OUT_SIDE_ROWS, kt_total * a.groups / 2048));
       const dim3 grid(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
       if (a.w.codebook == kCbMul1) reconstruct_output_side_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a, rows_per_warp);
       else if constexpr (kXcg) reconstruct_output_side_kernel<kB, false><<<grid, kXfThreads, 0, stream>>>(a, rows_per_warp);
