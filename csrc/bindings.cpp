@@ -11,7 +11,6 @@
 #include <Python.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -150,6 +149,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     it.xh_rows = static_cast<int>(rows);
     it.xh = xh.data_ptr();
     it.xh_dtype = xdt;
+    it.scale = exl3::kReconInputScale;
     check_cuda(exl3::launch_input_transform(it, stream), "input transform");
     at::Tensor w_out = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
@@ -188,6 +188,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.xh_rows = static_cast<int>(xh_rows);
   it.xh = base;
   it.xh_dtype = exl3::kActF16;
+  it.scale = exl3::kHadScale;
   it.rowsum_parts = reinterpret_cast<float*>(base + xh_bytes);
   if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
     sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
@@ -234,7 +235,8 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   at::Tensor h = at::empty({kHad, kHad}, at::kFloat);
   float* hp = h.data_ptr<float>();
   for (int i = 0; i < kHad; ++i)
-    for (int j = 0; j < kHad; ++j) hp[i * kHad + j] = (__builtin_popcount(i & j) & 1 ? -1.f : 1.f) / std::sqrt(128.f);
+    for (int j = 0; j < kHad; ++j)  // W = diag(suh) H W' / 16 (xh's share of the 1/128)
+      hp[i * kHad + j] = (__builtin_popcount(i & j) & 1 ? -1.f : 1.f) * exl3::kReconInputScale;
   const at::Tensor full = at::matmul(h.to(trellis.device()), w_out.to(at::kFloat).view({k / kHad, kHad, n}));
   return (full.view({k, n}) * suh->to(at::kFloat).view({k, 1})).to(dtype);
 }

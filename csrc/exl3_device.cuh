@@ -12,7 +12,6 @@
 namespace exl3 {
 
 constexpr int kWarp = 32;
-constexpr float kHadScale = 0.08838834764831845f;  // 1/sqrt(128): the Hadamard blocks are orthonormal
 
 // D += A(16x16, row) * B(16x8, col), fp16 inputs, fp32 accumulate.
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,

@@ -16,6 +16,12 @@ namespace exl3 {
 enum Codebook : int { kCb3Inst = 0, kCbMcg = 1, kCbMul1 = 2 };  // = format.CODEBOOKS order on the Python side
 enum ActDtype : int { kActF16 = 0, kActBF16 = 1 };
 
+// The two 128-point Hadamards of a linear are orthonormal: 1/sqrt(128) each, 1/128 together. The skinny and panel
+// kernels put 1/sqrt(128) on each side; the reconstruct path puts 1/16 on xh and 1/8 on W' (powers of two: exact,
+// and 1/8 folds into the fp16 tensor-core operand that applies svh).
+constexpr float kHadScale = 0.08838834764831845f;
+constexpr float kReconInputScale = 0.0625f, kReconWeightScale = 0.125f;
+
 struct TrellisView {
   const int16_t* data;    // tile (kt, nt) starts at data + kt * row_stride + nt * tile_stride (int16 elements)
   long long row_stride;   // int16 elements between k-tile rows
@@ -39,6 +45,7 @@ struct InputTransformArgs {
   int kb0, kb_count;
   void* xh;
   int xh_dtype;  // exl3::ActDtype
+  float scale;   // kHadScale, or kReconInputScale for the reconstruct path
   float* rowsum_parts;
   void* zero;
   size_t zero_bytes;
@@ -117,8 +124,8 @@ bool gemm_fits_device(int codebook, int bits2, int rows, bool panel);
 
 // The active part of the weight as a dense row-major matrix out [kb_count*128, groups*128], fp16 or bf16:
 // * svh null: Ŵ (rotated basis), bit-exact with the reference (bf16: Ŵ rounded once more);
-// * svh given: W' = Ŵ H diag(svh), the output side applied (what the transformed input xh multiplies to give y),
-//   the Hadamard on tensor cores with fp32 sums, one rounding.
+// * svh given: W' = Ŵ H diag(svh) / 8, the output side applied (what xh scaled by kReconInputScale multiplies to give
+//   y); fp16 sums across tiles, tensor-core sums inside them, rounded to out_dtype.
 struct ReconstructArgs {
   TrellisView w;
   int kb0, kb_count, g0, groups;

@@ -7,18 +7,20 @@
 
 namespace exl3 {
 
-constexpr int kXfWarps = 8;  // one warp per (row, 128-block)
+constexpr int kXfWarps = 8;  // input transform: one warp per 128-block (of kXfRows rows); reconstruct: see there
 constexpr int kXfThreads = kXfWarps * kWarp;
 
 // ------------------------------------------------------------------------------------------------------------
 // xh = H(x * suh) per 128-block, fp32 math, one rounding to fp16 (exl3-format.md §3.3) or bf16; per-row partial sums
 // of the rounded fp16 xh (mul1's affine epilogue needs sum_k xh exactly as the tensor cores saw it).
 // ------------------------------------------------------------------------------------------------------------
+constexpr int kXfRows = 4;  // rows per input-transform block: their loads are in flight together
+
 __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const InputTransformArgs a) {
   griddep_launch_dependents();  // the skinny kernel may start streaming weights now; it waits for our results
-  __shared__ float part[kXfWarps];
+  __shared__ float part[kXfRows][kXfWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int row = blockIdx.x;
+  const int row0 = blockIdx.x * kXfRows;
   const int kb = blockIdx.y * kXfWarps + warp;
 
   if (a.zero) {  // the next kernel's split-K workspace
@@ -29,40 +31,54 @@ __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const Input
       static_cast<uint4*>(a.zero)[i] = make_uint4(0, 0, 0, 0);
   }
 
-  float sum = 0.f;
-  if (kb < a.kb_count) {
+  float sum[kXfRows] = {};
+  if (kb < a.kb_count) {  // warp-uniform, like every row condition below
     const int k = (a.kb0 + kb) * kHadBlock + 4 * lane;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (row < a.rows) {
-      const int xi = k - a.in_offset;
-      if (xi >= 0 && xi + 4 <= a.in_width && act4_aligned(a.x, row * a.x_stride + xi)) {
-        load_act4(a.x, row * a.x_stride + xi, a.x_dtype, v);  // one 8-byte load (prefill rows are bandwidth-bound)
+    const int xi = k - a.in_offset;
+    float v[kXfRows][4] = {};
+#pragma unroll
+    for (int r = 0; r < kXfRows; ++r) {
+      const long long i = static_cast<long long>(row0 + r) * a.x_stride + xi;
+      if (row0 + r >= a.rows) break;
+      if (xi >= 0 && xi + 4 <= a.in_width && act4_aligned(a.x, i)) {
+        load_act4(a.x, i, a.x_dtype, v[r]);  // one 8-byte load
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          v[e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, row * a.x_stride + xi + e, a.x_dtype) : 0.f;
-      }
-      const uint2 su = *reinterpret_cast<const uint2*>(static_cast<const __half*>(a.suh) + k);
-      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&su.x));
-      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&su.y));
-      v[0] *= s01.x, v[1] *= s01.y, v[2] *= s23.x, v[3] *= s23.y;
-      fwht128_warp(v, lane);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        v[e] *= kHadScale;
-        sum += __half2float(__float2half_rn(v[e]));  // read only for fp16 xh (the skinny kernels)
+          v[r][e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, i + e, a.x_dtype) : 0.f;
       }
     }
-    store_act4(a.xh, static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 4 * lane, v, a.xh_dtype,
-               true, 0, 4);
+    const uint2 su = *reinterpret_cast<const uint2*>(static_cast<const __half*>(a.suh) + k);
+    const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&su.x));
+    const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&su.y));
+#pragma unroll
+    for (int r = 0; r < kXfRows; ++r) {
+      const int row = row0 + r;
+      if (row >= a.xh_rows) break;
+      if (row < a.rows) {
+        v[r][0] *= s01.x, v[r][1] *= s01.y, v[r][2] *= s23.x, v[r][3] *= s23.y;
+        fwht128_warp(v[r], lane);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          v[r][e] *= a.scale;
+          sum[r] += __half2float(__float2half_rn(v[r][e]));  // read only for fp16 xh (the skinny kernels)
+        }
+      }
+      store_act4(a.xh, static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 4 * lane, v[r],
+                 a.xh_dtype, true, 0, 4);
+    }
   }
-  if (a.rowsum_parts && row < a.rows) {  // block-uniform condition
-    sum = warp_sum(sum);
-    if (lane == 0) part[warp] = sum;
+  if (a.rowsum_parts) {  // kernel-uniform
+#pragma unroll
+    for (int r = 0; r < kXfRows; ++r) {
+      const float s = warp_sum(sum[r]);
+      if (lane == 0) part[r][warp] = s;
+    }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    const int row = row0 + threadIdx.x;
+    if (threadIdx.x < kXfRows && row < a.rows) {
       float s = 0.f;
-      for (int w = 0; w < kXfWarps; ++w) s += part[w];
+      for (int w = 0; w < kXfWarps; ++w) s += part[threadIdx.x][w];
       a.rowsum_parts[static_cast<long long>(row) * gridDim.y + blockIdx.y] = s;
     }
   }
@@ -72,7 +88,7 @@ int input_transform_parts(int kb_count) { return (kb_count + kXfWarps - 1) / kXf
 
 cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream) {
   if (a.xh_rows <= 0 || a.kb_count <= 0) return cudaSuccess;
-  const dim3 grid(a.xh_rows, input_transform_parts(a.kb_count));
+  const dim3 grid((a.xh_rows + kXfRows - 1) / kXfRows, input_transform_parts(a.kb_count));
   input_transform_kernel<<<grid, kXfThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
@@ -173,44 +189,47 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Reconstruct with the output side applied, W' = Ŵ H diag(svh): the weight the transformed input xh multiplies to
-// give y directly (the reconstruct + cuBLAS path: no output transform, no intermediate).
-// H128 = H8 (x) H16 (Sylvester order): a 16-point Hadamard inside each tile on tensor cores, then an 8-point
-// butterfly across the 8 tiles of a column group in fp32 registers. A warp owns whole 128-column rows: it walks down
+// Reconstruct with the output side applied, W' = Ŵ H diag(svh) / 8: the weight the transformed input xh (scaled by
+// kReconInputScale) multiplies to give y directly (the reconstruct + cuBLAS path: no output transform, no
+// intermediate). H128 = H8 (x) H16 (Sylvester order) and the two factors commute, so W' = Ŵ (H8 (x) I16) .
+// (I8 (x) H16 diag(svh) / 8): first an 8-point butterfly across the 8 tiles of a column group on the decoded fp16
+// pairs (packed half2 adds; three roundings, bench/NOTES.md), then per tile one tensor-core product whose B operand
+// is H16 with svh / 8 folded in (+-svh * 2^-3: exact in fp16). A warp owns whole 128-column rows: it walks down
 // `rows_per_warp` k-tile rows of one column group with the next row's words in flight, so nothing crosses warps.
-// Register identities keep shuffles out: movmatrix turns the decoded fragment of Ŵ^T (an A operand) into the A
-// operand of Ŵ; H16 is symmetric, so the lane's A-fragment registers of H16 are also its B fragments. A per-warp
-// shared tile turns the MMA result layout into whole 256-byte rows for the stores.
+// movmatrix turns the decoded fragment of Ŵ^T (an A operand) into the A operand of Ŵ; a per-warp shared tile turns
+// the MMA result layout into whole 256-byte rows for the stores.
 // ------------------------------------------------------------------------------------------------------------
 #ifndef EXL3_OUT_SIDE_BLOCKS  // tuning (bench VARIANTS): blocks per SM the register budget is set for
 #define EXL3_OUT_SIDE_BLOCKS 2
+#endif
+#ifndef EXL3_OUT_SIDE_DEPTH  // tuning: k-tile rows of words in registers (2: one row in flight during a whole row)
+#define EXL3_OUT_SIDE_DEPTH 1
 #endif
 #ifndef EXL3_OUT_SIDE_ROWS  // tuning: most k-tile rows per warp
 #define EXL3_OUT_SIDE_ROWS 4
 #endif
 constexpr int kStageStride = kHadBlock + 8;  // halves per staged row: the fragment-order 4-byte stores hit distinct banks
 
-// H16[i][j] and H16[i][j+1] (+-1) as a half2. The lane's A fragment of H16 is pairs (g, 2t), (g+8, 2t), (g, 2t+8),
-// (g+8, 2t+8); by symmetry {h0, h2} and {h1, h3} are its B fragments for output columns 0-7 and 8-15.
+// H16[i][j] and H16[i][j+1] (+-1) as a half2.
 __device__ __forceinline__ uint32_t had16_pair(int i, int j) {
   const uint32_t lo = (__popc(i & j) & 1) ? 0xBC00u : 0x3C00u;
   const uint32_t hi = (__popc(i & (j + 1)) & 1) ? 0xBC00u : 0x3C00u;
   return lo | (hi << 16);
 }
 
-// Unnormalized 8-point Hadamard (Sylvester order) over the first index, for each of kN values.
-template <int kN>
-__device__ __forceinline__ void butterfly8(float (&v)[kTilesPerHad][kN]) {
+// Unnormalized 8-point Hadamard (Sylvester order) across the first index of half2 pairs, elementwise.
+__device__ __forceinline__ void butterfly8(uint32_t (&v)[kTilesPerHad][kLanePositions / 2]) {
 #pragma unroll
   for (int m = 1; m < kTilesPerHad; m <<= 1)
 #pragma unroll
     for (int i = 0; i < kTilesPerHad; ++i)
       if (!(i & m))
 #pragma unroll
-        for (int e = 0; e < kN; ++e) {
-          const float p = v[i][e], q = v[i | m][e];
-          v[i][e] = p + q;
-          v[i | m][e] = p - q;
+        for (int e = 0; e < kLanePositions / 2; ++e) {
+          const __half2 p = *reinterpret_cast<const __half2*>(&v[i][e]), q = *reinterpret_cast<const __half2*>(&v[i | m][e]);
+          const __half2 sum = __hadd2(p, q), diff = __hsub2(p, q);
+          v[i][e] = *reinterpret_cast<const uint32_t*>(&sum);
+          v[i | m][e] = *reinterpret_cast<const uint32_t*>(&diff);
         }
 }
 
@@ -221,36 +240,38 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
   return r;
 }
 
-// Scales one set of accumulators (rows g, g+8 x columns 2t, 2t+1 of 8-column half nb of each tile column) by svs,
-// rounds to T and stores the pairs into the warp's staged rows (sw: the lane's pair in row g, at half nb).
+// One k-tile row: per tile column nt, (butterflied Ŵ tile) . B[nt][half] into the warp's staged rows as T (sw: the
+// lane's pair in row g; row g+8 lies 8 rows below). Results: rows (g, g+8) x columns (2t, 2t+1) of each half.
 template <typename T>
-__device__ __forceinline__ void stage_half_row(const float (&acc)[kTilesPerHad][4], const float* svs, uint32_t* sw) {
+__device__ __forceinline__ void stage_row(const uint32_t (&pw)[kTilesPerHad][kLanePositions / 2],
+                                          const uint32_t (&hb)[kTilesPerHad][2][2], uint32_t* sw) {
 #pragma unroll
   for (int nt = 0; nt < kTilesPerHad; ++nt) {
-    const float2 s = *reinterpret_cast<const float2*>(svs + nt * kTile);
-    sw[nt * kTile / 2] = to_act2(acc[nt][0] * s.x, acc[nt][1] * s.y, static_cast<T*>(nullptr));
-    sw[(8 * kStageStride + nt * kTile) / 2] = to_act2(acc[nt][2] * s.x, acc[nt][3] * s.y, static_cast<T*>(nullptr));
+    const uint32_t a0 = movmatrix_trans(pw[nt][0]), a1 = movmatrix_trans(pw[nt][1]), a2 = movmatrix_trans(pw[nt][2]),
+                   a3 = movmatrix_trans(pw[nt][3]);
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_16816(d, a0, a1, a2, a3, hb[nt][nb][0], hb[nt][nb][1]);
+      const int c = nt * kTile + nb * 8;
+      sw[c / 2] = to_act2(d[0], d[1], static_cast<T*>(nullptr));
+      sw[(8 * kStageStride + c) / 2] = to_act2(d[2], d[3], static_cast<T*>(nullptr));
+    }
   }
 }
 
 template <int kBits2, bool kMul1>
 __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
   using TB = TileBits<kBits2>;
-  static_assert(kXfWarps * kWarp >= kHadBlock, "the block loads svh of its group");
-  // k-tile rows of words held in registers: two (one in flight) where a row is 16 words; 24 would spill at 128.
-  constexpr int kDepth = TB::kLoadWords <= 2 && EXL3_OUT_SIDE_BLOCKS < 3 ? 2 : 1;
-  __shared__ float svs[kHadBlock];  // svh / sqrt(128) of this block's column group
+  // k-tile rows of words held in registers: two (one in flight) where a row is 16 words.
+  constexpr int kDepth = EXL3_OUT_SIDE_DEPTH;
   __shared__ __align__(16) __half stage[kXfWarps][kTile * kStageStride];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, t = lane % 4;
   const int group = blockIdx.x;
   const int kt_lo = (blockIdx.y * kXfWarps + warp) * rows_per_warp;
   const int kt_hi = min(kt_lo + rows_per_warp, a.kb_count * kTilesPerHad);
-  if (threadIdx.x < kHadBlock)
-    svs[threadIdx.x] =
-        __half2float(static_cast<const __half*>(a.svh)[(a.g0 + group) * kHadBlock + threadIdx.x]) * kHadScale;
-  __syncthreads();
-  if (kt_lo >= kt_hi) return;  // warp-uniform, after the only barrier
+  if (kt_lo >= kt_hi) return;  // warp-uniform; no block-wide barriers below
 
   LaneWindows<kBits2> lw;
   lw.init(lane);
@@ -272,40 +293,38 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
   };
 #pragma unroll
   for (int d = 0; d < kDepth; ++d) fetch(kt_lo + d, ring[d]);
-  const uint32_t h0 = had16_pair(g, 2 * t), h1 = had16_pair(g + 8, 2 * t), h2 = had16_pair(g, 2 * t + 8),
-                 h3 = had16_pair(g + 8, 2 * t + 8);
+  // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
+  // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
+  uint32_t hb[kTilesPerHad][2][2];
+  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock;
+#pragma unroll
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      const int c = nb * 8 + g;
+      const __half2 s = __half2half2(__hmul(svh[nt * kTile + c], __float2half(kReconWeightScale)));
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t h = had16_pair(c, 2 * t + 8 * i);
+        const __half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), s);
+        hb[nt][nb][i] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+    }
   const long long na = static_cast<long long>(a.groups) * kHadBlock;
   __half* const sw = stage[warp];
-  uint32_t* const sw_lo = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);  // row g; row g+8 below it
+  uint32_t* const sw_lane = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);
   for (int kt0 = kt_lo; kt0 < kt_hi; kt0 += kDepth) {
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
       const int kt = kt0 + d;
       if (kt >= kt_hi) break;
-      uint32_t af[kTilesPerHad][4];  // A fragments of the row's 8 tiles of Ŵ
+      uint32_t pw[kTilesPerHad][kLanePositions / 2];  // the row's 8 tiles of Ŵ, fragment order
 #pragma unroll
-      for (int nt = 0; nt < kTilesPerHad; ++nt) {
-        uint32_t p[kLanePositions / 2];
-        rounded_pairs<kBits2, kMul1>(lw, ring[d][nt], mul, add, p);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) af[nt][i] = movmatrix_trans(p[i]);
-      }
+      for (int nt = 0; nt < kTilesPerHad; ++nt) rounded_pairs<kBits2, kMul1>(lw, ring[d][nt], mul, add, pw[nt]);
       fetch(kt + kDepth, ring[d]);
-      // Output columns 0-7 of every tile column, then 8-15 (half the accumulators live at a time): acc[nt] holds
-      // rows (g, g+8) x columns (2t, 2t+1).
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb) {
-        float acc[kTilesPerHad][4];
-#pragma unroll
-        for (int nt = 0; nt < kTilesPerHad; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-          mma_16816(acc[nt], af[nt][0], af[nt][1], af[nt][2], af[nt][3], nb ? h1 : h0, nb ? h3 : h2);
-        }
-        butterfly8(acc);
-        if (a.out_dtype == kActBF16) stage_half_row<__nv_bfloat16>(acc, svs + nb * 8 + 2 * t, sw_lo + nb * 4);
-        else stage_half_row<__half>(acc, svs + nb * 8 + 2 * t, sw_lo + nb * 4);
-      }
+      butterfly8(pw);
+      if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, hb, sw_lane);
+      else stage_row<__half>(pw, hb, sw_lane);
       __syncwarp();
 #pragma unroll
       for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
