@@ -291,8 +291,16 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
           w[nt][i] = __ldcs(reinterpret_cast<const unsigned int*>(rows + kt * row_bytes + nt * tile_bytes + lw.word_byte[i]));
     }
   };
+  // The row after the one being fetched goes to L2 ahead of time (one lane per 128 bytes of the 8 tile records), so
+  // a row's loads wait on L2 rather than DRAM: a register ring deep enough to cover DRAM latency would spill.
+  auto prefetch_l2 = [&](int kt) {
+    const int chunk = lane % kTilesPerHad, part = lane / kTilesPerHad;  // tile, 128-byte part of its record
+    if (kt < kt_hi && part * 128 < TB::kBytes)
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rows + kt * row_bytes + chunk * tile_bytes + part * 128));
+  };
 #pragma unroll
   for (int d = 0; d < kDepth; ++d) fetch(kt_lo + d, ring[d]);
+  prefetch_l2(kt_lo + kDepth);
   // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
   // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
   uint32_t hb[kTilesPerHad][2][2];
@@ -322,6 +330,7 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
 #pragma unroll
       for (int nt = 0; nt < kTilesPerHad; ++nt) rounded_pairs<kBits2, kMul1>(lw, ring[d][nt], mul, add, pw[nt]);
       fetch(kt + kDepth, ring[d]);
+      prefetch_l2(kt + kDepth + 1);
       butterfly8(pw);
       if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, hb, sw_lane);
       else stage_row<__half>(pw, hb, sw_lane);
