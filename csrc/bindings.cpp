@@ -154,7 +154,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     at::Tensor w_out = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
                              static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr()};
-    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct (output side)");
+    check_cuda(exl3::launch_reconstruct(ra, use_pdl(), stream), "reconstruct (output side)");
     const void* w_cols = static_cast<const char*>(w_out.data_ptr()) + (out_offset - g0 * kHad) * x.element_size();
     cublas_gemm(xh, w_cols, na, y);
     return y;
@@ -222,7 +222,7 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
     at::Tensor out = at::empty({k, n}, trellis.options().dtype(dtype));
     exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), out.data_ptr(),
                              bf16 ? exl3::kActBF16 : exl3::kActF16, nullptr};
-    check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct");
+    check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct");
     return out;
   }
   TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == k, "suh must be fp16 [K]");
@@ -231,7 +231,7 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   at::Tensor w_out = at::empty({k, n}, trellis.options().dtype(at::kHalf));
   exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), w_out.data_ptr(),
                            exl3::kActF16, svh->data_ptr()};
-  check_cuda(exl3::launch_reconstruct(ra, stream), "reconstruct (output side)");
+  check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
   at::Tensor h = at::empty({kHad, kHad}, at::kFloat);
   float* hp = h.data_ptr<float>();
   for (int i = 0; i < kHad; ++i)

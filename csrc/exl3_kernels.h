@@ -133,7 +133,9 @@ struct ReconstructArgs {
   int out_dtype;
   const void* svh;  // fp16 [N] (whole linear), or null
 };
-cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream);
+// pdl (output side only): may start while the previous kernel in the stream runs (it reads nothing that kernel
+// writes) and completes only after it.
+cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t stream);
 
 // Which kernels this library was built for (e.g. "sm_90a sm_121a") and whether the current device can run them.
 const char* built_archs();

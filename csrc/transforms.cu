@@ -17,7 +17,7 @@ constexpr int kXfThreads = kXfWarps * kWarp;
 constexpr int kXfRows = 4;  // rows per input-transform block: their loads are in flight together
 
 __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const InputTransformArgs a) {
-  griddep_launch_dependents();  // the skinny kernel may start streaming weights now; it waits for our results
+  griddep_launch_dependents();  // the next kernel (GEMM or reconstruct) may start now; it waits for our results
   __shared__ float part[kXfRows][kXfWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int row0 = blockIdx.x * kXfRows;
@@ -345,9 +345,12 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
       __syncwarp();
     }
   }
+  // Launched behind the input transform with programmatic dependent launch, this kernel runs beside it (it needs
+  // nothing from it) but must not complete before it: the GEMM that follows in the stream reads both.
+  griddep_wait();
 }
 
-cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream) {
+cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t stream) {
   if (a.kb_count <= 0 || a.groups <= 0) return cudaSuccess;
   const int kt_total = a.kb_count * kTilesPerHad;
   cudaError_t err = cudaErrorInvalidValue;
@@ -358,9 +361,17 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, cudaStream_t stream) {
     if (a.svh) {
       // Up to 4 k-tile rows per warp, fewer when that would leave under ~2048 warps (small layers).
       const int rows_per_warp = std::max(1, std::min(EXL3_OUT_SIDE_ROWS, kt_total * a.groups / 2048));
-      const dim3 grid(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
-      if (a.w.codebook == kCbMul1) reconstruct_output_side_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a, rows_per_warp);
-      else if constexpr (kXcg) reconstruct_output_side_kernel<kB, false><<<grid, kXfThreads, 0, stream>>>(a, rows_per_warp);
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
+      cfg.blockDim = dim3(kXfThreads);
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = pdl ? 1 : 0;
+      if (a.w.codebook == kCbMul1) cudaLaunchKernelEx(&cfg, reconstruct_output_side_kernel<kB, true>, a, rows_per_warp);
+      else if constexpr (kXcg) cudaLaunchKernelEx(&cfg, reconstruct_output_side_kernel<kB, false>, a, rows_per_warp);
     } else {
       const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (kt_total + kReconRows - 1) / kReconRows);
       if (a.w.codebook == kCbMul1) reconstruct_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a);
