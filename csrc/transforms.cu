@@ -7,15 +7,18 @@
 
 namespace exl3 {
 
-constexpr int kXfWarps = 8;  // input transform: one warp per 128-block (of kXfRows rows); reconstruct: see there
+constexpr int kXfWarps = 8;  // input transform: one warp per 128-block (of 1 or 4 rows); reconstruct: see there
 constexpr int kXfThreads = kXfWarps * kWarp;
 
 // ------------------------------------------------------------------------------------------------------------
 // xh = H(x * suh) per 128-block, fp32 math, one rounding to fp16 (exl3-format.md §3.3) or bf16; per-row partial sums
 // of the rounded fp16 xh (mul1's affine epilogue needs sum_k xh exactly as the tensor cores saw it).
 // ------------------------------------------------------------------------------------------------------------
-constexpr int kXfRows = 4;  // rows per input-transform block: their loads are in flight together
+// kXfRows rows per block: 4 for prefill-sized inputs (their loads in flight together), 1 for decode (the rows' FWHTs
+// run one after another in a warp, which 8 decode rows would wait for).
+constexpr int kXfRowsMany = 4, kXfManyFrom = 256;
 
+template <int kXfRows>
 __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const InputTransformArgs a) {
   griddep_launch_dependents();  // the next kernel (GEMM or reconstruct) may start now; it waits for our results
   __shared__ float part[kXfRows][kXfWarps];
@@ -88,8 +91,12 @@ int input_transform_parts(int kb_count) { return (kb_count + kXfWarps - 1) / kXf
 
 cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream) {
   if (a.xh_rows <= 0 || a.kb_count <= 0) return cudaSuccess;
-  const dim3 grid((a.xh_rows + kXfRows - 1) / kXfRows, input_transform_parts(a.kb_count));
-  input_transform_kernel<<<grid, kXfThreads, 0, stream>>>(a);
+  if (a.xh_rows >= kXfManyFrom) {
+    const dim3 grid((a.xh_rows + kXfRowsMany - 1) / kXfRowsMany, input_transform_parts(a.kb_count));
+    input_transform_kernel<kXfRowsMany><<<grid, kXfThreads, 0, stream>>>(a);
+  } else {
+    input_transform_kernel<1><<<dim3(a.xh_rows, input_transform_parts(a.kb_count)), kXfThreads, 0, stream>>>(a);
+  }
   return cudaGetLastError();
 }
 
