@@ -206,14 +206,11 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 // movmatrix turns the decoded fragment of Ŵ^T (an A operand) into the A operand of Ŵ; a per-warp shared tile turns
 // the MMA result layout into whole 256-byte rows for the stores.
 // ------------------------------------------------------------------------------------------------------------
-#ifndef EXL3_OUT_SIDE_BLOCKS  // tuning (bench VARIANTS): blocks per SM the register budget is set for
-#define EXL3_OUT_SIDE_BLOCKS 2
-#endif
-#ifndef EXL3_OUT_SIDE_DEPTH  // tuning: k-tile rows of words in registers (2: one row in flight during a whole row)
-#define EXL3_OUT_SIDE_DEPTH 1
-#endif
-#ifndef EXL3_OUT_SIDE_ROWS  // tuning: most k-tile rows per warp
+#ifndef EXL3_OUT_SIDE_ROWS  // tuning (bench VARIANTS): most k-tile rows per warp
 #define EXL3_OUT_SIDE_ROWS 4
+#endif
+#ifndef EXL3_OUT_SIDE_BLOCKS  // tuning: blocks per SM the registers are budgeted for (3: B operands in shared memory)
+#define EXL3_OUT_SIDE_BLOCKS 2
 #endif
 constexpr int kStageStride = kHadBlock + 8;  // halves per staged row: the fragment-order 4-byte stores hit distinct banks
 
@@ -249,17 +246,20 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
 
 // One k-tile row: per tile column nt, (butterflied Ŵ tile) . B[nt][half] into the warp's staged rows as T (sw: the
 // lane's pair in row g; row g+8 lies 8 rows below). Results: rows (g, g+8) x columns (2t, 2t+1) of each half.
-template <typename T>
+// b_operands(nt, hb) supplies tile column nt's B operand (from registers or shared memory).
+template <typename T, typename BOperands>
 __device__ __forceinline__ void stage_row(const uint32_t (&pw)[kTilesPerHad][kLanePositions / 2],
-                                          const uint32_t (&hb)[kTilesPerHad][2][2], uint32_t* sw) {
+                                          const BOperands& b_operands, uint32_t* sw) {
 #pragma unroll
   for (int nt = 0; nt < kTilesPerHad; ++nt) {
     const uint32_t a0 = movmatrix_trans(pw[nt][0]), a1 = movmatrix_trans(pw[nt][1]), a2 = movmatrix_trans(pw[nt][2]),
                    a3 = movmatrix_trans(pw[nt][3]);
+    uint32_t hb[2][2];  // [output half][register] of tile column nt's B operand
+    b_operands(nt, hb);
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_16816(d, a0, a1, a2, a3, hb[nt][nb][0], hb[nt][nb][1]);
+      mma_16816(d, a0, a1, a2, a3, hb[nb][0], hb[nb][1]);
       const int c = nt * kTile + nb * 8;
       sw[c / 2] = to_act2(d[0], d[1], static_cast<T*>(nullptr));
       sw[(8 * kStageStride + c) / 2] = to_act2(d[2], d[3], static_cast<T*>(nullptr));
@@ -267,53 +267,31 @@ __device__ __forceinline__ void stage_row(const uint32_t (&pw)[kTilesPerHad][kLa
   }
 }
 
+// Per warp, a cp.async ring of whole k-tile rows of trellis words in shared memory (a register ring deep enough to
+// cover DRAM latency spills: ncu put 24 % of the stall samples on each row's loads with one row in registers).
+template <int kBits2>
+struct OutSideRing {
+  static constexpr int kRowBytes = kTilesPerHad * TileBits<kBits2>::kBytes;  // 8 tile records, dense
+  static constexpr int kStages = kBits2 <= 8 ? 4 : 2;                        // <= 2 KB... 4 KB per warp
+  static constexpr int kStageBytes = kXfWarps * kTile * kStageStride * 2;    // the output staging rows
+  static constexpr int kHbBytes = EXL3_OUT_SIDE_BLOCKS > 2 ? kWarp * kTilesPerHad * 4 * 4 : 0;  // B operands per lane
+  static constexpr int kSmem = kStageBytes + kHbBytes + kXfWarps * kStages * kRowBytes;
+};
+
 template <int kBits2, bool kMul1>
 __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
   using TB = TileBits<kBits2>;
-  // k-tile rows of words held in registers: two (one in flight) where a row is 16 words.
-  constexpr int kDepth = EXL3_OUT_SIDE_DEPTH;
-  __shared__ __align__(16) __half stage[kXfWarps][kTile * kStageStride];
+  using R = OutSideRing<kBits2>;
+  extern __shared__ __align__(16) unsigned char smem[];  // [staged output rows][per-warp rings]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, t = lane % 4;
   const int group = blockIdx.x;
   const int kt_lo = (blockIdx.y * kXfWarps + warp) * rows_per_warp;
   const int kt_hi = min(kt_lo + rows_per_warp, a.kb_count * kTilesPerHad);
-  if (kt_lo >= kt_hi) return;  // warp-uniform; no block-wide barriers below
-
-  LaneWindows<kBits2> lw;
-  lw.init(lane);
-  const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
-  const unsigned char* rows = reinterpret_cast<const unsigned char*>(
-      a.w.data + static_cast<long long>(a.kb0) * kTilesPerHad * a.w.row_stride +
-      static_cast<long long>(a.g0 + group) * kTilesPerHad * a.w.tile_stride);
-  const long long row_bytes = a.w.row_stride * 2;
-  const int tile_bytes = a.w.tile_stride * 2;
-  uint32_t ring[kDepth][kTilesPerHad][TB::kLoadWords];
-  auto fetch = [&](int kt, uint32_t (&w)[kTilesPerHad][TB::kLoadWords]) {
-    if (kt < kt_hi) {
-#pragma unroll
-      for (int nt = 0; nt < kTilesPerHad; ++nt)
-#pragma unroll
-        for (int i = 0; i < TB::kLoadWords; ++i)
-          w[nt][i] = __ldcs(reinterpret_cast<const unsigned int*>(rows + kt * row_bytes + nt * tile_bytes + lw.word_byte[i]));
-    }
-  };
-  // The row after the one being fetched goes to L2 ahead of time (one lane per 128 bytes of the 8 tile records), so
-  // a row's loads wait on L2 rather than DRAM: a register ring deep enough to cover DRAM latency would spill.
-  auto prefetch_l2 = [&](int kt) {
-    const int chunk = lane % kTilesPerHad, part = lane / kTilesPerHad;  // tile, 128-byte part of its record
-    if (kt < kt_hi && part * 128 < TB::kBytes)
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rows + kt * row_bytes + chunk * tile_bytes + part * 128));
-  };
-#pragma unroll
-  for (int d = 0; d < kDepth; ++d) fetch(kt_lo + d, ring[d]);
-  prefetch_l2(kt_lo + kDepth);
   // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
   // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
-  uint32_t hb[kTilesPerHad][2][2];
   const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock;
-#pragma unroll
-  for (int nt = 0; nt < kTilesPerHad; ++nt)
+  auto b_operands = [&](int nt, uint32_t (&hb)[2][2]) {
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb) {
       const int c = nb * 8 + g;
@@ -322,35 +300,88 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
       for (int i = 0; i < 2; ++i) {
         const uint32_t h = had16_pair(c, 2 * t + 8 * i);
         const __half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), s);
-        hb[nt][nb][i] = *reinterpret_cast<const uint32_t*>(&b);
+        hb[nb][i] = *reinterpret_cast<const uint32_t*>(&b);
       }
     }
+  };
+#if EXL3_OUT_SIDE_BLOCKS > 2
+  uint4* const hb_table = reinterpret_cast<uint4*>(smem + R::kStageBytes);  // [nt][lane]: the block's group is shared
+  if (warp == 0) {
+#pragma unroll
+    for (int nt = 0; nt < kTilesPerHad; ++nt) {
+      uint32_t hb[2][2];
+      b_operands(nt, hb);
+      hb_table[nt * kWarp + lane] = make_uint4(hb[0][0], hb[0][1], hb[1][0], hb[1][1]);
+    }
+  }
+  __syncthreads();
+#endif
+  if (kt_lo >= kt_hi) return;  // warp-uniform; no block-wide barriers below
+
+  const unsigned char* rows = reinterpret_cast<const unsigned char*>(
+      a.w.data + static_cast<long long>(a.kb0) * kTilesPerHad * a.w.row_stride +
+      static_cast<long long>(a.g0 + group) * kTilesPerHad * a.w.tile_stride);
+  const long long row_bytes = a.w.row_stride * 2;
+  const int tile_bytes = a.w.tile_stride * 2;
+  const unsigned char* ring = smem + R::kStageBytes + R::kHbBytes + warp * R::kStages * R::kRowBytes;
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  auto issue = [&](int kt) {  // row kt's 8 tile records into its slot; one commit group per call, even if empty
+    if (kt < kt_hi) {
+      const uint32_t slot = ring_s + (kt % R::kStages) * R::kRowBytes;
+#pragma unroll
+      for (int c = lane; c < R::kRowBytes / 16; c += kWarp)
+        cp_async16(slot + c * 16, rows + kt * row_bytes + (c / TB::kChunks16) * tile_bytes + (c % TB::kChunks16) * 16);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < R::kStages - 1; ++s) issue(kt_lo + s);
+
+  LaneWindows<kBits2> lw;
+  lw.init(lane);
+  const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
+#if EXL3_OUT_SIDE_BLOCKS > 2
+  const auto row_b = [&](int nt, uint32_t (&hb)[2][2]) {
+    const uint4 u = hb_table[nt * kWarp + lane];
+    hb[0][0] = u.x, hb[0][1] = u.y, hb[1][0] = u.z, hb[1][1] = u.w;
+  };
+#else
+  uint32_t hb_all[kTilesPerHad][2][2];
+#pragma unroll
+  for (int nt = 0; nt < kTilesPerHad; ++nt) b_operands(nt, hb_all[nt]);
+  const auto row_b = [&](int nt, uint32_t (&hb)[2][2]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) hb[i / 2][i % 2] = hb_all[nt][i / 2][i % 2];
+  };
+#endif
   const long long na = static_cast<long long>(a.groups) * kHadBlock;
-  __half* const sw = stage[warp];
+  __half* const sw = reinterpret_cast<__half*>(smem) + warp * kTile * kStageStride;
   uint32_t* const sw_lane = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);
-  for (int kt0 = kt_lo; kt0 < kt_hi; kt0 += kDepth) {
+  for (int kt = kt_lo; kt < kt_hi; ++kt) {
+    cp_async_wait<R::kStages - 2>();  // row kt has landed (this lane's part) ...
+    __syncwarp();                     // ... and every lane's; and every lane is done with the slot refilled next
+    issue(kt + R::kStages - 1);
+    const unsigned char* st = ring + (kt % R::kStages) * R::kRowBytes;
+    uint32_t pw[kTilesPerHad][kLanePositions / 2];  // the row's 8 tiles of Ŵ, fragment order
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
-      const int kt = kt0 + d;
-      if (kt >= kt_hi) break;
-      uint32_t pw[kTilesPerHad][kLanePositions / 2];  // the row's 8 tiles of Ŵ, fragment order
+    for (int nt = 0; nt < kTilesPerHad; ++nt) {
+      uint32_t w[TB::kLoadWords];
 #pragma unroll
-      for (int nt = 0; nt < kTilesPerHad; ++nt) rounded_pairs<kBits2, kMul1>(lw, ring[d][nt], mul, add, pw[nt]);
-      fetch(kt + kDepth, ring[d]);
-      prefetch_l2(kt + kDepth + 1);
-      butterfly8(pw);
-      if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, hb, sw_lane);
-      else stage_row<__half>(pw, hb, sw_lane);
-      __syncwarp();
-#pragma unroll
-      for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
-        const int r = 2 * i + lane / 16, c = (lane % 16) * 8;
-        const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kStageStride + c);
-        *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(kt) * kTile + r) * na +
-                                  group * kHadBlock + c) = u;
-      }
-      __syncwarp();
+      for (int i = 0; i < TB::kLoadWords; ++i) w[i] = lds32(st + nt * TB::kBytes + lw.word_byte[i]);
+      rounded_pairs<kBits2, kMul1>(lw, w, mul, add, pw[nt]);
     }
+    butterfly8(pw);
+    if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, row_b, sw_lane);
+    else stage_row<__half>(pw, row_b, sw_lane);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
+      const int r = 2 * i + lane / 16, c = (lane % 16) * 8;
+      const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kStageStride + c);
+      *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(kt) * kTile + r) * na +
+                                group * kHadBlock + c) = u;
+    }
+    __syncwarp();
   }
   // Launched behind the input transform with programmatic dependent launch, this kernel runs beside it (it needs
   // nothing from it) but must not complete before it: the GEMM that follows in the stream reads both.
@@ -367,18 +398,26 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
     if (a.w.codebook != kCbMul1 && !kXcg) return;
     if (a.svh) {
       // Up to 4 k-tile rows per warp, fewer when that would leave under ~2048 warps (small layers).
-      const int rows_per_warp = std::max(1, std::min(EXL3_OUT_SIDE_ROWS, kt_total * a.groups / 2048));
+      int rows_per_warp = std::max(1, std::min(EXL3_OUT_SIDE_ROWS, kt_total * a.groups / 2048));
+      const void* fn = reinterpret_cast<const void*>(&reconstruct_output_side_kernel<kB, true>);
+      if constexpr (kXcg)
+        if (a.w.codebook != kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_output_side_kernel<kB, false>);
+      // A host-side attribute (not a stream operation): cheap, and allowed during graph capture.
+      if ((err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, OutSideRing<kB>::kSmem)) !=
+          cudaSuccess)
+        return;
       cudaLaunchConfig_t cfg{};
       cfg.gridDim = dim3(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
       cfg.blockDim = dim3(kXfThreads);
+      cfg.dynamicSmemBytes = OutSideRing<kB>::kSmem;
       cfg.stream = stream;
       cudaLaunchAttribute attr[1];
       attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attr[0].val.programmaticStreamSerializationAllowed = 1;
       cfg.attrs = attr;
       cfg.numAttrs = pdl ? 1 : 0;
-      if (a.w.codebook == kCbMul1) cudaLaunchKernelEx(&cfg, reconstruct_output_side_kernel<kB, true>, a, rows_per_warp);
-      else if constexpr (kXcg) cudaLaunchKernelEx(&cfg, reconstruct_output_side_kernel<kB, false>, a, rows_per_warp);
+      void* args[] = {const_cast<ReconstructArgs*>(&a), &rows_per_warp};
+      cudaLaunchKernelExC(&cfg, fn, args);
     } else {
       const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (kt_total + kReconRows - 1) / kReconRows);
       if (a.w.codebook == kCbMul1) reconstruct_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a);
