@@ -202,15 +202,13 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 // (I8 (x) H16 diag(svh) / 8): first an 8-point butterfly across the 8 tiles of a column group on the decoded fp16
 // pairs (packed half2 adds; three roundings, bench/NOTES.md), then per tile one tensor-core product whose B operand
 // is H16 with svh / 8 folded in (+-svh * 2^-3: exact in fp16). A warp owns whole 128-column rows: it walks down
-// `rows_per_warp` k-tile rows of one column group with the next row's words in flight, so nothing crosses warps.
+// `rows_per_warp` k-tile rows of one column group, the next rows' words arriving through its own cp.async ring, so
+// nothing crosses warps.
 // movmatrix turns the decoded fragment of Ŵ^T (an A operand) into the A operand of Ŵ; a per-warp shared tile turns
 // the MMA result layout into whole 256-byte rows for the stores.
 // ------------------------------------------------------------------------------------------------------------
 #ifndef EXL3_OUT_SIDE_ROWS  // tuning (bench VARIANTS): most k-tile rows per warp
 #define EXL3_OUT_SIDE_ROWS 4
-#endif
-#ifndef EXL3_OUT_SIDE_BLOCKS  // tuning: blocks per SM the registers are budgeted for (3: B operands in shared memory)
-#define EXL3_OUT_SIDE_BLOCKS 2
 #endif
 constexpr int kStageStride = kHadBlock + 8;  // halves per staged row: the fragment-order 4-byte stores hit distinct banks
 
@@ -244,22 +242,19 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
   return r;
 }
 
-// One k-tile row: per tile column nt, (butterflied Ŵ tile) . B[nt][half] into the warp's staged rows as T (sw: the
+// One k-tile row: per tile column nt, (butterflied Ŵ tile) . hb[nt][half] into the warp's staged rows as T (sw: the
 // lane's pair in row g; row g+8 lies 8 rows below). Results: rows (g, g+8) x columns (2t, 2t+1) of each half.
-// b_operands(nt, hb) supplies tile column nt's B operand (from registers or shared memory).
-template <typename T, typename BOperands>
+template <typename T>
 __device__ __forceinline__ void stage_row(const uint32_t (&pw)[kTilesPerHad][kLanePositions / 2],
-                                          const BOperands& b_operands, uint32_t* sw) {
+                                          const uint32_t (&hb)[kTilesPerHad][2][2], uint32_t* sw) {
 #pragma unroll
   for (int nt = 0; nt < kTilesPerHad; ++nt) {
     const uint32_t a0 = movmatrix_trans(pw[nt][0]), a1 = movmatrix_trans(pw[nt][1]), a2 = movmatrix_trans(pw[nt][2]),
                    a3 = movmatrix_trans(pw[nt][3]);
-    uint32_t hb[2][2];  // [output half][register] of tile column nt's B operand
-    b_operands(nt, hb);
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_16816(d, a0, a1, a2, a3, hb[nb][0], hb[nb][1]);
+      mma_16816(d, a0, a1, a2, a3, hb[nt][nb][0], hb[nt][nb][1]);
       const int c = nt * kTile + nb * 8;
       sw[c / 2] = to_act2(d[0], d[1], static_cast<T*>(nullptr));
       sw[(8 * kStageStride + c) / 2] = to_act2(d[2], d[3], static_cast<T*>(nullptr));
@@ -272,14 +267,13 @@ __device__ __forceinline__ void stage_row(const uint32_t (&pw)[kTilesPerHad][kLa
 template <int kBits2>
 struct OutSideRing {
   static constexpr int kRowBytes = kTilesPerHad * TileBits<kBits2>::kBytes;  // 8 tile records, dense
-  static constexpr int kStages = kBits2 <= 8 ? 4 : 2;                        // <= 2 KB... 4 KB per warp
+  static constexpr int kStages = kBits2 <= 8 ? 4 : 2;                        // <= 4 KB per warp
   static constexpr int kStageBytes = kXfWarps * kTile * kStageStride * 2;    // the output staging rows
-  static constexpr int kHbBytes = EXL3_OUT_SIDE_BLOCKS > 2 ? kWarp * kTilesPerHad * 4 * 4 : 0;  // B operands per lane
-  static constexpr int kSmem = kStageBytes + kHbBytes + kXfWarps * kStages * kRowBytes;
+  static constexpr int kSmem = kStageBytes + kXfWarps * kStages * kRowBytes;
 };
 
 template <int kBits2, bool kMul1>
-__global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
+__global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
   using TB = TileBits<kBits2>;
   using R = OutSideRing<kBits2>;
   extern __shared__ __align__(16) unsigned char smem[];  // [staged output rows][per-warp rings]
@@ -288,34 +282,6 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
   const int group = blockIdx.x;
   const int kt_lo = (blockIdx.y * kXfWarps + warp) * rows_per_warp;
   const int kt_hi = min(kt_lo + rows_per_warp, a.kb_count * kTilesPerHad);
-  // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
-  // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
-  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock;
-  auto b_operands = [&](int nt, uint32_t (&hb)[2][2]) {
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
-      const int c = nb * 8 + g;
-      const __half2 s = __half2half2(__hmul(svh[nt * kTile + c], __float2half(kReconWeightScale)));
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t h = had16_pair(c, 2 * t + 8 * i);
-        const __half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), s);
-        hb[nb][i] = *reinterpret_cast<const uint32_t*>(&b);
-      }
-    }
-  };
-#if EXL3_OUT_SIDE_BLOCKS > 2
-  uint4* const hb_table = reinterpret_cast<uint4*>(smem + R::kStageBytes);  // [nt][lane]: the block's group is shared
-  if (warp == 0) {
-#pragma unroll
-    for (int nt = 0; nt < kTilesPerHad; ++nt) {
-      uint32_t hb[2][2];
-      b_operands(nt, hb);
-      hb_table[nt * kWarp + lane] = make_uint4(hb[0][0], hb[0][1], hb[1][0], hb[1][1]);
-    }
-  }
-  __syncthreads();
-#endif
   if (kt_lo >= kt_hi) return;  // warp-uniform; no block-wide barriers below
 
   const unsigned char* rows = reinterpret_cast<const unsigned char*>(
@@ -323,7 +289,7 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
       static_cast<long long>(a.g0 + group) * kTilesPerHad * a.w.tile_stride);
   const long long row_bytes = a.w.row_stride * 2;
   const int tile_bytes = a.w.tile_stride * 2;
-  const unsigned char* ring = smem + R::kStageBytes + R::kHbBytes + warp * R::kStages * R::kRowBytes;
+  const unsigned char* ring = smem + R::kStageBytes + warp * R::kStages * R::kRowBytes;
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   auto issue = [&](int kt) {  // row kt's 8 tile records into its slot; one commit group per call, even if empty
     if (kt < kt_hi) {
@@ -340,20 +306,23 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
   LaneWindows<kBits2> lw;
   lw.init(lane);
   const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
-#if EXL3_OUT_SIDE_BLOCKS > 2
-  const auto row_b = [&](int nt, uint32_t (&hb)[2][2]) {
-    const uint4 u = hb_table[nt * kWarp + lane];
-    hb[0][0] = u.x, hb[0][1] = u.y, hb[1][0] = u.z, hb[1][1] = u.w;
-  };
-#else
-  uint32_t hb_all[kTilesPerHad][2][2];
+  // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
+  // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
+  uint32_t hb[kTilesPerHad][2][2];
+  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock;
 #pragma unroll
-  for (int nt = 0; nt < kTilesPerHad; ++nt) b_operands(nt, hb_all[nt]);
-  const auto row_b = [&](int nt, uint32_t (&hb)[2][2]) {
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) hb[i / 2][i % 2] = hb_all[nt][i / 2][i % 2];
-  };
-#endif
+    for (int nb = 0; nb < 2; ++nb) {
+      const int c = nb * 8 + g;
+      const __half2 s = __half2half2(__hmul(svh[nt * kTile + c], __float2half(kReconWeightScale)));
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t h = had16_pair(c, 2 * t + 8 * i);
+        const __half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), s);
+        hb[nt][nb][i] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+    }
   const long long na = static_cast<long long>(a.groups) * kHadBlock;
   __half* const sw = reinterpret_cast<__half*>(smem) + warp * kTile * kStageStride;
   uint32_t* const sw_lane = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);
@@ -371,8 +340,8 @@ __global__ void __launch_bounds__(kXfThreads, EXL3_OUT_SIDE_BLOCKS) reconstruct_
       rounded_pairs<kBits2, kMul1>(lw, w, mul, add, pw[nt]);
     }
     butterfly8(pw);
-    if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, row_b, sw_lane);
-    else stage_row<__half>(pw, row_b, sw_lane);
+    if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, hb, sw_lane);
+    else stage_row<__half>(pw, hb, sw_lane);
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
