@@ -34,8 +34,8 @@ struct TrellisView {
 // 128-point Hadamard per block, rounded to xh_dtype (fp16 for the skinny and panel kernels): xh [xh_rows,
 // kb_count * 128] (dense), for blocks kb0.. only; rows rows .. xh_rows-1 are written as zeros (the skinny kernel
 // reads whole row chunks). Optionally writes per-row partial sums of fp16 xh (rowsum_parts [rows,
-// input_transform_parts(kb_count)]) and clears
-// `zero_bytes` (multiple of 16) at `zero` (the split-K workspace of the next kernel).
+// input_transform_parts(kb_count)]) and clears `zero_bytes` (multiple of 16) at `zero` (the split-K workspace of the
+// next kernel).
 struct InputTransformArgs {
   const void* x;
   int x_dtype;  // exl3::ActDtype

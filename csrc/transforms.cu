@@ -1,4 +1,4 @@
-// The input Hadamard transform (skinny and panel paths) and the reconstruct kernels (Ŵ bit-exact; W in the original basis).
+// The input Hadamard transform (every path) and the reconstruct kernels: Ŵ (bit-exact) and W' = Ŵ H diag(svh).
 #include <algorithm>
 
 #include "exl3_decode.cuh"
