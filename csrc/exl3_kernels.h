@@ -21,6 +21,7 @@ enum ActDtype : int { kActF16 = 0, kActBF16 = 1 };
 // and 1/8 folds into the fp16 tensor-core operand that applies svh).
 constexpr float kHadScale = 0.08838834764831845f;
 constexpr float kReconInputScale = 0.0625f, kReconWeightScale = 0.125f;
+static_assert(kReconInputScale * kReconWeightScale == 1.0f / 128, "the two shares make the Hadamards' 1/128");
 
 struct TrellisView {
   const int16_t* data;    // tile (kt, nt) starts at data + kt * row_stride + nt * tile_stride (int16 elements)
