@@ -49,6 +49,22 @@ __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// Host side: launches fn (arguments `args`), with programmatic dependent launch when `pdl`: the kernel may then start
+// before the previous one in the stream has finished, and must griddep_wait before it reads that kernel's results.
+inline cudaError_t launch_kernel(const void* fn, dim3 grid, dim3 block, size_t smem, bool pdl, cudaStream_t stream,
+                                 void** args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelExC(&cfg, fn, args);
+}
 
 // Natural-order (Sylvester) 128-point FWHT across a warp, unnormalized: lane L holds elements 4L .. 4L+3.
 // Two butterfly stages in registers, five across lanes.

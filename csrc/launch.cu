@@ -135,18 +135,8 @@ cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& p, bool pdl, cudaStre
   GemmArgs args = a;
   args.kta_div = make_fast_div(a.kb_count * kTilesPerHad);
   args.groups_div = make_fast_div(a.groups);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(p.grid);
-  cfg.blockDim = dim3(kGemmThreads);
-  cfg.dynamicSmemBytes = k.smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
   void* kargs[] = {&args, &units32};
-  return cudaLaunchKernelExC(&cfg, k.fn, kargs);
+  return launch_kernel(k.fn, dim3(p.grid), dim3(kGemmThreads), k.smem, pdl, stream, kargs);
 }
 
 const char* built_archs() {

@@ -375,18 +375,9 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
       if ((err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, OutSideRing<kB>::kSmem)) !=
           cudaSuccess)
         return;
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
-      cfg.blockDim = dim3(kXfThreads);
-      cfg.dynamicSmemBytes = OutSideRing<kB>::kSmem;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = pdl ? 1 : 0;
+      const dim3 grid(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
       void* args[] = {const_cast<ReconstructArgs*>(&a), &rows_per_warp};
-      cudaLaunchKernelExC(&cfg, fn, args);
+      launch_kernel(fn, grid, dim3(kXfThreads), OutSideRing<kB>::kSmem, pdl, stream, args);
     } else {
       const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (kt_total + kReconRows - 1) / kReconRows);
       if (a.w.codebook == kCbMul1) reconstruct_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a);
