@@ -7,23 +7,19 @@
 
 namespace exl3 {
 
-constexpr int kXfWarps = 8;  // input transform: one warp per 128-block (of 1 or 4 rows); reconstruct: see there
+constexpr int kXfWarps = 8;  // input transform: one warp per (row, 128-block); reconstruct: see there
 constexpr int kXfThreads = kXfWarps * kWarp;
 
 // ------------------------------------------------------------------------------------------------------------
 // xh = H(x * suh) per 128-block, fp32 math, one rounding to fp16 (exl3-format.md §3.3) or bf16; per-row partial sums
 // of the rounded fp16 xh (mul1's affine epilogue needs sum_k xh exactly as the tensor cores saw it).
 // ------------------------------------------------------------------------------------------------------------
-// kXfRows rows per block: 4 for prefill-sized inputs (their loads in flight together), 1 for decode (the rows' FWHTs
-// run one after another in a warp, which 8 decode rows would wait for).
-constexpr int kXfRowsMany = 4, kXfManyFrom = 256;
-
-template <int kXfRows>
+// One row per block (4 rows per block, loads in flight together, measured 33-34.5 µs at 4096x4096 against 31.5).
 __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const InputTransformArgs a) {
   griddep_launch_dependents();  // the next kernel (GEMM or reconstruct) may start now; it waits for our results
-  __shared__ float part[kXfRows][kXfWarps];
+  __shared__ float part[kXfWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int row0 = blockIdx.x * kXfRows;
+  const int row = blockIdx.x;
   const int kb = blockIdx.y * kXfWarps + warp;
 
   if (a.zero) {  // the next kernel's split-K workspace
@@ -34,54 +30,42 @@ __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const Input
       static_cast<uint4*>(a.zero)[i] = make_uint4(0, 0, 0, 0);
   }
 
-  float sum[kXfRows] = {};
-  if (kb < a.kb_count) {  // warp-uniform, like every row condition below
+  float sum = 0.f;
+  if (kb < a.kb_count) {  // warp-uniform, like the row conditions below
     const int k = (a.kb0 + kb) * kHadBlock + 4 * lane;
     const int xi = k - a.in_offset;
-    float v[kXfRows][4] = {};
-#pragma unroll
-    for (int r = 0; r < kXfRows; ++r) {
-      const long long i = static_cast<long long>(row0 + r) * a.x_stride + xi;
-      if (row0 + r >= a.rows) break;
+    float v[4] = {};
+    if (row < a.rows) {
+      const long long i = static_cast<long long>(row) * a.x_stride + xi;
       if (xi >= 0 && xi + 4 <= a.in_width && act4_aligned(a.x, i)) {
-        load_act4(a.x, i, a.x_dtype, v[r]);  // one 8-byte load
+        load_act4(a.x, i, a.x_dtype, v);  // one 8-byte load
       } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          v[r][e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, i + e, a.x_dtype) : 0.f;
+        for (int e = 0; e < 4; ++e) v[e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, i + e, a.x_dtype) : 0.f;
       }
     }
     const uint2 su = *reinterpret_cast<const uint2*>(static_cast<const __half*>(a.suh) + k);
     const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&su.x));
     const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&su.y));
+    if (row < a.rows) {
+      v[0] *= s01.x, v[1] *= s01.y, v[2] *= s23.x, v[3] *= s23.y;
+      fwht128_warp(v, lane);
 #pragma unroll
-    for (int r = 0; r < kXfRows; ++r) {
-      const int row = row0 + r;
-      if (row >= a.xh_rows) break;
-      if (row < a.rows) {
-        v[r][0] *= s01.x, v[r][1] *= s01.y, v[r][2] *= s23.x, v[r][3] *= s23.y;
-        fwht128_warp(v[r], lane);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          v[r][e] *= a.scale;
-          sum[r] += __half2float(__float2half_rn(v[r][e]));  // read only for fp16 xh (the skinny kernels)
-        }
+      for (int e = 0; e < 4; ++e) {
+        v[e] *= a.scale;
+        sum += __half2float(__float2half_rn(v[e]));  // read only for fp16 xh (the skinny kernels)
       }
-      store_act4(a.xh, static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 4 * lane, v[r],
-                 a.xh_dtype, true, 0, 4);
     }
+    store_act4(a.xh, static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 4 * lane, v, a.xh_dtype,
+               true, 0, 4);
   }
   if (a.rowsum_parts) {  // kernel-uniform
-#pragma unroll
-    for (int r = 0; r < kXfRows; ++r) {
-      const float s = warp_sum(sum[r]);
-      if (lane == 0) part[r][warp] = s;
-    }
+    sum = warp_sum(sum);
+    if (lane == 0) part[warp] = sum;
     __syncthreads();
-    const int row = row0 + threadIdx.x;
-    if (threadIdx.x < kXfRows && row < a.rows) {
+    if (threadIdx.x == 0 && row < a.rows) {
       float s = 0.f;
-      for (int w = 0; w < kXfWarps; ++w) s += part[threadIdx.x][w];
+      for (int w = 0; w < kXfWarps; ++w) s += part[w];
       a.rowsum_parts[static_cast<long long>(row) * gridDim.y + blockIdx.y] = s;
     }
   }
@@ -91,12 +75,7 @@ int input_transform_parts(int kb_count) { return (kb_count + kXfWarps - 1) / kXf
 
 cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream) {
   if (a.xh_rows <= 0 || a.kb_count <= 0) return cudaSuccess;
-  if (a.xh_rows >= kXfManyFrom) {
-    const dim3 grid((a.xh_rows + kXfRowsMany - 1) / kXfRowsMany, input_transform_parts(a.kb_count));
-    input_transform_kernel<kXfRowsMany><<<grid, kXfThreads, 0, stream>>>(a);
-  } else {
-    input_transform_kernel<1><<<dim3(a.xh_rows, input_transform_parts(a.kb_count)), kXfThreads, 0, stream>>>(a);
-  }
+  input_transform_kernel<<<dim3(a.xh_rows, input_transform_parts(a.kb_count)), kXfThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -377,7 +356,8 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
         return;
       const dim3 grid(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
       void* args[] = {const_cast<ReconstructArgs*>(&a), &rows_per_warp};
-      launch_kernel(fn, grid, dim3(kXfThreads), OutSideRing<kB>::kSmem, pdl, stream, args);
+      err = launch_kernel(fn, grid, dim3(kXfThreads), OutSideRing<kB>::kSmem, pdl, stream, args);
+      return;
     } else {
       const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (kt_total + kReconRows - 1) / kReconRows);
       if (a.w.codebook == kCbMul1) reconstruct_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a);

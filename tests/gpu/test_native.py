@@ -6,10 +6,10 @@ CUDA-graph capture and replay; the op through torch.ops.vllm_exl3.linear; ExLlam
 exllamav3 backend when installed.
 
 Error bounds (relative L2 vs the fp32 reference forward): the skinny and panel kernels round the transformed input
-to fp16 (as ExLlamaV3 does), the reconstruct path rounds the original-basis weight to the activation dtype (and to
-fp16 once between its two Hadamard sides), and every path rounds the output to the activation dtype: about 3e-4 per
-rounding for fp16 and 2.3e-3 for bf16, so fp16 must stay under 2e-3 and bf16 under 8e-3. Ŵ (reconstruct) must be
-bit-exact. Observed maxima are written to $VLLM_EXL3_TEST_REPORT (JSON) when set.
+to fp16 (as ExLlamaV3 does); the reconstruct path rounds it to the activation dtype, and W' = Ŵ H diag(svh) as well
+(after three fp16 roundings in its 8-point butterfly); every path rounds the output to the activation dtype: about
+3e-4 per rounding for fp16 and 2.3e-3 for bf16, so fp16 must stay under 2e-3 and bf16 under 8e-3. Ŵ (reconstruct)
+must be bit-exact. Observed maxima are written to $VLLM_EXL3_TEST_REPORT (JSON) when set.
 """
 
 from __future__ import annotations

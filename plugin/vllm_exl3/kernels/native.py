@@ -7,8 +7,8 @@ registered here, so torch.compile traces through them.
 Per call, the C++ side picks the kernel by row count: up to VLLM_EXL3_SKINNY_MAX_ROWS rows (default 16) the skinny
 tensor-core kernel that decodes tiles in registers once per 16 rows, up to VLLM_EXL3_PANEL_MAX_ROWS (default 64;
 256 on sm_12x, an unmeasured estimate) the panel kernel that decodes them once per 64 rows, above that the weight
-reconstructed in the original basis (Hadamards on tensor cores) + one cuBLAS GEMM on x (bench/NOTES.md has the
-measured crossovers). All are CUDA-graph safe: no host syncs,
+with its output-side Hadamard and svh applied (W' = Ŵ H diag(svh), Hadamard on tensor cores) times the transformed
+input in one cuBLAS GEMM (bench/NOTES.md has the measured crossovers). All are CUDA-graph safe: no host syncs,
 workspace sized by shape, current stream.
 """
 
@@ -80,7 +80,8 @@ def codebook_index(codebook: str) -> int:
 
 def reconstruct(w: Exl3Weights, original_basis: bool = False, bf16: bool = False) -> torch.Tensor:
     """Ŵ (rotated basis, bit-exact with reference.decode_rotated) or, with original_basis, W = diag(suh) H Ŵ H
-    diag(svh) (fp32 sums, rounded to fp16 between the two sides and once at the end); (in, out) padded geometry."""
+    diag(svh) (the output side by the W' kernel, rounded to fp16; the input side in fp32; rounded once more at the
+    end); (in, out) padded geometry."""
     cb = codebook_index(w.codebook)
     if original_basis:
         return torch.ops.vllm_exl3.reconstruct(w.trellis, cb, w.suh, w.svh, bf16)
