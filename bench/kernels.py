@@ -183,8 +183,6 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
     ap.add_argument("--crossover", action="store_true", help="time skinny / panel / reconstruct at 16..1024 rows")
-    ap.add_argument("--recon-chunks", action="store_true",
-                    help="time the pipelined reconstruct + cuBLAS path at 1..8 column chunks, 64..4096 rows")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
     ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
@@ -291,20 +289,6 @@ def main() -> int:
                 print(json.dumps(var[-1]), flush=True)
         del case
         torch.cuda.empty_cache()
-
-    if args.recon_chunks:
-        # Where the pipelined reconstruct path (W' chunk c+1 decoded beside the GEMM of chunk c) pays, per shape.
-        var = result.setdefault("variants", [])
-        for k, n in ((4096, 14336), (14336, 4096), (2048, 6144)):
-            case = Case(k, n, 4, "mul1")
-            for rows in (64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096):
-                for chunks in (1, 2, 3, 4, 6, 8):
-                    t = bench_native(case, rows, max(10, args.iters // 2), native.PATH_RECONSTRUCT,
-                                     {"VLLM_EXL3_RECON_CHUNKS": str(chunks)})
-                    var.append({"case": case.name, "rows": rows, "variant": f"recon_chunks_{chunks}", "us": t})
-                    print(json.dumps(var[-1]), flush=True)
-            del case
-            torch.cuda.empty_cache()
 
     if args.trace:
         result["trace"] = [trace_skinny(spec) for spec in args.trace]

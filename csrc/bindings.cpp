@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
-#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -56,24 +55,6 @@ int64_t panel_max_rows() {
 }
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
 
-// Column chunks of the pipelined reconstruct + cuBLAS path (1 = one reconstruct, then one GEMM). VLLM_EXL3_RECON_CHUNKS
-// (read per call: the bench sweeps it) overrides the measured default; never more chunks than column groups.
-int64_t recon_chunks(int64_t rows, int64_t groups) {
-  const int64_t forced = env_int("VLLM_EXL3_RECON_CHUNKS", 0);
-  const int64_t chunks = forced > 0 ? forced : 1;
-  (void)rows;
-  return std::max<int64_t>(1, std::min(chunks, groups));
-}
-
-// One event per device and thread for the pipelined path's fork and join, created on first use and kept (a handful
-// per process; creating one per call would cost host time on every layer).
-cudaEvent_t stream_event(int device) {
-  thread_local std::vector<cudaEvent_t> events;
-  if (device >= static_cast<int>(events.size())) events.resize(device + 1, nullptr);
-  if (!events[device]) check_cuda(cudaEventCreateWithFlags(&events[device], cudaEventDisableTiming), "event create");
-  return events[device];
-}
-
 // Diagnostics for bench/kernels.py --trace: with VLLM_EXL3_SKINNY_TRACE=1 each skinny launch records per-warp
 // timestamps (exl3::GemmArgs::trace) into a fresh tensor, which skinny_trace() returns until the next launch.
 at::Tensor& last_skinny_trace() {
@@ -104,7 +85,7 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 // y[M][N] = a[M][K] . W[K][N] (row-major, a's dtype throughout, W with row stride ldw elements, fp32 accumulate)
 // == column-major Y^T = W^T . A^T.
-void cublas_gemm(const at::Tensor& a, const void* w, int64_t ldw, const at::Tensor& y) {
+void cublas_gemm(const at::Tensor& a, const void* w, int64_t ldw, at::Tensor& y) {
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
   const cudaDataType_t dt = a.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   const int m = static_cast<int>(y.size(1)), n = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1));
@@ -169,40 +150,13 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     it.xh = xh.data_ptr();
     it.xh_dtype = xdt;
     it.scale = exl3::kReconInputScale;
+    check_cuda(exl3::launch_input_transform(it, stream), "input transform");
     at::Tensor w_out = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
-                             static_cast<int>(groups), w_out.data_ptr(), na, xdt, svh.data_ptr()};
-    const int64_t chunks = recon_chunks(rows, groups);
-    if (chunks == 1) {
-      check_cuda(exl3::launch_input_transform(it, stream), "input transform");
-      check_cuda(exl3::launch_reconstruct(ra, use_pdl(), stream), "reconstruct (output side)");
-      const void* w_cols = static_cast<const char*>(w_out.data_ptr()) + (out_offset - g0 * kHad) * x.element_size();
-      cublas_gemm(xh, w_cols, na, y);
-      return y;
-    }
-    // Pipelined: column chunk c+1 of W' is reconstructed on a high-priority side stream while cuBLAS multiplies
-    // chunk c on this one. The decode (integer issue) and the GEMM (tensor cores, bandwidth) share the SMs, and a
-    // chunk's W' is read back soon after it was written, much of it from L2. Fork and join through one reusable
-    // event (each wait takes the record just before it), which also makes the pattern legal under graph capture.
-    const cudaStream_t side = at::cuda::getStreamFromPool(true, x.device().index()).stream();
-    const cudaEvent_t ev = stream_event(x.device().index());
-    check_cuda(cudaEventRecord(ev, stream), "fork event");
-    check_cuda(cudaStreamWaitEvent(side, ev, 0), "fork wait");
-    check_cuda(exl3::launch_input_transform(it, stream), "input transform");
-    const int64_t out_end = out_offset + out_features;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t lo = c * groups / chunks, hi = (c + 1) * groups / chunks;  // groups of this chunk
-      ra.g0 = static_cast<int>(g0 + lo);
-      ra.groups = static_cast<int>(hi - lo);
-      ra.out = static_cast<char*>(w_out.data_ptr()) + lo * kHad * x.element_size();
-      check_cuda(exl3::launch_reconstruct(ra, false, side), "reconstruct (output side, chunk)");
-      check_cuda(cudaEventRecord(ev, side), "chunk event");
-      check_cuda(cudaStreamWaitEvent(stream, ev, 0), "chunk wait");  // the last one joins the side stream
-      // The active groups are exactly those the output columns touch, so every chunk holds some of them.
-      const int64_t col0 = std::max(out_offset, (g0 + lo) * kHad), col1 = std::min(out_end, (g0 + hi) * kHad);
-      const void* w_cols = static_cast<const char*>(w_out.data_ptr()) + (col0 - g0 * kHad) * x.element_size();
-      cublas_gemm(xh, w_cols, na, y.narrow(1, col0 - out_offset, col1 - col0));
-    }
+                             static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr()};
+    check_cuda(exl3::launch_reconstruct(ra, use_pdl(), stream), "reconstruct (output side)");
+    const void* w_cols = static_cast<const char*>(w_out.data_ptr()) + (out_offset - g0 * kHad) * x.element_size();
+    cublas_gemm(xh, w_cols, na, y);
     return y;
   }
 
@@ -266,7 +220,7 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kHalf;
   if (!suh.has_value()) {
     at::Tensor out = at::empty({k, n}, trellis.options().dtype(dtype));
-    exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), out.data_ptr(), n,
+    exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), out.data_ptr(),
                              bf16 ? exl3::kActBF16 : exl3::kActF16, nullptr};
     check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct");
     return out;
@@ -275,7 +229,7 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == n, "svh must be fp16 [N]");
   // Tools, not the serving path: the output side by the kernel (fp16), the input side as a batched fp32 matmul.
   at::Tensor w_out = at::empty({k, n}, trellis.options().dtype(at::kHalf));
-  exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), w_out.data_ptr(), n,
+  exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), w_out.data_ptr(),
                            exl3::kActF16, svh->data_ptr()};
   check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
   at::Tensor h = at::empty({kHad, kHad}, at::kFloat);

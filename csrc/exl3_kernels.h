@@ -123,8 +123,7 @@ cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& plan, bool pdl, cudaS
 // reconstruct + cuBLAS.
 bool gemm_fits_device(int codebook, int bits2, int rows, bool panel);
 
-// The active part of the weight as a row-major matrix out [kb_count*128, groups*128] (row stride out_stride elements,
-// >= groups*128; a caller may reconstruct column chunks into one wider matrix), fp16 or bf16:
+// The active part of the weight as a dense row-major matrix out [kb_count*128, groups*128], fp16 or bf16:
 // * svh null: Ŵ (rotated basis), bit-exact with the reference (bf16: Ŵ rounded once more);
 // * svh given: W' = Ŵ H diag(svh) / 8, the output side applied (what xh scaled by kReconInputScale multiplies to give
 //   y); fp16 sums across tiles, tensor-core sums inside them, rounded to out_dtype.
@@ -132,7 +131,6 @@ struct ReconstructArgs {
   TrellisView w;
   int kb0, kb_count, g0, groups;
   void* out;
-  long long out_stride;
   int out_dtype;
   const void* svh;  // fp16 [N] (whole linear), or null
 };

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
   };
 #pragma unroll
   for (int d = 0; d < kReconDepth; ++d) fetch(kt_lo + d, ring[d]);
-  const long long ld = a.out_stride;
+  const long long na = static_cast<long long>(a.groups) * kHadBlock;
   const int r = lane / 2, h = lane % 2;  // the row and 8-column half this lane writes
   __half* sw = stage[warp];
   for (int kt0 = kt_lo; kt0 < kt_hi; kt0 += kReconDepth) {
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
       __syncwarp();
       const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kTile + h * 8);
       __syncwarp();
-      const long long o = (static_cast<long long>(kt) * kTile + r) * ld + nt * kTile + h * 8;
+      const long long o = (static_cast<long long>(kt) * kTile + r) * na + nt * kTile + h * 8;
       if (a.out_dtype == kActBF16) {
         const __half2* hp = reinterpret_cast<const __half2*>(&u);
         uint4 b;
@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
         hb[nt][nb][i] = *reinterpret_cast<const uint32_t*>(&b);
       }
     }
-  const long long ld = a.out_stride;
+  const long long na = static_cast<long long>(a.groups) * kHadBlock;
   __half* const sw = reinterpret_cast<__half*>(smem) + warp * kTile * kStageStride;
   uint32_t* const sw_lane = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);
   for (int kt = kt_lo; kt < kt_hi; ++kt) {
@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
     for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
       const int r = 2 * i + lane / 16, c = (lane % 16) * 8;
       const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kStageStride + c);
-      *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(kt) * kTile + r) * ld +
+      *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(kt) * kTile + r) * na +
                                 group * kHadBlock + c) = u;
     }
     __syncwarp();
