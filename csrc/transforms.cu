@@ -192,9 +192,6 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 #ifndef EXL3_OUT_SIDE_RUN  // tuning (bench VARIANTS): k-tile rows per claimed run; divides the 8 of a 128-block
 #define EXL3_OUT_SIDE_RUN 4
 #endif
-#ifndef EXL3_OUT_SIDE_STATIC
-#define EXL3_OUT_SIDE_STATIC 0
-#endif
 static_assert(kTilesPerHad % EXL3_OUT_SIDE_RUN == 0, "runs must tile the k-tile rows (a multiple of 8)");
 constexpr int kStageStride = kHadBlock + 8;  // halves per staged row: the fragment-order 4-byte stores hit distinct banks
 
@@ -299,27 +296,19 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
   int2* const slot_ids = reinterpret_cast<int2*>(smem + R::kStageBytes + R::kRingBytes) + warp * R::kStages;
 
   // The issue side: the run being copied, as (group, first k-tile row) and the row within it. The next run is
-  // claimed when this one starts, so the atomic's latency hides behind a run's copies. Consecutive runs lie side by
-  // side in the same k-tile rows (group fastest): warps working at the same time read and write neighbouring
-  // addresses, as the per-group blocks of a plain grid would.
-#if EXL3_OUT_SIDE_STATIC  // tuning variant: runs dealt round-robin to the warps, no counter
-  int dealt = blockIdx.x * kXfWarps + warp;
-  auto claim = [&]() { const int r = dealt; dealt += gridDim.x * kXfWarps; return r; };
-#else
+  // claimed when this one starts, so the atomic's latency hides behind a run's copies.
   auto claim = [&]() { return lane == 0 ? atomicAdd(a.work_counter, 1) : 0; };
-#endif
   int group = 0, kt0 = 0, run_row = 0, next = claim();
-  auto take = [&]() {  // warp-uniform; kt0 == kt_total once the work is gone
+  auto take = [&]() {  // warp-uniform; group == a.groups once the work is gone
     const int run = min(__shfl_sync(0xFFFFFFFFu, next, 0), runs);
-    const int step = run / a.groups;
-    group = run - step * a.groups;
-    kt0 = step * EXL3_OUT_SIDE_RUN;
+    group = run / runs_per_group;
+    kt0 = (run - group * runs_per_group) * EXL3_OUT_SIDE_RUN;
     next = claim();
   };
   take();
   auto issue = [&](int slot) {  // the next row into `slot`; one commit group per call, even if empty
     int2 id = make_int2(-1, 0);
-    if (kt0 < kt_total) {
+    if (group < a.groups) {
       const unsigned char* src = base + group * group_bytes + (kt0 + run_row) * row_bytes;
       const uint32_t dst = ring_s + slot * R::kRowBytes;
 #pragma unroll
