@@ -150,15 +150,10 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     it.xh = xh.data_ptr();
     it.xh_dtype = xdt;
     it.scale = exl3::kReconInputScale;
-    // The reconstruct's work counter is cleared before the input transform: the reconstruct may start while that
-    // kernel still runs, but never before it started.
-    const at::Tensor counter = at::empty({1}, x.options().dtype(at::kInt));
-    check_cuda(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int), stream), "work counter clear");
     check_cuda(exl3::launch_input_transform(it, stream), "input transform");
     at::Tensor w_out = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
-                             static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr(),
-                             counter.data_ptr<int>()};
+                             static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr()};
     check_cuda(exl3::launch_reconstruct(ra, use_pdl(), stream), "reconstruct (output side)");
     const void* w_cols = static_cast<const char*>(w_out.data_ptr()) + (out_offset - g0 * kHad) * x.element_size();
     cublas_gemm(xh, w_cols, na, y);
@@ -226,7 +221,7 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   if (!suh.has_value()) {
     at::Tensor out = at::empty({k, n}, trellis.options().dtype(dtype));
     exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), out.data_ptr(),
-                             bf16 ? exl3::kActBF16 : exl3::kActF16, nullptr, nullptr};
+                             bf16 ? exl3::kActBF16 : exl3::kActF16, nullptr};
     check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct");
     return out;
   }
@@ -234,9 +229,8 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == n, "svh must be fp16 [N]");
   // Tools, not the serving path: the output side by the kernel (fp16), the input side as a batched fp32 matmul.
   at::Tensor w_out = at::empty({k, n}, trellis.options().dtype(at::kHalf));
-  const at::Tensor counter = at::zeros({1}, trellis.options().dtype(at::kInt));
   exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), w_out.data_ptr(),
-                           exl3::kActF16, svh->data_ptr(), counter.data_ptr<int>()};
+                           exl3::kActF16, svh->data_ptr()};
   check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
   at::Tensor h = at::empty({kHad, kHad}, at::kFloat);
   float* hp = h.data_ptr<float>();

@@ -133,7 +133,6 @@ struct ReconstructArgs {
   void* out;
   int out_dtype;
   const void* svh;  // fp16 [N] (whole linear), or null
-  int* work_counter;  // svh given: one int, zero when the kernel starts (its warps claim work from it)
 };
 // pdl (output side only): may start while the previous kernel in the stream runs (it reads nothing that kernel
 // writes) and completes only after it.

@@ -180,19 +180,15 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 // intermediate). H128 = H8 (x) H16 (Sylvester order) and the two factors commute, so W' = Ŵ (H8 (x) I16) .
 // (I8 (x) H16 diag(svh) / 8): first an 8-point butterfly across the 8 tiles of a column group on the decoded fp16
 // pairs (packed half2 adds; three roundings, bench/NOTES.md), then per tile one tensor-core product whose B operand
-// is H16 with svh / 8 folded in (+-svh * 2^-3: exact in fp16). A warp owns whole 128-column rows (one k-tile row of
-// one column group at a time), so nothing crosses warps.
-// Persistent warps: the grid is what the device holds at once, and each warp claims runs of EXL3_OUT_SIDE_RUN
-// consecutive k-tile rows of one group from a counter, so blocks that start late (behind the input transform, which
-// this kernel overlaps) and uneven warp progress cost at most one run at the end, and a warp's cp.async ring of row
-// words stays full across runs instead of refilling from DRAM for every few rows.
+// is H16 with svh / 8 folded in (+-svh * 2^-3: exact in fp16). A warp owns whole 128-column rows: it walks down
+// `rows_per_warp` k-tile rows of one column group, the next rows' words arriving through its own cp.async ring, so
+// nothing crosses warps.
 // movmatrix turns the decoded fragment of Ŵ^T (an A operand) into the A operand of Ŵ; a per-warp shared tile turns
 // the MMA result layout into whole 256-byte rows for the stores.
 // ------------------------------------------------------------------------------------------------------------
-#ifndef EXL3_OUT_SIDE_RUN  // tuning (bench VARIANTS): k-tile rows per claimed run; divides the 8 of a 128-block
-#define EXL3_OUT_SIDE_RUN 4
+#ifndef EXL3_OUT_SIDE_ROWS  // tuning (bench VARIANTS): most k-tile rows per warp
+#define EXL3_OUT_SIDE_ROWS 4
 #endif
-static_assert(kTilesPerHad % EXL3_OUT_SIDE_RUN == 0, "runs must tile the k-tile rows (a multiple of 8)");
 constexpr int kStageStride = kHadBlock + 8;  // halves per staged row: the fragment-order 4-byte stores hit distinct banks
 
 // H16[i][j] and H16[i][j+1] (+-1) as a half2.
@@ -245,9 +241,54 @@ __device__ __forceinline__ void stage_row(const uint32_t (&pw)[kTilesPerHad][kLa
   }
 }
 
-// B operands for one column group: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of
-// H16 diag(svh) / 8. H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
-__device__ __forceinline__ void group_operands(const __half* svh, int g, int t, uint32_t (&hb)[kTilesPerHad][2][2]) {
+// Per warp, a cp.async ring of whole k-tile rows of trellis words in shared memory (a register ring deep enough to
+// cover DRAM latency spills: ncu put 24 % of the stall samples on each row's loads with one row in registers).
+template <int kBits2>
+struct OutSideRing {
+  static constexpr int kRowBytes = kTilesPerHad * TileBits<kBits2>::kBytes;  // 8 tile records, dense
+  static constexpr int kStages = kBits2 <= 8 ? 4 : 2;                        // <= 4 KB per warp
+  static constexpr int kStageBytes = kXfWarps * kTile * kStageStride * 2;    // the output staging rows
+  static constexpr int kSmem = kStageBytes + kXfWarps * kStages * kRowBytes;
+};
+
+template <int kBits2, bool kMul1>
+__global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
+  using TB = TileBits<kBits2>;
+  using R = OutSideRing<kBits2>;
+  extern __shared__ __align__(16) unsigned char smem[];  // [staged output rows][per-warp rings]
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, t = lane % 4;
+  const int group = blockIdx.x;
+  const int kt_lo = (blockIdx.y * kXfWarps + warp) * rows_per_warp;
+  const int kt_hi = min(kt_lo + rows_per_warp, a.kb_count * kTilesPerHad);
+  if (kt_lo >= kt_hi) return;  // warp-uniform; no block-wide barriers below
+
+  const unsigned char* rows = reinterpret_cast<const unsigned char*>(
+      a.w.data + static_cast<long long>(a.kb0) * kTilesPerHad * a.w.row_stride +
+      static_cast<long long>(a.g0 + group) * kTilesPerHad * a.w.tile_stride);
+  const long long row_bytes = a.w.row_stride * 2;
+  const int tile_bytes = a.w.tile_stride * 2;
+  const unsigned char* ring = smem + R::kStageBytes + warp * R::kStages * R::kRowBytes;
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  auto issue = [&](int kt) {  // row kt's 8 tile records into its slot; one commit group per call, even if empty
+    if (kt < kt_hi) {
+      const uint32_t slot = ring_s + (kt % R::kStages) * R::kRowBytes;
+#pragma unroll
+      for (int c = lane; c < R::kRowBytes / 16; c += kWarp)
+        cp_async16(slot + c * 16, rows + kt * row_bytes + (c / TB::kChunks16) * tile_bytes + (c % TB::kChunks16) * 16);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < R::kStages - 1; ++s) issue(kt_lo + s);
+
+  LaneWindows<kBits2> lw;
+  lw.init(lane);
+  const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
+  // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
+  // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
+  uint32_t hb[kTilesPerHad][2][2];
+  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock;
 #pragma unroll
   for (int nt = 0; nt < kTilesPerHad; ++nt)
 #pragma unroll
@@ -261,91 +302,14 @@ __device__ __forceinline__ void group_operands(const __half* svh, int g, int t, 
         hb[nt][nb][i] = *reinterpret_cast<const uint32_t*>(&b);
       }
     }
-}
-
-// Per warp, a cp.async ring of whole k-tile rows of trellis words in shared memory (a register ring deep enough to
-// cover DRAM latency spills: ncu put 24 % of the stall samples on each row's loads with one row in registers), and
-// which (group, k-tile row) each slot holds (-1: the work is done).
-template <int kBits2>
-struct OutSideRing {
-  static constexpr int kRowBytes = kTilesPerHad * TileBits<kBits2>::kBytes;  // 8 tile records, dense
-  static constexpr int kStages = kBits2 <= 8 ? 4 : 2;                        // <= 4 KB per warp
-  static constexpr int kStageBytes = kXfWarps * kTile * kStageStride * 2;    // the output staging rows
-  static constexpr int kRingBytes = kXfWarps * kStages * kRowBytes;
-  static constexpr int kSmem = kStageBytes + kRingBytes + kXfWarps * kStages * static_cast<int>(sizeof(int2));
-};
-
-template <int kBits2, bool kMul1>
-__global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(const ReconstructArgs a) {
-  using TB = TileBits<kBits2>;
-  using R = OutSideRing<kBits2>;
-  extern __shared__ __align__(16) unsigned char smem[];  // [staged output rows][per-warp rings][per-warp slot ids]
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int g = lane / 4, t = lane % 4;
-  const int kt_total = a.kb_count * kTilesPerHad, runs_per_group = kt_total / EXL3_OUT_SIDE_RUN;
-  const int runs = runs_per_group * a.groups;
-
-  const unsigned char* base = reinterpret_cast<const unsigned char*>(
-      a.w.data + static_cast<long long>(a.kb0) * kTilesPerHad * a.w.row_stride +
-      static_cast<long long>(a.g0) * kTilesPerHad * a.w.tile_stride);
-  const long long row_bytes = a.w.row_stride * 2;
-  const long long group_bytes = static_cast<long long>(a.w.tile_stride) * 2 * kTilesPerHad;
-  const int tile_bytes = a.w.tile_stride * 2;
-  const unsigned char* ring = smem + R::kStageBytes + warp * R::kStages * R::kRowBytes;
-  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  int2* const slot_ids = reinterpret_cast<int2*>(smem + R::kStageBytes + R::kRingBytes) + warp * R::kStages;
-
-  // The issue side: the run being copied, as (group, first k-tile row) and the row within it. The next run is
-  // claimed when this one starts, so the atomic's latency hides behind a run's copies.
-  auto claim = [&]() { return lane == 0 ? atomicAdd(a.work_counter, 1) : 0; };
-  int group = 0, kt0 = 0, run_row = 0, next = claim();
-  auto take = [&]() {  // warp-uniform; group == a.groups once the work is gone
-    const int run = min(__shfl_sync(0xFFFFFFFFu, next, 0), runs);
-    group = run / runs_per_group;
-    kt0 = (run - group * runs_per_group) * EXL3_OUT_SIDE_RUN;
-    next = claim();
-  };
-  take();
-  auto issue = [&](int slot) {  // the next row into `slot`; one commit group per call, even if empty
-    int2 id = make_int2(-1, 0);
-    if (group < a.groups) {
-      const unsigned char* src = base + group * group_bytes + (kt0 + run_row) * row_bytes;
-      const uint32_t dst = ring_s + slot * R::kRowBytes;
-#pragma unroll
-      for (int c = lane; c < R::kRowBytes / 16; c += kWarp)
-        cp_async16(dst + c * 16, src + (c / TB::kChunks16) * tile_bytes + (c % TB::kChunks16) * 16);
-      id = make_int2(group, kt0 + run_row);
-      if (++run_row == EXL3_OUT_SIDE_RUN) {
-        run_row = 0;
-        take();
-      }
-    }
-    if (lane == 0) slot_ids[slot] = id;
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int s = 0; s < R::kStages - 1; ++s) issue(s);
-
-  LaneWindows<kBits2> lw;
-  lw.init(lane);
-  const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
-  uint32_t hb[kTilesPerHad][2][2];
-  int cur_group = -1;
   const long long na = static_cast<long long>(a.groups) * kHadBlock;
   __half* const sw = reinterpret_cast<__half*>(smem) + warp * kTile * kStageStride;
   uint32_t* const sw_lane = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);
-  for (int p = 0;; ++p) {
-    const int slot = p % R::kStages;
-    cp_async_wait<R::kStages - 2>();  // the slot's row has landed (this lane's part) ...
-    __syncwarp();                     // ... and every lane's; every lane is done with the slot refilled next
-    const int2 id = slot_ids[slot];
-    issue((p + R::kStages - 1) % R::kStages);
-    if (id.x < 0) break;  // warp-uniform; later slots are empty too (runs are claimed in order)
-    if (id.x != cur_group) {
-      cur_group = id.x;
-      group_operands(static_cast<const __half*>(a.svh) + (a.g0 + cur_group) * kHadBlock, g, t, hb);
-    }
-    const unsigned char* st = ring + slot * R::kRowBytes;
+  for (int kt = kt_lo; kt < kt_hi; ++kt) {
+    cp_async_wait<R::kStages - 2>();  // row kt has landed (this lane's part) ...
+    __syncwarp();                     // ... and every lane's; and every lane is done with the slot refilled next
+    issue(kt + R::kStages - 1);
+    const unsigned char* st = ring + (kt % R::kStages) * R::kRowBytes;
     uint32_t pw[kTilesPerHad][kLanePositions / 2];  // the row's 8 tiles of Ŵ, fragment order
 #pragma unroll
     for (int nt = 0; nt < kTilesPerHad; ++nt) {
@@ -362,8 +326,8 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
     for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
       const int r = 2 * i + lane / 16, c = (lane % 16) * 8;
       const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kStageStride + c);
-      *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(id.y) * kTile + r) * na +
-                                id.x * kHadBlock + c) = u;
+      *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(kt) * kTile + r) * na +
+                                group * kHadBlock + c) = u;
     }
     __syncwarp();
   }
@@ -381,23 +345,18 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
     constexpr bool kXcg = kB % 2 == 0;  // 3inst/mcg exist for integer widths only
     if (a.w.codebook != kCbMul1 && !kXcg) return;
     if (a.svh) {
+      // Up to 4 k-tile rows per warp, fewer when that would leave under ~2048 warps (small layers).
+      int rows_per_warp = std::max(1, std::min(EXL3_OUT_SIDE_ROWS, kt_total * a.groups / 2048));
       const void* fn = reinterpret_cast<const void*>(&reconstruct_output_side_kernel<kB, true>);
       if constexpr (kXcg)
         if (a.w.codebook != kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_output_side_kernel<kB, false>);
-      // Host-side attribute and occupancy queries (not stream operations): cheap, and allowed during graph capture.
-      int device = 0, sms = 0, per_sm = 0;
+      // A host-side attribute (not a stream operation): cheap, and allowed during graph capture.
       if ((err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, OutSideRing<kB>::kSmem)) !=
-              cudaSuccess ||
-          (err = cudaGetDevice(&device)) != cudaSuccess ||
-          (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess ||
-          (err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kXfThreads, OutSideRing<kB>::kSmem)) !=
-              cudaSuccess)
+          cudaSuccess)
         return;
-      // As many blocks as fit at once (persistent warps), fewer when there are fewer runs than warps.
-      const int runs = kt_total / EXL3_OUT_SIDE_RUN * a.groups;
-      const int grid = std::max(1, std::min(std::max(per_sm, 1) * sms, (runs + kXfWarps - 1) / kXfWarps));
-      void* args[] = {const_cast<ReconstructArgs*>(&a)};
-      err = launch_kernel(fn, dim3(grid), dim3(kXfThreads), OutSideRing<kB>::kSmem, pdl, stream, args);
+      const dim3 grid(a.groups, (kt_total + kXfWarps * rows_per_warp - 1) / (kXfWarps * rows_per_warp));
+      void* args[] = {const_cast<ReconstructArgs*>(&a), &rows_per_warp};
+      err = launch_kernel(fn, grid, dim3(kXfThreads), OutSideRing<kB>::kSmem, pdl, stream, args);
       return;
     } else {
       const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (kt_total + kReconRows - 1) / kReconRows);
