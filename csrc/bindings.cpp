@@ -180,7 +180,9 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
                                                    path == kSkinnyPlain ? 0 : -1, path == kPanel);
   const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
   const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
-  const size_t xh_bytes = align256(xh_rows * ka * 2), rs_bytes = align256(rows * parts * 4);
+  // Per-row sums of xh: only the skinny kernel's mul1 codewords need them (their affine epilogue).
+  const bool rowsums = !plan.panel && plan.dup && w.codebook == exl3::kCbMul1;
+  const size_t xh_bytes = align256(xh_rows * ka * 2), rs_bytes = rowsums ? align256(rows * parts * 4) : 0;
   const size_t part_bytes = align256(plan.partial_bytes), cnt_bytes = align256(plan.counter_bytes);
   at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + part_bytes + cnt_bytes)},
                             x.options().dtype(at::kByte));
@@ -189,7 +191,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.xh = base;
   it.xh_dtype = exl3::kActF16;
   it.scale = exl3::kHadScale;
-  it.rowsum_parts = reinterpret_cast<float*>(base + xh_bytes);
+  it.rowsum_parts = rowsums ? reinterpret_cast<float*>(base + xh_bytes) : nullptr;
   if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
     sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
     sa.max_slots = plan.max_slots;

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kXfThreads) input_transform_kernel(const Input
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         v[e] *= a.scale;
-        sum += __half2float(__float2half_rn(v[e]));  // read only for fp16 xh (the skinny kernels)
+        if (a.rowsum_parts) sum += __half2float(__float2half_rn(v[e]));  // kernel-uniform; fp16 xh only
       }
     }
     store_act4(a.xh, static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 4 * lane, v, a.xh_dtype,
