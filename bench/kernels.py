@@ -182,7 +182,7 @@ def main() -> int:
     ap.add_argument("--rows", help="comma-separated row counts instead of the default list, e.g. 1,8")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
-    ap.add_argument("--crossover", action="store_true", help="time skinny / panel / reconstruct at 16..1024 rows")
+    ap.add_argument("--crossover", action="store_true", help="time skinny / panel / reconstruct at 8..1024 rows on four layer sizes")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
     ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
@@ -278,17 +278,18 @@ def main() -> int:
         result["variants"] = var
 
     if args.variants or args.crossover:
-        # Where `auto` should switch kernels: each path at each row count on the large layer.
-        case = Case(4096, 14336, 4, "mul1")
+        # Where `auto` should switch kernels: each path at each row count, large to small layers.
         var = result.setdefault("variants", [])
-        for rows in (16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
-            for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
-                               ("recon", native.PATH_RECONSTRUCT)]:
-                t = bench_native(case, rows, max(10, args.iters // 2), path)
-                var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
-                print(json.dumps(var[-1]), flush=True)
-        del case
-        torch.cuda.empty_cache()
+        for k, n in ((4096, 14336), (4096, 4096), (2048, 6144), (2048, 768)):
+            case = Case(k, n, 4, "mul1")
+            for rows in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
+                for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
+                                   ("recon", native.PATH_RECONSTRUCT)]:
+                    t = bench_native(case, rows, max(10, args.iters // 2), path)
+                    var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
+                    print(json.dumps(var[-1]), flush=True)
+            del case
+            torch.cuda.empty_cache()
 
     if args.trace:
         result["trace"] = [trace_skinny(spec) for spec in args.trace]
