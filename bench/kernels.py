@@ -182,7 +182,7 @@ def main() -> int:
     ap.add_argument("--rows", help="comma-separated row counts instead of the default list, e.g. 1,8")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
-    ap.add_argument("--crossover", action="store_true", help="time skinny / panel / reconstruct at 8..1024 rows on four layer sizes")
+    ap.add_argument("--crossover", action="store_true", help="time skinny / panel / reconstruct at 8..1024 rows on six layer sizes")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
     ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
@@ -280,7 +280,7 @@ def main() -> int:
     if args.variants or args.crossover:
         # Where `auto` should switch kernels: each path at each row count, large to small layers.
         var = result.setdefault("variants", [])
-        for k, n in ((4096, 14336), (4096, 4096), (2048, 6144), (2048, 768)):
+        for k, n in ((4096, 14336), (14336, 4096), (4096, 4096), (2048, 6144), (2048, 4096), (2048, 768)):
             case = Case(k, n, 4, "mul1")
             for rows in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
                 for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
