@@ -41,17 +41,21 @@ int64_t env_int(const char* name, int64_t fallback) {
 }
 
 // `auto`: the skinny kernel up to VLLM_EXL3_SKINNY_MAX_ROWS rows, the panel kernel up to VLLM_EXL3_PANEL_MAX_ROWS,
-// reconstruct + cuBLAS above. Measured on the H200 (4096x14336, bench/NOTES.md): 16 and 64 (two 64-row panels lose
-// to reconstruct + cuBLAS there). On sm_12x (DGX Spark: 273 GB/s) reconstruct + cuBLAS writes and re-reads fp16 Ŵ
-// (8x a 4-bit pack) through a ~17x slower memory while the panels' decode slows ~2x, so panels win far longer: 256
-// there is a bandwidth estimate (bench/NOTES.md), not a measurement; the variable overrides it.
-int64_t skinny_max_rows() {
-  static const int64_t rows = env_int("VLLM_EXL3_SKINNY_MAX_ROWS", 16);
-  return rows;
-}
-int64_t panel_max_rows() {
-  const int64_t fallback = at::cuda::getCurrentDeviceProperties()->major == 12 ? 256 : 64;
-  return env_int("VLLM_EXL3_PANEL_MAX_ROWS", fallback);
+// reconstruct + cuBLAS above. Measured on the H200 (bench/NOTES.md, crossover on six layer sizes): when the active
+// fp16 W' is larger than L2 (4096x14336: 117 MB), 16 and 64 rows; when it fits (4096x4096 and smaller), the GEMM
+// reads W' back from L2 and reconstruct + cuBLAS wins from 16-28 rows on, the panel kernel beats the skinny one at
+// 16 rows, so 8 and 16. On sm_12x (DGX Spark: 273 GB/s) reconstruct + cuBLAS writes and re-reads fp16 W' through a
+// ~17x slower memory while the panels' decode slows ~2x, so panels win far longer: 256 there is a bandwidth
+// estimate (bench/NOTES.md), not a measurement. The variables override all of these.
+struct AutoLimits {
+  int64_t skinny_rows, panel_rows;
+};
+AutoLimits auto_limits(int64_t w_prime_bytes) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const bool spark = prop->major == 12;
+  const bool in_l2 = !spark && w_prime_bytes <= prop->l2CacheSize;
+  return {env_int("VLLM_EXL3_SKINNY_MAX_ROWS", in_l2 ? 8 : 16),
+          env_int("VLLM_EXL3_PANEL_MAX_ROWS", spark ? 256 : in_l2 ? 16 : 64)};
 }
 bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
 
@@ -125,9 +129,10 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   }
   if (path == kAuto) {
     const int r = static_cast<int>(std::min<int64_t>(rows, 1 << 30));
-    path = rows <= skinny_max_rows() && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
-           : rows <= panel_max_rows() && exl3::gemm_fits_device(w.codebook, w.bits2, r, true)  ? kPanel
-                                                                                                 : kReconstruct;
+    const AutoLimits lim = auto_limits(kb_count * kHad * groups * kHad * 2);
+    path = rows <= lim.skinny_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
+           : rows <= lim.panel_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, true) ? kPanel
+                                                                                            : kReconstruct;
   }
 
   exl3::InputTransformArgs it{};
