@@ -1,5 +1,6 @@
-// Panel GEMM for mid-size batches (`auto`: 17-64 rows on the H200, up to 256 on sm_12x): y = x · W with each EXL3
-// tile decoded once per 64 activation rows (the skinny kernel decodes it once per 16). Included by panel.cu only.
+// Panel GEMM for mid-size batches (`auto` on the H200: 17-64 rows, 9-16 for layers whose W' fits in L2; up to 256
+// on sm_12x): y = x · W with each EXL3 tile decoded once per 64 activation rows (the skinny kernel decodes it once
+// per 16). Included by panel.cu only.
 //
 // Design (bench/NOTES.md has the numbers behind it):
 // * A block computes a panel of one 128-column group x 64 rows over a stream-K range of k-tiles (the same units and
