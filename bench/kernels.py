@@ -182,7 +182,8 @@ def main() -> int:
     ap.add_argument("--rows", help="comma-separated row counts instead of the default list, e.g. 1,8")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
-    ap.add_argument("--crossover", action="store_true", help="time skinny / panel / reconstruct at 8..1024 rows on six layer sizes")
+    ap.add_argument("--crossover", action="store_true",
+                    help="time skinny / panel / reconstruct at 8..1024 rows on six layer sizes")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
     ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
