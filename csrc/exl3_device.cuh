@@ -89,24 +89,6 @@ __device__ __forceinline__ float load_act(const void* base, long long i, int dty
   return __half2float(static_cast<const __half*>(base)[i]);
 }
 
-// Whether the four activations at base[i..i+3] can be read as one 8-byte word.
-__device__ __forceinline__ bool act4_aligned(const void* base, long long i) {
-  return ((reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(i) * 2) & 7) == 0;
-}
-// base[i..i+3] as fp32 from one 8-byte load (act4_aligned must hold).
-__device__ __forceinline__ void load_act4(const void* base, long long i, int dtype, float (&v)[4]) {
-  const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const char*>(base) + i * 2);
-  float2 lo, hi;
-  if (dtype == kActBF16) {
-    lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-    hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-  } else {
-    lo = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-    hi = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-  }
-  v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-}
-
 // fp32 -> activation type, one value or a pair.
 __device__ __forceinline__ void to_act(float v, __half* p) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void to_act(float v, __nv_bfloat16* p) { *p = __float2bfloat16_rn(v); }
