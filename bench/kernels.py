@@ -184,8 +184,6 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
     ap.add_argument("--crossover", action="store_true",
                     help="time skinny / panel / reconstruct at 8..1024 rows on six layer sizes")
-    ap.add_argument("--original-basis", action="store_true",
-                    help="time reconstruct + cuBLAS with xh against the original-basis weight times x, 256..4096 rows")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
     ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
@@ -288,20 +286,6 @@ def main() -> int:
             for rows in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
                 for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
                                    ("recon", native.PATH_RECONSTRUCT)]:
-                    t = bench_native(case, rows, max(10, args.iters // 2), path)
-                    var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
-                    print(json.dumps(var[-1]), flush=True)
-            del case
-            torch.cuda.empty_cache()
-
-    if args.original_basis:
-        # Where W = diag(suh) H W' times x itself (no input transform: bytes ~ K x N) beats xh times W' (~ rows x K).
-        var = result.setdefault("variants", [])
-        for k, n in ((4096, 14336), (14336, 4096), (4096, 4096), (2048, 6144), (2048, 4096), (2048, 768)):
-            case = Case(k, n, 4, "mul1")
-            for rows in (256, 512, 1024, 2048, 4096):
-                for name, path in [("recon", native.PATH_RECONSTRUCT),
-                                   ("recon_orig", native.PATH_RECONSTRUCT_ORIGINAL)]:
                     t = bench_native(case, rows, max(10, args.iters // 2), path)
                     var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
                     print(json.dumps(var[-1]), flush=True)

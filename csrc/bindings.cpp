@@ -4,8 +4,7 @@
 // Ops (fake implementations live in plugin/vllm_exl3/kernels/native.py):
 //   native_linear(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path) -> y
 //       path 0 auto, 1 skinny tensor-core kernel, 2 reconstruct + cuBLAS, 3 skinny forced split-K, 4 forced direct,
-//       5 skinny with rounded Ŵ pairs instead of codewords (bench), 6 panel kernel (64-row chunks),
-//       7 reconstruct in the original basis + cuBLAS on x itself (no input transform)
+//       5 skinny with rounded Ŵ pairs instead of codewords (bench), 6 panel kernel (64-row chunks)
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
 //   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
@@ -29,8 +28,7 @@ constexpr int64_t kHad = 128;
 constexpr int64_t kTile = 16;
 
 enum Path : int64_t {
-  kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5, kPanel = 6,
-  kReconstructOriginal = 7
+  kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5, kPanel = 6
 };
 
 void check_cuda(cudaError_t err, const char* what) {
@@ -102,42 +100,6 @@ void cublas_gemm(const at::Tensor& a, const void* w, int64_t ldw, at::Tensor& y)
   TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "vllm_exl3: cublasGemmEx failed (status ", static_cast<int>(st), ")");
 }
 
-// w[b] = a[b] . w_prime[b] for every 128-row block b (row-major [128, na] blocks, x's dtype, fp32 accumulate): the
-// input side applied to W' block by block in one strided-batched cuBLAS call.
-void cublas_block_gemm(const at::Tensor& a, const at::Tensor& w_prime, const at::Tensor& w) {
-  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-  const cudaDataType_t dt = w.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
-  const int na = static_cast<int>(w.size(1)), had = static_cast<int>(kHad);
-  const float alpha = 1.f, beta = 0.f;
-  const cublasStatus_t st = cublasGemmStridedBatchedEx(
-      handle, CUBLAS_OP_N, CUBLAS_OP_N, na, had, had, &alpha, w_prime.data_ptr(), dt, na, kHad * na, a.data_ptr(), dt,
-      had, kHad * kHad, &beta, w.data_ptr(), dt, na, kHad * na, static_cast<int>(a.size(0)), CUBLAS_COMPUTE_32F,
-      CUBLAS_GEMM_DEFAULT);
-  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "vllm_exl3: cublasGemmStridedBatchedEx failed (status ",
-              static_cast<int>(st), ")");
-}
-
-// The active part of the weight in the original basis, W = diag(suh) H W' / 16, in `dtype` (fp16 or bf16): W' =
-// Ŵ H diag(svh) / 8 from the reconstruct kernel, then the input side as one strided-batched GEMM over the 128-row
-// blocks with A_b = diag(suh_b) H / 16 (exact in fp16).
-at::Tensor original_basis_weight(const exl3::TrellisView& w, int64_t kb0, int64_t kb_count, int64_t g0, int64_t groups,
-                                 const at::Tensor& suh, const at::Tensor& svh, at::ScalarType dtype) {
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int dt = dtype == at::kBFloat16 ? exl3::kActBF16 : exl3::kActF16;
-  const at::TensorOptions opts = suh.options().dtype(dtype);
-  at::Tensor w_prime = at::empty({kb_count * kHad, groups * kHad}, opts);
-  const exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
-                                 static_cast<int>(groups), w_prime.data_ptr(), dt, svh.data_ptr()};
-  check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
-  at::Tensor a_ops = at::empty({kb_count, kHad, kHad}, opts);
-  check_cuda(exl3::launch_input_side_operands(suh.data_ptr(), static_cast<int>(kb0), static_cast<int>(kb_count),
-                                              a_ops.data_ptr(), dt, stream),
-             "input-side operands");
-  at::Tensor w_full = at::empty_like(w_prime);
-  cublas_block_gemm(a_ops, w_prime, w_full);
-  return w_full;
-}
-
 at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
                          int64_t codebook, int64_t in_offset, int64_t out_offset, int64_t out_features, int64_t path) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a 2-D CUDA tensor");
@@ -185,15 +147,6 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.kb_count = static_cast<int>(kb_count);
   const int64_t ka = kb_count * kHad, na = groups * kHad;
 
-  if (path == kReconstructOriginal) {
-    // No input transform: y = x . W[input rows, output columns] with the weight in the original basis. Its bytes
-    // grow with K x N where the input transform's grow with rows x K, so this wins for many rows on narrow layers.
-    const at::Tensor w_full = original_basis_weight(w, kb0, kb_count, g0, groups, suh, svh, x.scalar_type());
-    const void* w_in = static_cast<const char*>(w_full.data_ptr()) +
-                       ((in_offset - kb0 * kHad) * na + (out_offset - g0 * kHad)) * x.element_size();
-    cublas_gemm(x, w_in, na, y);
-    return y;
-  }
   if (path == kReconstruct) {
     // xh in x's dtype, W' = Ŵ H diag(svh) of the active part, then y = xh . W'[:, output columns] straight from
     // cuBLAS: no output transform, no intermediate.
@@ -281,7 +234,18 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   }
   TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == k, "suh must be fp16 [K]");
   TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == n, "svh must be fp16 [N]");
-  return original_basis_weight(w, 0, k / kHad, 0, n / kHad, *suh, *svh, dtype);
+  // Tools, not the serving path: the output side by the kernel (fp16), the input side as a batched fp32 matmul.
+  at::Tensor w_out = at::empty({k, n}, trellis.options().dtype(at::kHalf));
+  exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), w_out.data_ptr(),
+                           exl3::kActF16, svh->data_ptr()};
+  check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
+  at::Tensor h = at::empty({kHad, kHad}, at::kFloat);
+  float* hp = h.data_ptr<float>();
+  for (int i = 0; i < kHad; ++i)
+    for (int j = 0; j < kHad; ++j)  // W = diag(suh) H W' / 16 (xh's share of the 1/128)
+      hp[i * kHad + j] = (__builtin_popcount(i & j) & 1 ? -1.f : 1.f) * exl3::kReconInputScale;
+  const at::Tensor full = at::matmul(h.to(trellis.device()), w_out.to(at::kFloat).view({k / kHad, kHad, n}));
+  return (full.view({k, n}) * suh->to(at::kFloat).view({k, 1})).to(dtype);
 }
 
 std::string build_info() { return std::string("archs=") + exl3::built_archs(); }

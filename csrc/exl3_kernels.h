@@ -138,11 +138,6 @@ struct ReconstructArgs {
 // writes) and completes only after it.
 cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t stream);
 
-// out [kb_count, 128, 128] (dtype exl3::ActDtype): A_b = diag(suh[(kb0 + b) * 128 ...]) H128 * kReconInputScale, so
-// that A_b . W'_b (W' from launch_reconstruct with svh) is the original-basis weight of 128-row block b.
-cudaError_t launch_input_side_operands(const void* suh, int kb0, int kb_count, void* out, int dtype,
-                                       cudaStream_t stream);
-
 // Which kernels this library was built for (e.g. "sm_90a sm_121a") and whether the current device can run them.
 const char* built_archs();
 cudaError_t probe_device_support();

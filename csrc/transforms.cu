@@ -113,27 +113,6 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
   }
 }
 
-// A_b = diag(suh_b) H128 * kReconInputScale for the active 128-row blocks, in the activations' dtype: the operand
-// that turns W' into the original-basis W = A_b W'_b block by block (the reconstruct + cuBLAS path's x-side form).
-// suh * +-2^-4 is exact in fp16; bf16 rounds suh once.
-__global__ void __launch_bounds__(kHadBlock) input_side_operands_kernel(const void* suh, int kb0, void* out, int dtype) {
-  const int b = blockIdx.x, i = threadIdx.x;
-  const float s = __half2float(static_cast<const __half*>(suh)[(kb0 + b) * kHadBlock + i]) * kReconInputScale;
-  const long long row = (static_cast<long long>(b) * kHadBlock + i) * kHadBlock;
-  for (int j = 0; j < kHadBlock; ++j) {
-    const float v = (__popc(i & j) & 1) ? -s : s;
-    if (dtype == kActBF16) static_cast<__nv_bfloat16*>(out)[row + j] = __float2bfloat16_rn(v);
-    else static_cast<__half*>(out)[row + j] = __float2half_rn(v);
-  }
-}
-
-cudaError_t launch_input_side_operands(const void* suh, int kb0, int kb_count, void* out, int dtype,
-                                       cudaStream_t stream) {
-  if (kb_count <= 0) return cudaSuccess;
-  input_side_operands_kernel<<<kb_count, kHadBlock, 0, stream>>>(suh, kb0, out, dtype);
-  return cudaGetLastError();
-}
-
 int input_transform_parts(int kb_count) { return (kb_count + kItBlocks - 1) / kItBlocks; }
 
 cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream) {

@@ -24,7 +24,7 @@ from . import Backend, LinearSpec, register_backend
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
 (PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
- PATH_PANEL, PATH_RECONSTRUCT_ORIGINAL) = range(8)
+ PATH_PANEL) = range(7)
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -81,8 +81,8 @@ def codebook_index(codebook: str) -> int:
 
 def reconstruct(w: Exl3Weights, original_basis: bool = False, bf16: bool = False) -> torch.Tensor:
     """Ŵ (rotated basis, bit-exact with reference.decode_rotated) or, with original_basis, W = diag(suh) H Ŵ H
-    diag(svh) (the output side by the W' kernel, rounded to the dtype; the input side as a tensor-core GEMM with fp32
-    sums, rounded once more: the weight PATH_RECONSTRUCT_ORIGINAL multiplies); (in, out) padded geometry."""
+    diag(svh) (the output side by the W' kernel, rounded to fp16; the input side in fp32; rounded once more at the
+    end); (in, out) padded geometry."""
     cb = codebook_index(w.codebook)
     if original_basis:
         return torch.ops.vllm_exl3.reconstruct(w.trellis, cb, w.suh, w.svh, bf16)
