@@ -252,6 +252,74 @@ __device__ __forceinline__ uint32_t rounded_pair(uint32_t cw_a, uint32_t cw_b) {
 }
 #endif
 
+// EXL3_MUL1_TC_SUM=0 builds mul1's byte sums as dp4a instead of Mul1TensorSums below (bench comparison).
+#ifndef EXL3_MUL1_TC_SUM
+#define EXL3_MUL1_TC_SUM 1
+#endif
+constexpr bool kMul1TensorSums = EXL3_MUL1_TC_SUM != 0;
+
+#if defined(__CUDACC__)
+// mul1 byte sums on the tensor cores. The FMA pipe runs both per-weight steps of mul1 (hash multiply, dp4a byte sum)
+// and is the busiest pipe of every mul1 decoder; one mma.m16n8k32 (u8) sums the bytes of 4 weights per lane instead.
+// A: four hashes y per lane, each register one "slot" of 4 k-bytes; B: a 0/1 matrix routing slot sigma(n) to column
+// n; C: 0x6400. So D = 0x6400 + bytesum, whose low half is fp16(1024 + bytesum) (§2.3). Lane (g, t) puts its
+// positions at k = 2t / 2t+1 (rows g and g+8) into slots t / t+4, and sigma(2t) = t, sigma(2t+1) = t+4: D's columns
+// 2t, 2t+1, which are lane (g, t)'s, then hold its own two positions, ready to pair for an m16n8k16 A fragment.
+struct Mul1TensorSums {
+  uint32_t b0, b1;  // the lane's B fragment: rows (slots) t and t+4 of column g
+
+  __device__ __forceinline__ void init(int lane) {
+    const int g = lane >> 2, t = lane & 3, slot = (g >> 1) + 4 * (g & 1);  // sigma(g)
+    b0 = slot == t ? kByteOnes : 0u;
+    b1 = slot == t + 4 ? kByteOnes : 0u;
+  }
+
+  // The lane's 8 states (position order) -> fp16(1024 + bytesum) pairs p[i] = positions (2i, 2i+1).
+  __device__ __forceinline__ void halves(const uint32_t (&s)[kLanePositions], uint32_t (&p)[kLanePositions / 2]) const {
+    uint32_t y[kLanePositions];
+#pragma unroll
+    for (int j = 0; j < kLanePositions; ++j) y[j] = s[j] * kMul1Mul;
+    uint32_t d[4], e[4];
+    // Positions j: row g for j = 0..3, g + 8 for 4..7; k = 2t + (j & 1) + 8 * ((j >> 1) & 1) (tile_row below).
+    sum_bytes(d, y[0], y[4], y[1], y[5]);  // k 0..7:  D = (j0, j1, j4, j5)
+    sum_bytes(e, y[2], y[6], y[3], y[7]);  // k 8..15: D = (j2, j3, j6, j7)
+    p[0] = __byte_perm(d[0], d[1], 0x5410);
+    p[1] = __byte_perm(e[0], e[1], 0x5410);
+    p[2] = __byte_perm(d[2], d[3], 0x5410);
+    p[3] = __byte_perm(e[2], e[3], 0x5410);
+  }
+
+ private:
+  // a0 / a1: slot t of rows g / g + 8; a2 / a3: slot t + 4.
+  __device__ __forceinline__ void sum_bytes(uint32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                            uint32_t a3) const {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(kMul1Base));
+  }
+};
+
+// A lane's 8 weights of one tile, bit-exact Ŵ, as the 4 half2 pairs of its fragment in position order (p[i] =
+// positions 2i, 2i+1), from its 8 states. ts: used by mul1 only.
+template <bool kMul1>
+__device__ __forceinline__ void rounded_pairs(const uint32_t (&s)[kLanePositions], uint32_t mul, uint32_t add,
+                                              const Mul1TensorSums& ts, uint32_t (&p)[kLanePositions / 2]) {
+  if constexpr (kMul1 && kMul1TensorSums) {
+    ts.halves(s, p);
+#pragma unroll
+    for (int i = 0; i < kLanePositions / 2; ++i)
+      asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(p[i]) : "r"(kMul1InvScaleHalf2), "r"(kMul1BiasHalf2));
+  } else {
+    uint32_t cw[kLanePositions];
+#pragma unroll
+    for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+#pragma unroll
+    for (int i = 0; i < kLanePositions / 2; ++i) p[i] = rounded_pair<kMul1>(cw[2 * i], cw[2 * i + 1]);
+  }
+}
+#endif
+
 // §1.4: bitstream position (lane L, j) -> (row k, column n) inside the tile: mma.m16n8k16 fragment order.
 EXL3_HDC int tile_row(int lane, int j) { return 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1); }
 EXL3_HDC int tile_col(int lane, int j) { return (lane >> 2) + 8 * ((j >> 2) & 1); }
