@@ -185,8 +185,8 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
                                                    path == kSkinnyPlain ? 0 : -1, path == kPanel);
   const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
   const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
-  // Per-row sums of xh: only the skinny kernel's mul1 forms read them (their affine epilogue).
-  const bool rowsums = plan.rowsums;
+  // Per-row sums of xh: only the skinny kernel's mul1 codewords need them (their affine epilogue).
+  const bool rowsums = !plan.panel && plan.dup && w.codebook == exl3::kCbMul1;
   const size_t xh_bytes = align256(xh_rows * ka * 2), rs_bytes = rowsums ? align256(rows * parts * 4) : 0;
   const size_t part_bytes = align256(plan.partial_bytes), cnt_bytes = align256(plan.counter_bytes);
   at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + part_bytes + cnt_bytes)},

@@ -111,7 +111,6 @@ struct GemmPlan {
   int grid;            // blocks
   bool split_k;        // stream-K with atomics (needs acc/counters) vs one block per (row chunk, group)
   bool dup;            // codeword x duplicated activations (default) vs rounded Ŵ pairs (bench comparison)
-  bool rowsums;        // the kernel's epilogue reads per-row sums of xh (mul1's affine step after the sums)
   int max_slots;       // split-K: most blocks sharing one column group
   size_t partial_bytes, counter_bytes;
 };

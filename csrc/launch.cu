@@ -83,7 +83,6 @@ GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel
   // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0); the panel
   // kernel always rounds Ŵ pairs.
   p.dup = !panel && (force_dup >= 0 ? force_dup != 0 : env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
-  p.rowsums = !panel && a.w.codebook == kCbMul1 && (p.dup || kMul1TensorSums);
   p.rows_per_chunk = panel ? kPanelRows : a.rows <= 8 ? 8 : 16;
   p.row_chunks = (a.rows + p.rows_per_chunk - 1) / p.rows_per_chunk;
   const long long items = static_cast<long long>(p.row_chunks) * a.groups;

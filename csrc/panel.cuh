@@ -129,8 +129,6 @@ __global__ void __launch_bounds__(kGemmThreads, 2) panel_kernel(const GemmArgs a
 
   LaneWindows<kBits2, kMul1> lw;
   lw.init(lane);
-  Mul1TensorSums ts;
-  ts.init(lane);
 
   // Prologue: the weights do not depend on the previous kernel and stream first; the activations (written by the
   // input-transform kernel) follow once it has finished.
@@ -179,10 +177,12 @@ __global__ void __launch_bounds__(kGemmThreads, 2) panel_kernel(const GemmArgs a
 #pragma unroll
         for (int i = 0; i < TB::kLoadWords; ++i)
           wd[i] = lds32(st + j * T::kItemBytes + warp * TB::kBytes + lw.word_byte[i]);
-        uint32_t s[kLanePositions], pr[kLanePositions / 2];
+        uint32_t s[kLanePositions], cw[kLanePositions];
         lw.states(wd, s);
-        rounded_pairs<kMul1>(s, mul, add, ts, pr);
-        const uint32_t a0 = pr[0], a1 = pr[2], a2 = pr[1], a3 = pr[3];
+#pragma unroll
+        for (int p = 0; p < kLanePositions; ++p) cw[p] = codeword<kMul1>(s[p], mul, add);
+        const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
+        const uint32_t a2 = rounded_pair<kMul1>(cw[2], cw[3]), a3 = rounded_pair<kMul1>(cw[6], cw[7]);
         // Activation fragment of row group rg: row 8*rg + lane/4 of the chunk, k = 2*(lane%4) + {0,1}, {8,9}.
         const unsigned char* xs = st + T::kK * T::kItemBytes + j * T::kXBytes + g8 * T::kXRowBytes + 4 * c4;
 #pragma unroll

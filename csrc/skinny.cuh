@@ -9,9 +9,7 @@
 //   register, two fp16 halves that sum to the weight), against activations duplicated into both halves. That
 //   drops the pack/round instructions from the decode (integer issue is the bottleneck on Hopper) at the price of
 //   a second MMA per tile, which the idle tensor pipe absorbs. For mul1 the half holds 1024 + bytesum and the
-//   affine step is applied once per output: z = inv_scale * acc + bias * sum_k(xh). The plain form (one MMA per
-//   tile, rounded Ŵ pairs) is the other variant; for mul1 it takes fp16(1024 + bytesum) pairs whose byte sums ran on
-//   the tensor cores (Mul1TensorSums), with the same affine epilogue.
+//   affine step is applied once per output: z = inv_scale * acc + bias * sum_k(xh).
 // * Work split: the (row chunk, 128-column group, k-tile) space is cut into equal contiguous ranges, one per block
 //   (stream-K), so every SM gets the same number of tiles for any shape. Eight warps of a block split the k-tiles
 //   of each column group they visit; each warp streams its tiles *and* the matching activations through a private
@@ -79,8 +77,7 @@ struct SkinnyTraits {
   static constexpr int kCopyIters = (kNT * TB::kChunks16 + kWarp - 1) / kWarp;
   static constexpr int kXChunks = kRows * 2;           // two 16-byte chunks per activation row
   static_assert(kXChunks <= kWarp, "one x chunk per lane");
-  // mul1 codewords and tensor-core byte sums carry 1024 + bytesum: the affine step runs once per output.
-  static constexpr bool kAffineEpilogue = kMul1 && (kDup || kMul1TensorSums);
+  static constexpr bool kAffineEpilogue = kMul1 && kDup;  // mul1 codewords carry 1024 + bytesum
 };
 
 // 1-8 rows: kSkinnyMinBlocks1 blocks per SM; 9-16 rows need the registers of two.
@@ -175,8 +172,6 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
   // mul1 loads the FMA pipe (hash multiply + byte-sum dot product per weight): its window shifts go to the ALU.
   LaneWindows<kBits2, kMul1> lw;
   lw.init(lane);
-  Mul1TensorSums ts;
-  ts.init(lane);
 
   // Prologue: the weights do not depend on the previous kernel, so they stream before we wait for it; the
   // activations (written by the input-transform kernel) follow once it has finished.
@@ -245,23 +240,19 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
         uint32_t w[TB::kLoadWords];
 #pragma unroll
         for (int i = 0; i < TB::kLoadWords; ++i) w[i] = lds32(st + nt * TB::kBytes + lw.word_byte[i]);
-        uint32_t s[kLanePositions];
+        uint32_t s[kLanePositions], cw[kLanePositions];
         lw.states(w, s);
-        if constexpr (kDup) {
-          uint32_t cw[kLanePositions];
 #pragma unroll
-          for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+        for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
 #pragma unroll
-          for (int rg = 0; rg < kMT; ++rg) {
+        for (int rg = 0; rg < kMT; ++rg) {
+          if constexpr (kDup) {
             mma_16816(acc[nt][rg], cw[0], cw[4], cw[2], cw[6], b0[rg][0], b0[rg][1]);
             mma_16816(acc[nt][rg], cw[1], cw[5], cw[3], cw[7], b1[rg][0], b1[rg][1]);
+          } else {
+            mma_16816(acc[nt][rg], rounded_pair<kMul1>(cw[0], cw[1]), rounded_pair<kMul1>(cw[4], cw[5]),
+                      rounded_pair<kMul1>(cw[2], cw[3]), rounded_pair<kMul1>(cw[6], cw[7]), b0[rg][0], b0[rg][1]);
           }
-        } else {
-          uint32_t pr[kLanePositions / 2];  // pairs of positions (0,1) (2,3) (4,5) (6,7)
-          if constexpr (T::kAffineEpilogue) ts.halves(s, pr);  // fp16(1024 + bytesum); affine step at the end
-          else rounded_pairs<kMul1>(s, mul, add, ts, pr);
-#pragma unroll
-          for (int rg = 0; rg < kMT; ++rg) mma_16816(acc[nt][rg], pr[0], pr[2], pr[1], pr[3], b0[rg][0], b0[rg][1]);
         }
       }
       slot = slot + 1 == T::kStages ? 0 : slot + 1;

@@ -128,20 +128,21 @@ cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t str
 // One lane's 8 weights of a tile, bit-exact Ŵ, from the words it loaded: as 4 half2 pairs (positions 2i, 2i+1;
 // pair i is register i of the lane's fragment in position order) or as 8 halves.
 template <int kBits2, bool kMul1>
-__device__ __forceinline__ void decode_pairs(const LaneWindows<kBits2>& lw, const Mul1TensorSums& ts,
-                                             const uint32_t (&w)[TileBits<kBits2>::kLoadWords], uint32_t mul,
-                                             uint32_t add, uint32_t (&p)[kLanePositions / 2]) {
-  uint32_t s[kLanePositions];
+__device__ __forceinline__ void rounded_pairs(const LaneWindows<kBits2>& lw, const uint32_t (&w)[TileBits<kBits2>::kLoadWords],
+                                              uint32_t mul, uint32_t add, uint32_t (&p)[kLanePositions / 2]) {
+  uint32_t s[kLanePositions], cw[kLanePositions];
   lw.states(w, s);
-  rounded_pairs<kMul1>(s, mul, add, ts, p);
+#pragma unroll
+  for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+#pragma unroll
+  for (int i = 0; i < kLanePositions / 2; ++i) p[i] = rounded_pair<kMul1>(cw[2 * i], cw[2 * i + 1]);
 }
 
 template <int kBits2, bool kMul1>
-__device__ __forceinline__ void rounded_weights(const LaneWindows<kBits2>& lw, const Mul1TensorSums& ts,
-                                                const uint32_t (&w)[TileBits<kBits2>::kLoadWords], uint32_t mul,
-                                                uint32_t add, __half (&v)[kLanePositions]) {
+__device__ __forceinline__ void rounded_weights(const LaneWindows<kBits2>& lw, const uint32_t (&w)[TileBits<kBits2>::kLoadWords],
+                                                uint32_t mul, uint32_t add, __half (&v)[kLanePositions]) {
   uint32_t p[kLanePositions / 2];
-  decode_pairs<kBits2, kMul1>(lw, ts, w, mul, add, p);
+  rounded_pairs<kBits2, kMul1>(lw, w, mul, add, p);
 #pragma unroll
   for (int i = 0; i < kLanePositions / 2; ++i) {
     const __half2 h = *reinterpret_cast<const __half2*>(&p[i]);
@@ -166,8 +167,6 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
   if (nt >= a.groups * kTilesPerHad) return;  // warp-uniform
   LaneWindows<kBits2> lw;
   lw.init(lane);
-  Mul1TensorSums ts;
-  ts.init(lane);
   const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
   const unsigned char* col = reinterpret_cast<const unsigned char*>(
       a.w.data + static_cast<long long>(a.kb0) * kTilesPerHad * a.w.row_stride +
@@ -192,7 +191,7 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
       const int kt = kt0 + d;
       if (kt >= kt_hi) break;
       __half v[kLanePositions];
-      rounded_weights<kBits2, kMul1>(lw, ts, ring[d], mul, add, v);
+      rounded_weights<kBits2, kMul1>(lw, ring[d], mul, add, v);
       fetch(kt + kReconDepth, ring[d]);
 #pragma unroll
       for (int j = 0; j < kLanePositions; ++j) sw[tile_row(lane, j) * kTile + tile_col(lane, j)] = v[j];
@@ -327,8 +326,6 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
 
   LaneWindows<kBits2> lw;
   lw.init(lane);
-  Mul1TensorSums ts;
-  ts.init(lane);
   const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
   // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
   // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
@@ -361,7 +358,7 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
       uint32_t w[TB::kLoadWords];
 #pragma unroll
       for (int i = 0; i < TB::kLoadWords; ++i) w[i] = lds32(st + nt * TB::kBytes + lw.word_byte[i]);
-      decode_pairs<kBits2, kMul1>(lw, ts, w, mul, add, pw[nt]);
+      rounded_pairs<kBits2, kMul1>(lw, w, mul, add, pw[nt]);
     }
     butterfly8(pw);
     if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, hb, sw_lane);
