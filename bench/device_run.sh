@@ -5,7 +5,7 @@
 #
 #   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]
 #   (ncu: NCU_TARGETS="K,N,BITS,CB,ROWS ...", NCU_KERNEL=panel_kernel for 17-64 rows;
-#   VARIANTS="name:-DFLAG=1,-DOTHER=2 ..." rebuilds and re-times,
+#   VARIANTS="name:-DFLAG=1,-DOTHER=2,ENV=1 ..." rebuilds and re-times,
 #   VARIANT_ARGS="--trace 4096,14336,4,mul1,1" adds bench arguments to those runs)      (carry: [".whl"] for ExLlamaV3)
 #
 # EXL=1 benchmarks ExLlamaV3 too (wheels from .whl, see ../shared/docs/h200-baseline.md; ~250 s JIT build, started
@@ -59,7 +59,9 @@ PY
   echo "build $dir ${*:-(default flags)}: rc=$rc in $(( $(date +%s) - t0 )) s"
   if [ $rc != 0 ]; then grep -E "error|Error" "$OUT/build$(basename "$dir").log" | head -40; exit 1; fi
 }
-build /tmp/vx-build
+# One build directory per set of extra flags: a variant with the default flags reuses the first build.
+build_dir() { echo "/tmp/vx-build-$(echo "$*" | md5sum | cut -c1-8)"; }
+build "$(build_dir)"
 SO=$(ls plugin/vllm_exl3/_C*.so)
 python3 tools/check-cubins "$SO" "sm_${ARCH//./}" | tee -a "$OUT/build.log"
 python3 -m vllm_exl3.cli info 2>&1 | tail -12
@@ -118,15 +120,19 @@ if has bench; then
   fi
 fi
 
-# VARIANTS="name:-DFLAG=1 name2:-DFLAG=2": rebuild with extra nvcc flags and time the quick table for each (tuning).
+# VARIANTS="name:-DFLAG=1 name2:-DFLAG=2,ENV_VAR=0": rebuild with extra nvcc flags (items starting with -) and time
+# the quick table for each, with the other items (VAR=VALUE) in the bench's environment (tuning).
 for v in ${VARIANTS:-}; do
   name=${v%%:*}; flags=${v#*:}
-  read -ra extra <<< "${flags//,/ }"
-  build "/tmp/vx-build-$name" "${extra[@]}"
+  extra=(); envs=()
+  for item in ${flags//,/ }; do
+    if [[ $item == -* ]]; then extra+=("$item"); else envs+=("$item"); fi
+  done
+  build "$(build_dir "${extra[@]}")" "${extra[@]}"
   read -ra vargs <<< "${VARIANT_ARGS:-}"
-  python3 bench/kernels.py --quick --iters 30 "${vargs[@]}" --out "$OUT/variant-$name.json" \
+  env "${envs[@]}" python3 bench/kernels.py --quick --iters 30 "${vargs[@]}" --out "$OUT/variant-$name.json" \
     > "$OUT/variant-$name.log" 2>&1
-  echo "variant $name rc=$?"; grep -v "^{" "$OUT/variant-$name.log" | tail -20
+  echo "variant $name ${envs[*]} rc=$?"; grep -v "^{" "$OUT/variant-$name.log" | tail -20
 done
 
 # The device returns at most 8 files: everything but the results JSON travels as one archive.
