@@ -118,7 +118,9 @@ def profile_kernels() -> list[dict]:
                                        (4096, 14336, 2, "mul1", 1, native.PATH_AUTO),
                                        (4096, 14336, 4, "mcg", 1, native.PATH_AUTO),
                                        (4096, 14336, 4, "mul1", 512, native.PATH_AUTO),
-                                       (4096, 14336, 4, "mul1", 4096, native.PATH_AUTO)]:
+                                       (4096, 14336, 4, "mul1", 4096, native.PATH_AUTO),
+                                       (14336, 4096, 4, "mul1", 4096, native.PATH_AUTO),
+                                       (2048, 768, 4, "mul1", 4096, native.PATH_AUTO)]:
         case = Case(k, n, bits, cb)
         x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
         for w in case.ws:
@@ -180,6 +182,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="headline shapes only")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--rows", help="comma-separated row counts instead of the default list, e.g. 1,8")
+    ap.add_argument("--shape", metavar="K,N,BITS,CB", action="append", default=[],
+                    help="shapes instead of the default list (repeatable), e.g. 2048,768,4,mul1")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
     ap.add_argument("--crossover", action="store_true",
@@ -219,6 +223,8 @@ def main() -> int:
         rows_list = [1, 8, 64, 512]
     if args.rows:
         rows_list = [int(r) for r in args.rows.split(",")]
+    if args.shape:
+        shapes = [(int(k), int(n), float(b), cb) for k, n, b, cb in (v.split(",") for v in args.shape)]
 
     exl_ok = False
     if args.exllamav3:

@@ -155,11 +155,18 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     it.xh = xh.data_ptr();
     it.xh_dtype = xdt;
     it.scale = exl3::kReconInputScale;
-    check_cuda(exl3::launch_input_transform(it, stream), "input transform");
     at::Tensor w_out = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
                              static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr()};
-    check_cuda(exl3::launch_reconstruct(ra, use_pdl(), stream), "reconstruct (output side)");
+    // The two are independent; the second starts behind the first (programmatic dependent launch) and fills the
+    // SMs the first leaves idle. Reconstruct first: the input transform fills the reconstruct's last wave.
+    if (env_int("VLLM_EXL3_RECON_FIRST", 0) != 0) {  // bench comparison
+      check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
+      check_cuda(exl3::launch_input_transform(it, use_pdl(), stream), "input transform");
+    } else {
+      check_cuda(exl3::launch_input_transform(it, false, stream), "input transform");
+      check_cuda(exl3::launch_reconstruct(ra, use_pdl(), stream), "reconstruct (output side)");
+    }
     const void* w_cols = static_cast<const char*>(w_out.data_ptr()) + (out_offset - g0 * kHad) * x.element_size();
     cublas_gemm(xh, w_cols, na, y);
     return y;
@@ -211,7 +218,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     last_skinny_trace() = at::zeros({plan.grid, exl3::kGemmWarps, 5}, x.options().dtype(at::kLong));
     sa.trace = reinterpret_cast<unsigned long long*>(last_skinny_trace().data_ptr());
   }
-  check_cuda(exl3::launch_input_transform(it, stream), "input transform");
+  check_cuda(exl3::launch_input_transform(it, false, stream), "input transform");
   check_cuda(exl3::launch_gemm(sa, plan, use_pdl(), stream), plan.panel ? "panel GEMM" : "skinny GEMM");
   return y;
 }

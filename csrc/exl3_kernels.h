@@ -52,7 +52,9 @@ struct InputTransformArgs {
   size_t zero_bytes;
 };
 int input_transform_parts(int kb_count);
-cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream);
+// pdl: may start while the previous kernel in the stream runs (it must not read that kernel's results) and completes
+// only after it.
+cudaError_t launch_input_transform(const InputTransformArgs& a, bool pdl, cudaStream_t stream);
 
 // Skinny GEMM (1..16 rows per row chunk, any number of chunks) and panel GEMM (64 rows per chunk): decode tiles in
 // registers and feed tensor cores; both take GemmArgs.

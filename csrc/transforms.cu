@@ -111,14 +111,19 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
       a.rowsum_parts[static_cast<long long>(row) * gridDim.y + blockIdx.y] = s;
     }
   }
+  // Launched behind the reconstruct (launch_input_transform with pdl), this grid must not complete before it: the
+  // GEMM that follows in the stream reads both. One waiting block is enough to hold the grid open; the others leave
+  // and free their SMs. (Launched first, there is nothing to wait for.)
+  if (blockIdx.x == 0 && blockIdx.y == 0) griddep_wait();
 }
 
 int input_transform_parts(int kb_count) { return (kb_count + kItBlocks - 1) / kItBlocks; }
 
-cudaError_t launch_input_transform(const InputTransformArgs& a, cudaStream_t stream) {
+cudaError_t launch_input_transform(const InputTransformArgs& a, bool pdl, cudaStream_t stream) {
   if (a.xh_rows <= 0 || a.kb_count <= 0) return cudaSuccess;
-  input_transform_kernel<<<dim3(a.xh_rows, input_transform_parts(a.kb_count)), kItThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  void* args[] = {const_cast<InputTransformArgs*>(&a)};
+  return launch_kernel(reinterpret_cast<const void*>(&input_transform_kernel),
+                       dim3(a.xh_rows, input_transform_parts(a.kb_count)), dim3(kItThreads), 0, pdl, stream, args);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -295,6 +300,7 @@ struct OutSideRing {
 
 template <int kBits2, bool kMul1>
 __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(const ReconstructArgs a, int rows_per_warp) {
+  griddep_launch_dependents();  // an input transform launched behind us may fill the SMs our last wave leaves idle
   using TB = TileBits<kBits2>;
   using R = OutSideRing<kBits2>;
   extern __shared__ __align__(16) unsigned char smem[];  // [staged output rows][per-warp rings]
@@ -374,7 +380,8 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
     __syncwarp();
   }
   // Launched behind the input transform with programmatic dependent launch, this kernel runs beside it (it needs
-  // nothing from it) but must not complete before it: the GEMM that follows in the stream reads both.
+  // nothing from it) but must not complete before it: the GEMM that follows in the stream reads both. (Launched
+  // first, there is nothing to wait for.)
   griddep_wait();
 }
 
