@@ -159,8 +159,10 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
                              static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr()};
     // The two are independent; the second starts behind the first (programmatic dependent launch) and fills the
-    // SMs the first leaves idle. Reconstruct first: the input transform fills the reconstruct's last wave.
-    if (env_int("VLLM_EXL3_RECON_FIRST", 0) != 0) {  // bench comparison
+    // SMs the first leaves idle. Reconstruct first (default): the input transform fills the reconstruct's last wave,
+    // 2-4 µs less per call at 128-512 rows than the other order (bench/NOTES.md, v4n; VLLM_EXL3_RECON_FIRST=0 for
+    // the comparison).
+    if (env_int("VLLM_EXL3_RECON_FIRST", 1) != 0) {
       check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
       check_cuda(exl3::launch_input_transform(it, use_pdl(), stream), "input transform");
     } else {
