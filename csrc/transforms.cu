@@ -27,19 +27,13 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
 constexpr int kItWarps = 4;
 constexpr int kItThreads = kItWarps * kWarp;
 constexpr int kItBlocks = 2 * kItWarps;  // 128-blocks per CUDA block (= per rowsum part)
-// Rows per CUDA block: a half-warp loads the same 128-block of kItRows rows before it transforms any (kItRows 16-byte
-// loads in flight per lane) and loads suh once for them.
-#ifndef EXL3_IT_ROWS
-#define EXL3_IT_ROWS 4
-#endif
-constexpr int kItRows = EXL3_IT_ROWS;
 
 __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const InputTransformArgs a) {
   griddep_launch_dependents();  // the next kernel (GEMM or reconstruct) may start now; it waits for our results
-  __shared__ float part[kItRows][kItWarps];
+  __shared__ float part[kItWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int sub = lane % 16;  // lane within the half-warp: values 8 sub .. 8 sub + 7 of its 128-block
-  const int row0 = blockIdx.x * kItRows;
+  const int row = blockIdx.x;
   const int kb = blockIdx.y * kItBlocks + 2 * warp + lane / 16;
 
   if (a.zero) {  // the next kernel's split-K workspace
@@ -53,12 +47,9 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
   // Not warp-uniform (an odd kb_count leaves the last half-warp idle): the idle half still joins the shuffles.
   const bool active = kb < a.kb_count;
   const int k = (a.kb0 + kb) * kHadBlock + 8 * sub;
-  const int xi = k - a.in_offset;
-  float v[kItRows][8] = {};
-#pragma unroll
-  for (int r = 0; r < kItRows; ++r) {
-    const int row = row0 + r;
-    if (!active || row >= a.rows) continue;  // padding rows (rows .. xh_rows - 1) stay zeros
+  float v[8] = {};
+  if (active && row < a.rows) {
+    const int xi = k - a.in_offset;
     const long long i = static_cast<long long>(row) * a.x_stride + xi;
     const char* src = static_cast<const char*>(a.x) + i * 2;
     if (xi >= 0 && xi + 8 <= a.in_width && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
@@ -68,67 +59,56 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
       for (int e = 0; e < 4; ++e) {
         const float2 f = a.x_dtype == kActBF16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]))
                                                : __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
-        v[r][2 * e] = f.x, v[r][2 * e + 1] = f.y;
+        v[2 * e] = f.x, v[2 * e + 1] = f.y;
       }
     } else {  // input edges and unaligned rows
 #pragma unroll
-      for (int e = 0; e < 8; ++e)
-        v[r][e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, i + e, a.x_dtype) : 0.f;
+      for (int e = 0; e < 8; ++e) v[e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, i + e, a.x_dtype) : 0.f;
     }
-  }
-  if (active) {
     const uint4 su = *reinterpret_cast<const uint4*>(static_cast<const __half*>(a.suh) + k);
     const uint32_t sw[4] = {su.x, su.y, su.z, su.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float2 s = __half22float2(*reinterpret_cast<const __half2*>(&sw[e]));
-#pragma unroll
-      for (int r = 0; r < kItRows; ++r) v[r][2 * e] *= s.x, v[r][2 * e + 1] *= s.y;
+      v[2 * e] *= s.x, v[2 * e + 1] *= s.y;
     }
   }
+  // Natural-order (Sylvester) Hadamard over the 128-block: index bits 0-2 in registers, bits 3-6 across the half-warp.
 #pragma unroll
-  for (int r = 0; r < kItRows; ++r) {
-    // Natural-order (Sylvester) Hadamard over the 128-block: index bits 0-2 in registers, bits 3-6 across the
-    // half-warp.
+  for (int m = 1; m < 8; m <<= 1)
 #pragma unroll
-    for (int m = 1; m < 8; m <<= 1)
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        if (!(e & m)) {
-          const float lo = v[r][e], hi = v[r][e | m];
-          v[r][e] = lo + hi, v[r][e | m] = lo - hi;
-        }
-#pragma unroll
-    for (int m = 1; m < 16; m <<= 1) {
-      const bool upper = lane & m;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float q = __shfl_xor_sync(0xFFFFFFFFu, v[r][e], m);
-        v[r][e] = upper ? q - v[r][e] : v[r][e] + q;
+    for (int e = 0; e < 8; ++e)
+      if (!(e & m)) {
+        const float lo = v[e], hi = v[e | m];
+        v[e] = lo + hi, v[e | m] = lo - hi;
       }
-    }
-    float sum = 0.f;
+#pragma unroll
+  for (int m = 1; m < 16; m <<= 1) {
+    const bool upper = lane & m;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      v[r][e] *= a.scale;
-      if (a.rowsum_parts) sum += __half2float(__float2half_rn(v[r][e]));  // kernel-uniform; fp16 xh only
-    }
-    const int row = row0 + r;
-    if (active && row < a.xh_rows)
-      *reinterpret_cast<uint4*>(static_cast<char*>(a.xh) +
-                                (static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 8 * sub) * 2) =
-          a.xh_dtype == kActBF16 ? pack8<__nv_bfloat16>(v[r]) : pack8<__half>(v[r]);
-    if (a.rowsum_parts) {  // kernel-uniform
-      sum = warp_sum(sum);
-      if (lane == 0) part[r][warp] = sum;
+      const float q = __shfl_xor_sync(0xFFFFFFFFu, v[e], m);
+      v[e] = upper ? q - v[e] : v[e] + q;
     }
   }
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    v[e] *= a.scale;
+    if (a.rowsum_parts) sum += __half2float(__float2half_rn(v[e]));  // kernel-uniform; fp16 xh only
+  }
+  if (active)  // padding rows (row >= rows) were never loaded: zeros
+    *reinterpret_cast<uint4*>(static_cast<char*>(a.xh) +
+                              (static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 8 * sub) * 2) =
+        a.xh_dtype == kActBF16 ? pack8<__nv_bfloat16>(v) : pack8<__half>(v);
   if (a.rowsum_parts) {  // kernel-uniform
+    sum = warp_sum(sum);
+    if (lane == 0) part[warp] = sum;
     __syncthreads();
-    if (threadIdx.x < kItRows && row0 + threadIdx.x < a.rows) {
+    if (threadIdx.x == 0 && row < a.rows) {
       float s = 0.f;
-      for (int w = 0; w < kItWarps; ++w) s += part[threadIdx.x][w];
-      a.rowsum_parts[static_cast<long long>(row0 + threadIdx.x) * gridDim.y + blockIdx.y] = s;
+      for (int w = 0; w < kItWarps; ++w) s += part[w];
+      a.rowsum_parts[static_cast<long long>(row) * gridDim.y + blockIdx.y] = s;
     }
   }
   // Launched behind the reconstruct (launch_input_transform with pdl), this grid must not complete before it: the
@@ -143,8 +123,7 @@ cudaError_t launch_input_transform(const InputTransformArgs& a, bool pdl, cudaSt
   if (a.xh_rows <= 0 || a.kb_count <= 0) return cudaSuccess;
   void* args[] = {const_cast<InputTransformArgs*>(&a)};
   return launch_kernel(reinterpret_cast<const void*>(&input_transform_kernel),
-                       dim3((a.xh_rows + kItRows - 1) / kItRows, input_transform_parts(a.kb_count)), dim3(kItThreads),
-                       0, pdl, stream, args);
+                       dim3(a.xh_rows, input_transform_parts(a.kb_count)), dim3(kItThreads), 0, pdl, stream, args);
 }
 
 // ------------------------------------------------------------------------------------------------------------
