@@ -108,9 +108,18 @@ def bench_bf16(k: int, n: int, rows: int, iters: int) -> float:
     return time_calls([lambda w=w: torch.matmul(x, w) for w in ws], iters)
 
 
-def profile_kernels() -> list[dict]:
-    """Kernel-by-kernel device time of single calls (which launch costs what), via torch.profiler (CUPTI)."""
+def profile_kernels(exllamav3: bool = False) -> list[dict]:
+    """Kernel-by-kernel device time of single calls (which launch costs what), via torch.profiler (CUPTI); with
+    `exllamav3`, ExLlamaV3's kernels too on the 4096-row cases where it takes less time than ours."""
     from torch.profiler import ProfilerActivity, profile
+
+    def record(prof, case, rows, impl):
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" and ev.count:
+                entry = {"impl": impl, "case": case.name, "rows": rows, "kernel": ev.key[:90],
+                         "us": ev.device_time_total / ev.count, "count": ev.count}
+                out.append(entry)
+                print(json.dumps(entry), flush=True)
 
     out = []
     for k, n, bits, cb, rows, path in [(4096, 14336, 4, "mul1", 1, native.PATH_AUTO),
@@ -130,12 +139,19 @@ def profile_kernels() -> list[dict]:
             for w in case.ws[:4]:
                 native.linear(x, w, 0, 0, n, path)
             torch.cuda.synchronize()
-        for ev in prof.key_averages():
-            if ev.device_type.name == "CUDA" and ev.count:
-                entry = {"case": case.name, "rows": rows, "kernel": ev.key[:90],
-                         "us": ev.device_time_total / ev.count, "count": ev.count}
-                out.append(entry)
-                print(json.dumps(entry), flush=True)
+        record(prof, case, rows, "native")
+        if exllamav3 and rows == 4096 and n <= 4096:
+            from vllm_exl3.kernels.exllamav3_backend import make_layer
+            layers = [make_layer(w) for w in case.ws[:4]]
+            for layer in layers:
+                layer.forward(x, {})
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for layer in layers:
+                    layer.forward(x, {})
+                torch.cuda.synchronize()
+            record(prof, case, rows, "exllamav3")
+            del layers
         del case
     return out
 
@@ -303,7 +319,7 @@ def main() -> int:
 
     if args.profile:
         try:
-            result["profile"] = profile_kernels()
+            result["profile"] = profile_kernels(exl_ok)
         except Exception as e:  # the profiler is a diagnostic; never lose the table for it
             print(f"profile failed: {e!r}", flush=True)
 
