@@ -203,7 +203,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--variants", action="store_true", help="skinny variants (split, grid, PDL), and --crossover")
     ap.add_argument("--crossover", action="store_true",
-                    help="time skinny / panel / reconstruct at 8..1024 rows on six layer sizes")
+                    help="time skinny / panel / reconstruct (both bases) at 8..4096 rows on six layer sizes")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one call (torch.profiler)")
     ap.add_argument("--trace", metavar="K,N,BITS,CB,ROWS", action="append", default=[],
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
@@ -305,9 +305,12 @@ def main() -> int:
         var = result.setdefault("variants", [])
         for k, n in ((4096, 14336), (14336, 4096), (4096, 4096), (2048, 6144), (2048, 4096), (2048, 768)):
             case = Case(k, n, 4, "mul1")
-            for rows in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024):
+            for rows in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096):
                 for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
-                                   ("recon", native.PATH_RECONSTRUCT)]:
+                                   ("recon", native.PATH_RECONSTRUCT), ("orig", native.PATH_RECON_ORIGINAL)]:
+                    if (name, rows > 128) == ("skinny", True) or (name, rows > 512) == ("panel", True) or \
+                            (name, rows < 128) == ("orig", True):
+                        continue  # far from their crossovers
                     t = bench_native(case, rows, max(10, args.iters // 2), path)
                     var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
                     print(json.dumps(var[-1]), flush=True)

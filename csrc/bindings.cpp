@@ -28,7 +28,8 @@ constexpr int64_t kHad = 128;
 constexpr int64_t kTile = 16;
 
 enum Path : int64_t {
-  kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5, kPanel = 6
+  kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5, kPanel = 6,
+  kReconOriginal = 7
 };
 
 void check_cuda(cudaError_t err, const char* what) {
@@ -132,6 +133,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     const AutoLimits lim = auto_limits(kb_count * kHad * groups * kHad * 2);
     path = rows <= lim.skinny_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
            : rows <= lim.panel_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, true) ? kPanel
+           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", groups * kHad)                  ? kReconOriginal
                                                                                             : kReconstruct;
   }
 
@@ -147,6 +149,20 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.kb_count = static_cast<int>(kb_count);
   const int64_t ka = kb_count * kHad, na = groups * kHad;
 
+  if (path == kReconOriginal) {
+    // W in the original basis of the active part, then y = x . W[x's input columns, output columns]: no input
+    // transform. Pays off when the transform's rows x K values outweigh the extra reconstruct work, which grows with
+    // K x N: `auto` takes it from as many rows as active output columns (bench/NOTES.md, v4q).
+    at::Tensor w_full = at::empty({ka, na}, x.options());
+    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
+                             static_cast<int>(groups), w_full.data_ptr(), xdt, svh.data_ptr(), suh.data_ptr()};
+    check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (original basis)");
+    const void* w_sub = static_cast<const char*>(w_full.data_ptr()) +
+                        ((in_offset - kb0 * kHad) * na + (out_offset - g0 * kHad)) * x.element_size();
+    cublas_gemm(x, w_sub, na, y);
+    return y;
+  }
+
   if (path == kReconstruct) {
     // xh in x's dtype, W' = Ŵ H diag(svh) of the active part, then y = xh . W'[:, output columns] straight from
     // cuBLAS: no output transform, no intermediate.
@@ -157,7 +173,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     it.scale = exl3::kReconInputScale;
     at::Tensor w_out = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
-                             static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr()};
+                             static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr(), nullptr};
     // The two are independent; the second starts behind the first (programmatic dependent launch) and fills the
     // SMs the first leaves idle. Reconstruct first (default): the input transform fills the reconstruct's last wave,
     // 2-4 µs less per call at 128-512 rows than the other order (bench/NOTES.md, v4n; VLLM_EXL3_RECON_FIRST=0 for
@@ -237,24 +253,17 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   if (!suh.has_value()) {
     at::Tensor out = at::empty({k, n}, trellis.options().dtype(dtype));
     exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), out.data_ptr(),
-                             bf16 ? exl3::kActBF16 : exl3::kActF16, nullptr};
+                             bf16 ? exl3::kActBF16 : exl3::kActF16, nullptr, nullptr};
     check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct");
     return out;
   }
   TORCH_CHECK(suh->scalar_type() == at::kHalf && suh->is_contiguous() && suh->numel() == k, "suh must be fp16 [K]");
   TORCH_CHECK(svh->scalar_type() == at::kHalf && svh->is_contiguous() && svh->numel() == n, "svh must be fp16 [N]");
-  // Tools, not the serving path: the output side by the kernel (fp16), the input side as a batched fp32 matmul.
-  at::Tensor w_out = at::empty({k, n}, trellis.options().dtype(at::kHalf));
-  exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), w_out.data_ptr(),
-                           exl3::kActF16, svh->data_ptr()};
-  check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
-  at::Tensor h = at::empty({kHad, kHad}, at::kFloat);
-  float* hp = h.data_ptr<float>();
-  for (int i = 0; i < kHad; ++i)
-    for (int j = 0; j < kHad; ++j)  // W = diag(suh) H W' / 16 (xh's share of the 1/128)
-      hp[i * kHad + j] = (__builtin_popcount(i & j) & 1 ? -1.f : 1.f) * exl3::kReconInputScale;
-  const at::Tensor full = at::matmul(h.to(trellis.device()), w_out.to(at::kFloat).view({k / kHad, kHad, n}));
-  return (full.view({k, n}) * suh->to(at::kFloat).view({k, 1})).to(dtype);
+  at::Tensor out = at::empty({k, n}, trellis.options().dtype(dtype));
+  exl3::ReconstructArgs ra{w, 0, static_cast<int>(k / kHad), 0, static_cast<int>(n / kHad), out.data_ptr(),
+                           bf16 ? exl3::kActBF16 : exl3::kActF16, svh->data_ptr(), suh->data_ptr()};
+  check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (original basis)");
+  return out;
 }
 
 std::string build_info() { return std::string("archs=") + exl3::built_archs(); }

@@ -128,13 +128,16 @@ bool gemm_fits_device(int codebook, int bits2, int rows, bool panel);
 // The active part of the weight as a dense row-major matrix out [kb_count*128, groups*128], fp16 or bf16:
 // * svh null: Ŵ (rotated basis), bit-exact with the reference (bf16: Ŵ rounded once more);
 // * svh given: W' = Ŵ H diag(svh) / 8, the output side applied (what xh scaled by kReconInputScale multiplies to give
-//   y); fp16 sums across tiles, tensor-core sums inside them, rounded to out_dtype.
+//   y); fp16 sums across tiles, tensor-core sums inside them, rounded to out_dtype;
+// * suh given too: W = diag(suh) H Ŵ H diag(svh) / 128, the original basis (what x itself multiplies to give y);
+//   fp32 sums, rounded once to out_dtype.
 struct ReconstructArgs {
   TrellisView w;
   int kb0, kb_count, g0, groups;
   void* out;
   int out_dtype;
   const void* svh;  // fp16 [N] (whole linear), or null
+  const void* suh;  // fp16 [K] (whole linear), or null; needs svh
 };
 // pdl (output side only): may start while the previous kernel in the stream runs (it reads nothing that kernel
 // writes) and completes only after it.

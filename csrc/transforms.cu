@@ -385,6 +385,132 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
   griddep_wait();
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// Reconstruct in the original basis, W = diag(suh) H Ŵ H diag(svh) / 128, one 128x128 block per CTA: what x itself
+// multiplies, so a call needs no input transform. On narrow layers at many rows that transform (rows x K values in
+// and out) costs more than this kernel's extra work over the output-side one (bench/NOTES.md, v4q).
+// Warp w decodes tile column w (8 k-tiles) and does the k side in registers: H16 inside each tile on the tensor
+// cores (the decoded fragment of Ŵ^T, an A operand, is pair for pair the B operand of Ŵ; H16 is symmetric, so one
+// set of registers is its A and its B), then the 8-point butterfly across the k-tiles in fp32. The n side: H16
+// inside each tile (the fp32 result rounded to fp16 pairs is the next MMA's A operand), then the results meet in
+// shared memory for the butterfly across the 8 tile columns; warp w takes k-tile row w, finishes, scales by
+// suh[k] svh[n] / 128 and writes it.
+// ------------------------------------------------------------------------------------------------------------
+// Floats per shared row. 136: the fragment-order 8-byte stores (row = lane/4) and the row-order 16-byte loads
+// (row = lane/2, alternate 16-byte halves) both hit distinct banks.
+constexpr int kOrigStride = kHadBlock + 8;
+constexpr int kOrigSmem = kHadBlock * kOrigStride * 4;
+
+// Unnormalized 8-point Hadamard (Sylvester order) across the first index, fp32, elementwise.
+template <int kN>
+__device__ __forceinline__ void butterfly8_f32(float (&v)[kTilesPerHad][kN]) {
+#pragma unroll
+  for (int m = 1; m < kTilesPerHad; m <<= 1)
+#pragma unroll
+    for (int i = 0; i < kTilesPerHad; ++i)
+      if (!(i & m))
+#pragma unroll
+        for (int e = 0; e < kN; ++e) {
+          const float p = v[i][e], q = v[i | m][e];
+          v[i][e] = p + q;
+          v[i | m][e] = p - q;
+        }
+}
+
+__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <int kBits2, bool kMul1>
+__global__ void __launch_bounds__(kXfThreads) reconstruct_original_kernel(const ReconstructArgs a) {
+  using TB = TileBits<kBits2>;
+  static_assert(kXfWarps == kTilesPerHad, "one warp per tile column of a 128x128 block");
+  extern __shared__ __align__(16) float xchg[];  // [128][kOrigStride]: k rows x n columns of the block
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, t = lane % 4;
+  const int group = blockIdx.x, kb = blockIdx.y;  // within the active part
+  LaneWindows<kBits2> lw;
+  lw.init(lane);
+  const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
+  const unsigned char* col = reinterpret_cast<const unsigned char*>(
+      a.w.data + static_cast<long long>(a.kb0 + kb) * kTilesPerHad * a.w.row_stride +
+      static_cast<long long>((a.g0 + group) * kTilesPerHad + warp) * a.w.tile_stride);
+  const long long row_bytes = a.w.row_stride * 2;
+  uint32_t words[kTilesPerHad][TB::kLoadWords];  // all 8 tiles in flight at once
+#pragma unroll
+  for (int kt = 0; kt < kTilesPerHad; ++kt)
+#pragma unroll
+    for (int i = 0; i < TB::kLoadWords; ++i)
+      words[kt][i] = __ldcs(reinterpret_cast<const unsigned int*>(col + kt * row_bytes + lw.word_byte[i]));
+  const uint32_t h0 = had16_pair(g, 2 * t), h1 = had16_pair(g + 8, 2 * t), h2 = had16_pair(g, 2 * t + 8),
+                 h3 = had16_pair(g + 8, 2 * t + 8);
+
+  // k side. Per tile: H16 . Ŵ for tile columns 0-7 (pairs 0, 1 = B) and 8-15 (pairs 2, 3); acc[kt] holds rows
+  // (g, g+8) x columns (2t, 2t+1) of each, in the MMA result order. Then the butterfly across the 8 k-tiles.
+  float acc[kTilesPerHad][8];
+#pragma unroll
+  for (int kt = 0; kt < kTilesPerHad; ++kt) {
+    uint32_t p[kLanePositions / 2];
+    rounded_pairs<kBits2, kMul1>(lw, words[kt], mul, add, p);
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_16816(d0, h0, h1, h2, h3, p[0], p[1]);
+    mma_16816(d1, h0, h1, h2, h3, p[2], p[3]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[kt][e] = d0[e], acc[kt][4 + e] = d1[e];
+  }
+  butterfly8_f32(acc);
+
+  // n side inside each tile: T (fp16 A operand: rows k, columns n) . H16, then to shared memory.
+  float* const sw = xchg + warp * kTile + 2 * t;
+#pragma unroll
+  for (int kt = 0; kt < kTilesPerHad; ++kt) {
+    const float(&d)[8] = acc[kt];
+    const uint32_t a0 = half2_bits(d[0], d[1]), a1 = half2_bits(d[2], d[3]), a2 = half2_bits(d[4], d[5]),
+                   a3 = half2_bits(d[6], d[7]);
+    float e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_16816(e0, a0, a1, a2, a3, h0, h2);
+    mma_16816(e1, a0, a1, a2, a3, h1, h3);
+    float* r0 = sw + (kt * kTile + g) * kOrigStride;
+    float* r8 = r0 + 8 * kOrigStride;
+    *reinterpret_cast<float2*>(r0) = make_float2(e0[0], e0[1]);
+    *reinterpret_cast<float2*>(r0 + 8) = make_float2(e1[0], e1[1]);
+    *reinterpret_cast<float2*>(r8) = make_float2(e0[2], e0[3]);
+    *reinterpret_cast<float2*>(r8 + 8) = make_float2(e1[2], e1[3]);
+  }
+  __syncthreads();
+
+  // Row k of k-tile `warp`, columns 4h..4h+3 and 8+4h..8+4h+3 of every tile column: the butterfly across the 8 tile
+  // columns, the scales, the store.
+  const int r = lane / 2, h = lane % 2;
+  float v[kTilesPerHad][8];
+  const float* sr = xchg + (warp * kTile + r) * kOrigStride + 4 * h;
+#pragma unroll
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const float4 f = *reinterpret_cast<const float4*>(sr + nt * kTile + 8 * q);
+      v[nt][4 * q] = f.x, v[nt][4 * q + 1] = f.y, v[nt][4 * q + 2] = f.z, v[nt][4 * q + 3] = f.w;
+    }
+  butterfly8_f32(v);
+  const int k = (a.kb0 + kb) * kHadBlock + warp * kTile + r;
+  const float row_scale = __half2float(static_cast<const __half*>(a.suh)[k]) * (kHadScale * kHadScale);
+  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock + 4 * h;
+  const long long na = static_cast<long long>(a.groups) * kHadBlock;
+  const long long o = (static_cast<long long>(kb) * kHadBlock + warp * kTile + r) * na + group * kHadBlock + 4 * h;
+#pragma unroll
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(svh + nt * kTile + 8 * q));
+      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+      const float w4[4] = {v[nt][4 * q] * row_scale * s01.x, v[nt][4 * q + 1] * row_scale * s01.y,
+                           v[nt][4 * q + 2] * row_scale * s23.x, v[nt][4 * q + 3] * row_scale * s23.y};
+      store_act4(a.out, o + nt * kTile + 8 * q, w4, a.out_dtype, true, 0, 4);
+    }
+}
+
 cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t stream) {
   if (a.kb_count <= 0 || a.groups <= 0) return cudaSuccess;
   const int kt_total = a.kb_count * kTilesPerHad;
@@ -393,6 +519,17 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
     constexpr int kB = decltype(b2)::value;
     constexpr bool kXcg = kB % 2 == 0;  // 3inst/mcg exist for integer widths only
     if (a.w.codebook != kCbMul1 && !kXcg) return;
+    if (a.suh) {
+      if (!a.svh) return;
+      const void* fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, true>);
+      if constexpr (kXcg)
+        if (a.w.codebook != kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, false>);
+      if ((err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kOrigSmem)) != cudaSuccess)
+        return;
+      void* args[] = {const_cast<ReconstructArgs*>(&a)};
+      err = launch_kernel(fn, dim3(a.groups, a.kb_count), dim3(kXfThreads), kOrigSmem, false, stream, args);
+      return;
+    }
     if (a.svh) {
       // Up to 4 k-tile rows per warp, fewer when that would leave under ~2048 warps (small layers).
       int rows_per_warp = std::max(1, std::min(EXL3_OUT_SIDE_ROWS, kt_total * a.groups / 2048));

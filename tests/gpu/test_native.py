@@ -7,7 +7,8 @@ exllamav3 backend when installed.
 
 Error bounds (relative L2 vs the fp32 reference forward): the skinny and panel kernels round the transformed input
 to fp16 (as ExLlamaV3 does); the reconstruct path rounds it to the activation dtype, and W' = Ŵ H diag(svh) as well
-(after three fp16 roundings in its 8-point butterfly); every path rounds the output to the activation dtype: about
+(after three fp16 roundings in its 8-point butterfly); the original-basis path ("orig") multiplies x itself with W
+rounded once to the activation dtype; every path rounds the output to the activation dtype: about
 3e-4 per rounding for fp16 and 2.3e-3 for bf16, so fp16 must stay under 2e-3 and bf16 under 8e-3. Ŵ (reconstruct)
 must be bit-exact. Observed maxima are written to $VLLM_EXL3_TEST_REPORT (JSON) when set.
 """
@@ -51,7 +52,8 @@ WIDTH_IDS = [f"{c}-{b:g}b" for c, b in WIDTHS]
 SHAPES = [(256, 384), (320, 200), (1024, 640)]  # (in, out) logical; stored padded to 128
 ROWS = [1, 2, 5, 8, 9, 16, 17, 40, 130]
 PATHS = {"split": native.PATH_SKINNY_SPLIT, "direct": native.PATH_SKINNY_DIRECT, "plain": native.PATH_SKINNY_PLAIN,
-         "panel": native.PATH_PANEL, "recon": native.PATH_RECONSTRUCT, "auto": native.PATH_AUTO}
+         "panel": native.PATH_PANEL, "recon": native.PATH_RECONSTRUCT, "orig": native.PATH_RECON_ORIGINAL,
+         "auto": native.PATH_AUTO}
 
 _observed: dict[str, float] = defaultdict(float)
 
@@ -118,7 +120,7 @@ def test_linear_all_paths(codebook, bits):
                 x = torch.randn(rows, w.in_padded, device=DEV).to(dtype)
                 ref = R.forward(x.float(), w, w_hat).float()
                 for name, path in PATHS.items():
-                    if name == "recon" and rows not in (1, 17, 130):
+                    if name in ("recon", "orig") and rows not in (1, 17, 130):
                         continue
                     y = run(x, w, path)
                     err = rel(y, ref)
@@ -145,7 +147,7 @@ def test_linear_offsets(codebook, bits):
             for dtype in (torch.float16, torch.bfloat16):
                 x = torch.randn(rows, width, device=DEV).to(dtype)
                 ref = R.forward(x.float(), w, w_hat, in_offset=in_off, out_offset=out_off, out_features=nout)
-                for name in ("split", "direct", "panel", "recon"):
+                for name in ("split", "direct", "panel", "recon", "orig"):
                     y = run(x, w, PATHS[name], in_off, out_off, nout)
                     err = rel(y, ref)
                     _note(f"offsets/{name}/{str(dtype)[6:]}", err)
@@ -157,7 +159,8 @@ def test_strided_input_and_many_rows():
     base = torch.randn(300, 1024, device=DEV, dtype=torch.float16)
     x = base[:, 100:612]  # row stride 1024
     ref = R.forward(x.float(), w)
-    for path in (native.PATH_SKINNY, native.PATH_PANEL, native.PATH_RECONSTRUCT, native.PATH_AUTO):
+    for path in (native.PATH_SKINNY, native.PATH_PANEL, native.PATH_RECONSTRUCT, native.PATH_RECON_ORIGINAL,
+                 native.PATH_AUTO):
         assert rel(run(x, w, path), ref) < BOUND[torch.float16]
 
 
@@ -195,7 +198,7 @@ def test_through_custom_op_with_native_backend():
 
 
 @pytest.mark.parametrize("rows,path", [(1, "split"), (8, "direct"), (16, "split"), (3, "auto"), (40, "panel"),
-                                       (200, "recon")])
+                                       (200, "recon"), (200, "orig")])
 def test_cuda_graph_capture_and_replay(rows, path):
     w = random_weights(1024, 2048, 4, "mcg", seed=13, device=DEV)
     x = torch.randn(rows, 1024, device=DEV, dtype=torch.float16)

@@ -24,7 +24,7 @@ from . import Backend, LinearSpec, register_backend
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
 (PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
- PATH_PANEL) = range(7)
+ PATH_PANEL, PATH_RECON_ORIGINAL) = range(8)
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
