@@ -133,7 +133,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     const AutoLimits lim = auto_limits(kb_count * kHad * groups * kHad * 2);
     path = rows <= lim.skinny_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
            : rows <= lim.panel_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, true) ? kPanel
-           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", groups * kHad)                  ? kReconOriginal
+           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", 2 * groups * kHad)              ? kReconOriginal
                                                                                             : kReconstruct;
   }
 
@@ -152,7 +152,8 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   if (path == kReconOriginal) {
     // W in the original basis of the active part, then y = x . W[x's input columns, output columns]: no input
     // transform. Pays off when the transform's rows x K values outweigh the extra reconstruct work, which grows with
-    // K x N: `auto` takes it from as many rows as active output columns (bench/NOTES.md, v4q).
+    // K x N: `auto` takes it from twice as many rows as active output columns (H200 sweep, bench/NOTES.md v4q:
+    // 2048x768 at 2048 / 4096 rows 21.2 / 29.4 µs against 22.7 / 37.0; a tie at 4096 rows on 4096-column layers).
     at::Tensor w_full = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
                              static_cast<int>(groups), w_full.data_ptr(), xdt, svh.data_ptr(), suh.data_ptr()};
