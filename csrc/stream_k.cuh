@@ -44,6 +44,24 @@ __host__ __device__ __forceinline__ int block_of_unit_dev(int u, int units, int 
 // rg_seg: the segment's (row chunk, group) index; group: its column group; row0: the chunk's first row. The caller
 // passes these, kta, warp and lane in: recomputing them here changed the skinny kernels' register allocation and
 // slowed mcg by 4 % (bench/NOTES.md, v3).
+// Split-K hand-over: the counter add is a release (the barrier before it orders the whole block's partial stores
+// under thread 0's release) and an acquire (with the barrier after it, the last block's loads see every block's
+// partials): the semaphore pattern of the PTX memory model, one thread's fence instead of every thread's. The
+// trace put this chain at the end of every split column group: the kernel's tail. EXL3_SPLITK_SC_FENCE=1 adds the
+// all-thread sequentially consistent fences of the earlier version (bench comparison).
+#ifndef EXL3_SPLITK_SC_FENCE
+#define EXL3_SPLITK_SC_FENCE 0
+#endif
+__device__ __forceinline__ int count_units(int* counter, int n) {
+  int old;
+#if EXL3_SPLITK_SC_FENCE
+  old = atomicAdd(counter, n);
+#else
+  asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(counter), "r"(n) : "memory");
+#endif
+  return old;
+}
+
 template <int kRows, int kBufStride, bool kAffine>
 __device__ __forceinline__ void finish_segment(const GemmArgs& a, int units, float* buf, int* last_flag, int seg,
                                               int seg_end, int rg_seg, int group, int row0, int valid_rows, int kta,
@@ -63,16 +81,20 @@ __device__ __forceinline__ void finish_segment(const GemmArgs& a, int units, flo
       const float* p = buf + r * kBufStride + 4 * q;
       __stcg(reinterpret_cast<float4*>(mine + r * kHadBlock) + q, make_float4(p[0], p[1], p[2], p[3]));
     }
+#if EXL3_SPLITK_SC_FENCE
     __threadfence();
+#endif
     __syncthreads();
     if (threadIdx.x == 0) {
-      const int done = atomicAdd(a.counters + rg_seg, seg_end - seg) + (seg_end - seg);
+      const int done = count_units(a.counters + rg_seg, seg_end - seg) + (seg_end - seg);
       *last_flag = done == kta;
     }
     __syncthreads();
     finalize = *last_flag;
     if (finalize) {
+#if EXL3_SPLITK_SC_FENCE
       __threadfence();
+#endif
       for (int i = threadIdx.x; i < valid_rows * (kHadBlock / 4); i += kGemmThreads) {
         const int r = i / (kHadBlock / 4), q = i % (kHadBlock / 4);
         float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
