@@ -245,20 +245,29 @@ __device__ __forceinline__ uint32_t had16_pair(int i, int j) {
   return lo | (hi << 16);
 }
 
-// Unnormalized 8-point Hadamard (Sylvester order) across the first index of half2 pairs, elementwise.
-__device__ __forceinline__ void butterfly8(uint32_t (&v)[kTilesPerHad][kLanePositions / 2]) {
+// a, b <- a + b, a - b: fp32, or two half2 pairs (fp16 sums).
+__device__ __forceinline__ void sum_diff(float& a, float& b) {
+  const float p = a;
+  a = p + b;
+  b = p - b;
+}
+__device__ __forceinline__ void sum_diff(uint32_t& a, uint32_t& b) {
+  const __half2 p = *reinterpret_cast<const __half2*>(&a), q = *reinterpret_cast<const __half2*>(&b);
+  const __half2 sum = __hadd2(p, q), diff = __hsub2(p, q);
+  a = *reinterpret_cast<const uint32_t*>(&sum);
+  b = *reinterpret_cast<const uint32_t*>(&diff);
+}
+
+// Unnormalized 8-point Hadamard (Sylvester order) across the first index, elementwise (T: float or half2 pairs).
+template <typename T, int kN>
+__device__ __forceinline__ void butterfly8(T (&v)[kTilesPerHad][kN]) {
 #pragma unroll
   for (int m = 1; m < kTilesPerHad; m <<= 1)
 #pragma unroll
     for (int i = 0; i < kTilesPerHad; ++i)
       if (!(i & m))
 #pragma unroll
-        for (int e = 0; e < kLanePositions / 2; ++e) {
-          const __half2 p = *reinterpret_cast<const __half2*>(&v[i][e]), q = *reinterpret_cast<const __half2*>(&v[i | m][e]);
-          const __half2 sum = __hadd2(p, q), diff = __hsub2(p, q);
-          v[i][e] = *reinterpret_cast<const uint32_t*>(&sum);
-          v[i | m][e] = *reinterpret_cast<const uint32_t*>(&diff);
-        }
+        for (int e = 0; e < kN; ++e) sum_diff(v[i][e], v[i | m][e]);
 }
 
 // The 8x8 b16 matrix held in fragment order (row lane/4, columns 2(lane%4), +1), transposed, in the same order.
@@ -401,22 +410,6 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
 constexpr int kOrigStride = kHadBlock + 8;
 constexpr int kOrigSmem = kHadBlock * kOrigStride * 4;
 
-// Unnormalized 8-point Hadamard (Sylvester order) across the first index, fp32, elementwise.
-template <int kN>
-__device__ __forceinline__ void butterfly8_f32(float (&v)[kTilesPerHad][kN]) {
-#pragma unroll
-  for (int m = 1; m < kTilesPerHad; m <<= 1)
-#pragma unroll
-    for (int i = 0; i < kTilesPerHad; ++i)
-      if (!(i & m))
-#pragma unroll
-        for (int e = 0; e < kN; ++e) {
-          const float p = v[i][e], q = v[i | m][e];
-          v[i][e] = p + q;
-          v[i | m][e] = p - q;
-        }
-}
-
 __device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -459,7 +452,7 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_original_kernel(const 
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[kt][e] = d0[e], acc[kt][4 + e] = d1[e];
   }
-  butterfly8_f32(acc);
+  butterfly8(acc);
 
   // n side inside each tile: T (fp16 A operand: rows k, columns n) . H16, then to shared memory.
   float* const sw = xchg + warp * kTile + 2 * t;
@@ -492,7 +485,7 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_original_kernel(const 
       const float4 f = *reinterpret_cast<const float4*>(sr + nt * kTile + 8 * q);
       v[nt][4 * q] = f.x, v[nt][4 * q + 1] = f.y, v[nt][4 * q + 2] = f.z, v[nt][4 * q + 3] = f.w;
     }
-  butterfly8_f32(v);
+  butterfly8(v);
   const int k = (a.kb0 + kb) * kHadBlock + warp * kTile + r;
   const float row_scale = __half2float(static_cast<const __half*>(a.suh)[k]) * (kHadScale * kHadScale);
   const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock + 4 * h;
