@@ -129,7 +129,9 @@ def profile_kernels(exllamav3: bool = False) -> list[dict]:
                                        (4096, 14336, 4, "mul1", 512, native.PATH_AUTO),
                                        (4096, 14336, 4, "mul1", 4096, native.PATH_AUTO),
                                        (14336, 4096, 4, "mul1", 4096, native.PATH_AUTO),
-                                       (2048, 768, 4, "mul1", 4096, native.PATH_AUTO)]:
+                                       (2048, 768, 4, "mul1", 4096, native.PATH_AUTO),
+                                       (4096, 14336, 4, "mul1", 4096, native.PATH_RECON_ORIGINAL),
+                                       (14336, 4096, 4, "mul1", 4096, native.PATH_RECON_ORIGINAL)]:
         case = Case(k, n, bits, cb)
         x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
         for w in case.ws:
@@ -139,7 +141,7 @@ def profile_kernels(exllamav3: bool = False) -> list[dict]:
             for w in case.ws[:4]:
                 native.linear(x, w, 0, 0, n, path)
             torch.cuda.synchronize()
-        record(prof, case, rows, "native")
+        record(prof, case, rows, "native" if path == native.PATH_AUTO else f"native path {path}")
         if exllamav3 and rows == 4096 and n <= 4096:
             from vllm_exl3.kernels.exllamav3_backend import make_layer
             layers = [make_layer(w) for w in case.ws[:4]]

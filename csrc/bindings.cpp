@@ -133,8 +133,26 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     const AutoLimits lim = auto_limits(kb_count * kHad * groups * kHad * 2);
     path = rows <= lim.skinny_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
            : rows <= lim.panel_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, true) ? kPanel
-           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", 2 * groups * kHad)              ? kReconOriginal
+           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", groups * kHad / 2)              ? kReconOriginal
                                                                                             : kReconstruct;
+  }
+
+  const int64_t ka = kb_count * kHad, na = groups * kHad;
+
+  if (path == kReconOriginal) {
+    // W in the original basis of the active part, then y = x . W[x's input columns, output columns]: no input
+    // transform. Pays off when the transform's rows x K values outweigh the reconstruct's extra work over the
+    // output-side one, which grows with K x N: `auto` takes it from half as many rows as active output columns (H200
+    // sweep on six layers, bench/NOTES.md v4s: 14336x4096 at 2048 / 4096 rows 358 / 703 µs against 380 / 722;
+    // 2048x768 at 512 rows 14.0 against 14.4; 4096x14336 still behind at 1024-4096 rows, 0.29 N).
+    at::Tensor w_full = at::empty({ka, na}, x.options());
+    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
+                             static_cast<int>(groups), w_full.data_ptr(), xdt, svh.data_ptr(), suh.data_ptr()};
+    check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (original basis)");
+    const void* w_sub = static_cast<const char*>(w_full.data_ptr()) +
+                        ((in_offset - kb0 * kHad) * na + (out_offset - g0 * kHad)) * x.element_size();
+    cublas_gemm(x, w_sub, na, y);
+    return y;
   }
 
   exl3::InputTransformArgs it{};
@@ -147,22 +165,6 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.suh = suh.data_ptr();
   it.kb0 = static_cast<int>(kb0);
   it.kb_count = static_cast<int>(kb_count);
-  const int64_t ka = kb_count * kHad, na = groups * kHad;
-
-  if (path == kReconOriginal) {
-    // W in the original basis of the active part, then y = x . W[x's input columns, output columns]: no input
-    // transform. Pays off when the transform's rows x K values outweigh the extra reconstruct work, which grows with
-    // K x N: `auto` takes it from twice as many rows as active output columns (H200 sweep, bench/NOTES.md v4q:
-    // 2048x768 at 2048 / 4096 rows 21.2 / 29.4 µs against 22.7 / 37.0; a tie at 4096 rows on 4096-column layers).
-    at::Tensor w_full = at::empty({ka, na}, x.options());
-    exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
-                             static_cast<int>(groups), w_full.data_ptr(), xdt, svh.data_ptr(), suh.data_ptr()};
-    check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (original basis)");
-    const void* w_sub = static_cast<const char*>(w_full.data_ptr()) +
-                        ((in_offset - kb0 * kHad) * na + (out_offset - g0 * kHad)) * x.element_size();
-    cublas_gemm(x, w_sub, na, y);
-    return y;
-  }
 
   if (path == kReconstruct) {
     // xh in x's dtype, W' = Ŵ H diag(svh) of the active part, then y = xh . W'[:, output columns] straight from

@@ -277,23 +277,61 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
   return r;
 }
 
-// One k-tile row: per tile column nt, (butterflied Ŵ tile) . hb[nt][half] into the warp's staged rows as T (sw: the
-// lane's pair in row g; row g+8 lies 8 rows below). Results: rows (g, g+8) x columns (2t, 2t+1) of each half.
+// The A operands of Ŵ's 8 tiles (rows k, columns n) from the decoded fragments of Ŵ^T, in place.
+__device__ __forceinline__ void transpose_tiles(uint32_t (&pw)[kTilesPerHad][kLanePositions / 2]) {
+#pragma unroll
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
+#pragma unroll
+    for (int i = 0; i < kLanePositions / 2; ++i) pw[nt][i] = movmatrix_trans(pw[nt][i]);
+}
+
+// B operands of H16 diag(svh) / 8 for the 8 tile columns of a column group (svh: the group's 128 values): for
+// output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8). H16 is symmetric, so column c's pairs
+// are row c's: had16_pair(c, 2t). +-svh * 2^-3 is exact in fp16.
+__device__ __forceinline__ void svh_operands(const __half* svh, int g, int t, uint32_t (&hb)[kTilesPerHad][2][2]) {
+#pragma unroll
+  for (int nt = 0; nt < kTilesPerHad; ++nt)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      const int c = nb * 8 + g;
+      const __half2 s = __half2half2(__hmul(svh[nt * kTile + c], __float2half(kReconWeightScale)));
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t h = had16_pair(c, 2 * t + 8 * i);
+        const __half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), s);
+        hb[nt][nb][i] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+    }
+}
+
+// One k-tile row: per tile column nt, (tile nt as an A operand: rows k, columns n) . hb[nt][half] into the warp's
+// staged rows as T (sw: the lane's pair in row g; row g+8 lies 8 rows below). Results: rows (g, g+8) x columns
+// (2t, 2t+1) of each half.
 template <typename T>
-__device__ __forceinline__ void stage_row(const uint32_t (&pw)[kTilesPerHad][kLanePositions / 2],
+__device__ __forceinline__ void stage_row(const uint32_t (&a)[kTilesPerHad][kLanePositions / 2],
                                           const uint32_t (&hb)[kTilesPerHad][2][2], uint32_t* sw) {
 #pragma unroll
   for (int nt = 0; nt < kTilesPerHad; ++nt) {
-    const uint32_t a0 = movmatrix_trans(pw[nt][0]), a1 = movmatrix_trans(pw[nt][1]), a2 = movmatrix_trans(pw[nt][2]),
-                   a3 = movmatrix_trans(pw[nt][3]);
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb) {
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_16816(d, a0, a1, a2, a3, hb[nt][nb][0], hb[nt][nb][1]);
+      mma_16816(d, a[nt][0], a[nt][1], a[nt][2], a[nt][3], hb[nt][nb][0], hb[nt][nb][1]);
       const int c = nt * kTile + nb * 8;
       sw[c / 2] = to_act2(d[0], d[1], static_cast<T*>(nullptr));
       sw[(8 * kStageStride + c) / 2] = to_act2(d[2], d[3], static_cast<T*>(nullptr));
     }
+  }
+}
+
+// A warp's 16 staged rows (kStageStride halves apart) to rows row0.. of out (row stride na halves) at column col0:
+// two whole 256-byte rows per 16-byte store.
+__device__ __forceinline__ void store_staged_rows(const __half* sw, void* out, long long row0, long long na,
+                                                  long long col0, int lane) {
+#pragma unroll
+  for (int i = 0; i < kTile / 2; ++i) {
+    const int r = 2 * i + lane / 16, c = (lane % 16) * 8;
+    const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kStageStride + c);
+    *reinterpret_cast<uint4*>(static_cast<__half*>(out) + (row0 + r) * na + col0 + c) = u;
   }
 }
 
@@ -342,23 +380,8 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
   LaneWindows<kBits2> lw;
   lw.init(lane);
   const uint32_t mul = codebook_mul(a.w.codebook), add = codebook_add(a.w.codebook);
-  // B operands: for output columns c = 8 nb + g of tile column nt, rows 2t, 2t+1 (and + 8) of H16 diag(svh) / 8.
-  // H16 is symmetric, so column c's pairs are row c's: had16_pair(c, 2t).
   uint32_t hb[kTilesPerHad][2][2];
-  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock;
-#pragma unroll
-  for (int nt = 0; nt < kTilesPerHad; ++nt)
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
-      const int c = nb * 8 + g;
-      const __half2 s = __half2half2(__hmul(svh[nt * kTile + c], __float2half(kReconWeightScale)));
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t h = had16_pair(c, 2 * t + 8 * i);
-        const __half2 b = __hmul2(*reinterpret_cast<const __half2*>(&h), s);
-        hb[nt][nb][i] = *reinterpret_cast<const uint32_t*>(&b);
-      }
-    }
+  svh_operands(static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock, g, t, hb);
   const long long na = static_cast<long long>(a.groups) * kHadBlock;
   __half* const sw = reinterpret_cast<__half*>(smem) + warp * kTile * kStageStride;
   uint32_t* const sw_lane = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);
@@ -376,16 +399,11 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
       rounded_pairs<kBits2, kMul1>(lw, w, mul, add, pw[nt]);
     }
     butterfly8(pw);
+    transpose_tiles(pw);
     if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(pw, hb, sw_lane);
     else stage_row<__half>(pw, hb, sw_lane);
     __syncwarp();
-#pragma unroll
-    for (int i = 0; i < kTile / 2; ++i) {  // two whole 256-byte rows per store
-      const int r = 2 * i + lane / 16, c = (lane % 16) * 8;
-      const uint4 u = *reinterpret_cast<const uint4*>(sw + r * kStageStride + c);
-      *reinterpret_cast<uint4*>(static_cast<__half*>(a.out) + (static_cast<long long>(kt) * kTile + r) * na +
-                                group * kHadBlock + c) = u;
-    }
+    store_staged_rows(sw, a.out, static_cast<long long>(kt) * kTile, na, group * kHadBlock, lane);
     __syncwarp();
   }
   // Launched behind the input transform with programmatic dependent launch, this kernel runs beside it (it needs
@@ -398,28 +416,31 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
 // Reconstruct in the original basis, W = diag(suh) H Ŵ H diag(svh) / 128, one 128x128 block per CTA: what x itself
 // multiplies, so a call needs no input transform. On narrow layers at many rows that transform (rows x K values in
 // and out) costs more than this kernel's extra work over the output-side one (bench/NOTES.md, v4q).
-// Warp w decodes tile column w (8 k-tiles) and does the k side in registers: H16 inside each tile on the tensor
-// cores (the decoded fragment of Ŵ^T, an A operand, is pair for pair the B operand of Ŵ; H16 is symmetric, so one
-// set of registers is its A and its B), then the 8-point butterfly across the k-tiles in fp32. The n side: H16
-// inside each tile (the fp32 result rounded to fp16 pairs is the next MMA's A operand), then the results meet in
-// shared memory for the butterfly across the 8 tile columns; warp w takes k-tile row w, finishes, scales by
-// suh[k] svh[n] / 128 and writes it.
+// Two phases around one exchange of the block in fp16 (34 KB of shared memory):
+// * k side, warp w = tile column w: decode its 8 k-tiles, H16 inside each tile on the tensor cores (the decoded
+//   fragment of Ŵ^T, an A operand, is pair for pair the B operand of Ŵ; H16 is symmetric, so one set of registers
+//   is its A operand), the 8-point butterfly across the k-tiles in fp32, the row scales suh[k] / 16, one rounding
+//   to fp16 into the exchange.
+// * n side, warp w = k-tile row w: the row's 8 tiles come back as A operands (ldmatrix), then exactly the output-side
+//   kernel's steps: the butterfly across the tile columns on fp16 pairs, H16 diag(svh) / 8 on the tensor cores,
+//   staged in the warp's own (already consumed) rows of the exchange and written as whole 256-byte rows.
 // ------------------------------------------------------------------------------------------------------------
-// Floats per shared row. 136: the fragment-order 8-byte stores (row = lane/4) and the row-order 16-byte loads
-// (row = lane/2, alternate 16-byte halves) both hit distinct banks.
-constexpr int kOrigStride = kHadBlock + 8;
-constexpr int kOrigSmem = kHadBlock * kOrigStride * 4;
-
-__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem));
 }
 
+// Three CTAs per SM (80 registers): 54 µs for 4096x14336 against 60 with two (bench/NOTES.md, v4s).
+#ifndef EXL3_ORIG_MIN_BLOCKS  // tuning (bench VARIANTS): CTAs per SM the register budget allows
+#define EXL3_ORIG_MIN_BLOCKS 3
+#endif
+
 template <int kBits2, bool kMul1>
-__global__ void __launch_bounds__(kXfThreads) reconstruct_original_kernel(const ReconstructArgs a) {
+__global__ void __launch_bounds__(kXfThreads, EXL3_ORIG_MIN_BLOCKS) reconstruct_original_kernel(const ReconstructArgs a) {
   using TB = TileBits<kBits2>;
-  static_assert(kXfWarps == kTilesPerHad, "one warp per tile column of a 128x128 block");
-  extern __shared__ __align__(16) float xchg[];  // [128][kOrigStride]: k rows x n columns of the block
+  static_assert(kXfWarps == kTilesPerHad, "one warp per tile column, then per k-tile row, of a 128x128 block");
+  __shared__ __align__(16) __half xchg[kHadBlock * kStageStride];  // k rows x n columns of the block
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int g = lane / 4, t = lane % 4;
   const int group = blockIdx.x, kb = blockIdx.y;  // within the active part
@@ -436,72 +457,64 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_original_kernel(const 
 #pragma unroll
     for (int i = 0; i < TB::kLoadWords; ++i)
       words[kt][i] = __ldcs(reinterpret_cast<const unsigned int*>(col + kt * row_bytes + lw.word_byte[i]));
+  const __half* suh = static_cast<const __half*>(a.suh) + (a.kb0 + kb) * kHadBlock;
+
+  uint32_t* const x_lane = reinterpret_cast<uint32_t*>(xchg + g * kStageStride + warp * kTile + 2 * t);
   const uint32_t h0 = had16_pair(g, 2 * t), h1 = had16_pair(g + 8, 2 * t), h2 = had16_pair(g, 2 * t + 8),
                  h3 = had16_pair(g + 8, 2 * t + 8);
-
-  // k side. Per tile: H16 . Ŵ for tile columns 0-7 (pairs 0, 1 = B) and 8-15 (pairs 2, 3); acc[kt] holds rows
-  // (g, g+8) x columns (2t, 2t+1) of each, in the MMA result order. Then the butterfly across the 8 k-tiles.
-  float acc[kTilesPerHad][8];
+  // k side: acc[kt] = H16 . tile kt for tile columns 0-7 (pairs 0, 1 as B) and 8-15 (pairs 2, 3): rows (g, g+8) x
+  // columns (2t, 2t+1) of each, in the MMA result order. Then the butterfly across the k-tiles in fp32.
+  {
+    float acc[kTilesPerHad][8];
 #pragma unroll
-  for (int kt = 0; kt < kTilesPerHad; ++kt) {
-    uint32_t p[kLanePositions / 2];
-    rounded_pairs<kBits2, kMul1>(lw, words[kt], mul, add, p);
-    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_16816(d0, h0, h1, h2, h3, p[0], p[1]);
-    mma_16816(d1, h0, h1, h2, h3, p[2], p[3]);
+    for (int kt = 0; kt < kTilesPerHad; ++kt) {
+      uint32_t p[kLanePositions / 2];
+      rounded_pairs<kBits2, kMul1>(lw, words[kt], mul, add, p);
+      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_16816(d0, h0, h1, h2, h3, p[0], p[1]);
+      mma_16816(d1, h0, h1, h2, h3, p[2], p[3]);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[kt][e] = d0[e], acc[kt][4 + e] = d1[e];
-  }
-  butterfly8(acc);
-
-  // n side inside each tile: T (fp16 A operand: rows k, columns n) . H16, then to shared memory.
-  float* const sw = xchg + warp * kTile + 2 * t;
+      for (int e = 0; e < 4; ++e) acc[kt][e] = d0[e], acc[kt][4 + e] = d1[e];
+    }
+    butterfly8(acc);
+    // Rows kt * 16 + g and + 8 of the block, scaled by suh / 16 (the 1/128 of the two Hadamards: 1/16 here, 1/8 in
+    // the n side's operand), rounded once.
 #pragma unroll
-  for (int kt = 0; kt < kTilesPerHad; ++kt) {
-    const float(&d)[8] = acc[kt];
-    const uint32_t a0 = half2_bits(d[0], d[1]), a1 = half2_bits(d[2], d[3]), a2 = half2_bits(d[4], d[5]),
-                   a3 = half2_bits(d[6], d[7]);
-    float e0[4] = {0.f, 0.f, 0.f, 0.f}, e1[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_16816(e0, a0, a1, a2, a3, h0, h2);
-    mma_16816(e1, a0, a1, a2, a3, h1, h3);
-    float* r0 = sw + (kt * kTile + g) * kOrigStride;
-    float* r8 = r0 + 8 * kOrigStride;
-    *reinterpret_cast<float2*>(r0) = make_float2(e0[0], e0[1]);
-    *reinterpret_cast<float2*>(r0 + 8) = make_float2(e1[0], e1[1]);
-    *reinterpret_cast<float2*>(r8) = make_float2(e0[2], e0[3]);
-    *reinterpret_cast<float2*>(r8 + 8) = make_float2(e1[2], e1[3]);
+    for (int kt = 0; kt < kTilesPerHad; ++kt) {
+      const float s0 = __half2float(suh[kt * kTile + g]) * kReconInputScale;
+      const float s8 = __half2float(suh[kt * kTile + g + 8]) * kReconInputScale;
+      const float(&d)[8] = acc[kt];
+      uint32_t* const r0 = x_lane + kt * kTile * kStageStride / 2;
+      uint32_t* const r8 = r0 + 8 * kStageStride / 2;
+      r0[0] = to_act2(d[0] * s0, d[1] * s0, static_cast<__half*>(nullptr));
+      r8[0] = to_act2(d[2] * s8, d[3] * s8, static_cast<__half*>(nullptr));
+      r0[4] = to_act2(d[4] * s0, d[5] * s0, static_cast<__half*>(nullptr));
+      r8[4] = to_act2(d[6] * s8, d[7] * s8, static_cast<__half*>(nullptr));
+    }
   }
   __syncthreads();
 
-  // Row k of k-tile `warp`, columns 4h..4h+3 and 8+4h..8+4h+3 of every tile column: the butterfly across the 8 tile
-  // columns, the scales, the store.
-  const int r = lane / 2, h = lane % 2;
-  float v[kTilesPerHad][8];
-  const float* sr = xchg + (warp * kTile + r) * kOrigStride + 4 * h;
+  // n side: k-tile row `warp`. ldmatrix lane l gives the address of row l % 8 (+ 8 for lanes 8-15 and 24-31) and
+  // 8-column half l / 16 of each tile: registers 0-3 are then the A operand's (g, 2t), (g+8, 2t), (g, 2t+8),
+  // (g+8, 2t+8) pairs.
+  __half* const sw = xchg + warp * kTile * kStageStride;
+  uint32_t at[kTilesPerHad][kLanePositions / 2];
+  {
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(
+        sw + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kStageStride + 8 * (lane >> 4)));
 #pragma unroll
-  for (int nt = 0; nt < kTilesPerHad; ++nt)
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const float4 f = *reinterpret_cast<const float4*>(sr + nt * kTile + 8 * q);
-      v[nt][4 * q] = f.x, v[nt][4 * q + 1] = f.y, v[nt][4 * q + 2] = f.z, v[nt][4 * q + 3] = f.w;
-    }
-  butterfly8(v);
-  const int k = (a.kb0 + kb) * kHadBlock + warp * kTile + r;
-  const float row_scale = __half2float(static_cast<const __half*>(a.suh)[k]) * (kHadScale * kHadScale);
-  const __half* svh = static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock + 4 * h;
+    for (int nt = 0; nt < kTilesPerHad; ++nt) ldmatrix_x4(at[nt], base + nt * kTile * 2);
+  }
+  butterfly8(at);
+  uint32_t hb[kTilesPerHad][2][2];
+  svh_operands(static_cast<const __half*>(a.svh) + (a.g0 + group) * kHadBlock, g, t, hb);
+  __syncwarp();  // every lane's ldmatrix is done before the rows are reused for the output
+  uint32_t* const sw_lane = reinterpret_cast<uint32_t*>(sw + g * kStageStride + 2 * t);
+  if (a.out_dtype == kActBF16) stage_row<__nv_bfloat16>(at, hb, sw_lane);
+  else stage_row<__half>(at, hb, sw_lane);
+  __syncwarp();
   const long long na = static_cast<long long>(a.groups) * kHadBlock;
-  const long long o = (static_cast<long long>(kb) * kHadBlock + warp * kTile + r) * na + group * kHadBlock + 4 * h;
-#pragma unroll
-  for (int nt = 0; nt < kTilesPerHad; ++nt)
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint2 u = __ldg(reinterpret_cast<const uint2*>(svh + nt * kTile + 8 * q));
-      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-      const float w4[4] = {v[nt][4 * q] * row_scale * s01.x, v[nt][4 * q + 1] * row_scale * s01.y,
-                           v[nt][4 * q + 2] * row_scale * s23.x, v[nt][4 * q + 3] * row_scale * s23.y};
-      store_act4(a.out, o + nt * kTile + 8 * q, w4, a.out_dtype, true, 0, 4);
-    }
+  store_staged_rows(sw, a.out, static_cast<long long>(kb) * kHadBlock + warp * kTile, na, group * kHadBlock, lane);
 }
 
 cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t stream) {
@@ -517,10 +530,8 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
       const void* fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, true>);
       if constexpr (kXcg)
         if (a.w.codebook != kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, false>);
-      if ((err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kOrigSmem)) != cudaSuccess)
-        return;
       void* args[] = {const_cast<ReconstructArgs*>(&a)};
-      err = launch_kernel(fn, dim3(a.groups, a.kb_count), dim3(kXfThreads), kOrigSmem, false, stream, args);
+      err = launch_kernel(fn, dim3(a.groups, a.kb_count), dim3(kXfThreads), 0, false, stream, args);
       return;
     }
     if (a.svh) {
