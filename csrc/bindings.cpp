@@ -133,7 +133,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
     const AutoLimits lim = auto_limits(kb_count * kHad * groups * kHad * 2);
     path = rows <= lim.skinny_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
            : rows <= lim.panel_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, true) ? kPanel
-           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", groups * kHad / 2)              ? kReconOriginal
+           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", groups * kHad / 4)              ? kReconOriginal
                                                                                             : kReconstruct;
   }
 
@@ -142,9 +142,10 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   if (path == kReconOriginal) {
     // W in the original basis of the active part, then y = x . W[x's input columns, output columns]: no input
     // transform. Pays off when the transform's rows x K values outweigh the reconstruct's extra work over the
-    // output-side one, which grows with K x N: `auto` takes it from half as many rows as active output columns (H200
-    // sweep on six layers, bench/NOTES.md v4s: 14336x4096 at 2048 / 4096 rows 358 / 703 µs against 380 / 722;
-    // 2048x768 at 512 rows 14.0 against 14.4; 4096x14336 still behind at 1024-4096 rows, 0.29 N).
+    // output-side one, which grows with K x N: `auto` takes it from a quarter as many rows as active output columns
+    // (H200, bench/NOTES.md v4s; the two paths alternating on four layers at 1024-4096 rows: the original basis is
+    // ahead from 1024 rows on 4096-column layers, e.g. 14336x4096 at 2048 rows 358-361 against 379 µs, and only at
+    // 4096 rows on 4096x14336, 693-701 against 702-734).
     at::Tensor w_full = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
                              static_cast<int>(groups), w_full.data_ptr(), xdt, svh.data_ptr(), suh.data_ptr()};

@@ -164,17 +164,17 @@ def test_strided_input_and_many_rows():
         assert rel(run(x, w, path), ref) < BOUND[torch.float16]
 
 
-def test_auto_takes_the_original_basis_from_half_the_output_columns(monkeypatch):
-    """`auto` multiplies x by W in the original basis from VLLM_EXL3_ORIGINAL_MIN_ROWS rows (default: half the
-    active output columns), and by W' behind the input transform below: its result is bitwise one path's."""
-    w = random_weights(1024, 128, 4, "mul1", seed=23, device=DEV)  # one output group: the rule says 64 rows
-    for rows, expected, other in ((64, "orig", "recon"), (63, "recon", "orig")):
+def test_auto_takes_the_original_basis_from_a_quarter_of_the_output_columns(monkeypatch):
+    """`auto` multiplies x by W in the original basis from VLLM_EXL3_ORIGINAL_MIN_ROWS rows (default: a quarter of
+    the active output columns), and by W' behind the input transform below: its result is bitwise one path's."""
+    w = random_weights(1024, 128, 4, "mul1", seed=23, device=DEV)  # one output group: the rule says 32 rows
+    for rows, expected, other in ((32, "orig", "recon"), (31, "recon", "orig")):
         x = torch.randn(rows, 1024, device=DEV, dtype=torch.float16)
         auto = run(x, w, native.PATH_AUTO)
         assert torch.equal(auto, run(x, w, PATHS[expected])), (rows, expected)
         assert not torch.equal(auto, run(x, w, PATHS[other])), (rows, other)
     monkeypatch.setenv("VLLM_EXL3_ORIGINAL_MIN_ROWS", "100000")
-    x = torch.randn(64, 1024, device=DEV, dtype=torch.float16)
+    x = torch.randn(32, 1024, device=DEV, dtype=torch.float16)
     assert torch.equal(run(x, w, native.PATH_AUTO), run(x, w, PATHS["recon"]))
 
 
