@@ -130,7 +130,7 @@ bool gemm_fits_device(int codebook, int bits2, int rows, bool panel);
 // * svh given: W' = Ŵ H diag(svh) / 8, the output side applied (what xh scaled by kReconInputScale multiplies to give
 //   y); fp16 sums across tiles, tensor-core sums inside them, rounded to out_dtype;
 // * suh given too: W = diag(suh) H Ŵ H diag(svh) / 128, the original basis (what x itself multiplies to give y);
-//   fp32 sums, rounded once to out_dtype.
+//   the input side in fp32, rounded to fp16, then the output side as for W', rounded to out_dtype.
 struct ReconstructArgs {
   TrellisView w;
   int kb0, kb_count, g0, groups;

@@ -414,8 +414,9 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
 
 // ------------------------------------------------------------------------------------------------------------
 // Reconstruct in the original basis, W = diag(suh) H Ŵ H diag(svh) / 128, one 128x128 block per CTA: what x itself
-// multiplies, so a call needs no input transform. On narrow layers at many rows that transform (rows x K values in
-// and out) costs more than this kernel's extra work over the output-side one (bench/NOTES.md, v4q).
+// multiplies, so a call needs no input transform. From a quarter as many rows as output columns (`auto`) that
+// transform (rows x K values in and out) costs more than this kernel's extra work over the output-side one
+// (bench/NOTES.md, v4s: 54 against 41 µs for 4096x14336).
 // Two phases around one exchange of the block in fp16 (34 KB of shared memory):
 // * k side, warp w = tile column w: decode its 8 k-tiles, H16 inside each tile on the tensor cores (the decoded
 //   fragment of Ŵ^T, an A operand, is pair for pair the B operand of Ŵ; H16 is symmetric, so one set of registers

@@ -8,7 +8,8 @@ exllamav3 backend when installed.
 Error bounds (relative L2 vs the fp32 reference forward): the skinny and panel kernels round the transformed input
 to fp16 (as ExLlamaV3 does); the reconstruct path rounds it to the activation dtype, and W' = Ŵ H diag(svh) as well
 (after three fp16 roundings in its 8-point butterfly); the original-basis path ("orig") multiplies x itself with W
-rounded once to the activation dtype; every path rounds the output to the activation dtype: about
+(its input side rounded to fp16, then the output side as for W'); every path rounds the output to the activation
+dtype: about
 3e-4 per rounding for fp16 and 2.3e-3 for bf16, so fp16 must stay under 2e-3 and bf16 under 8e-3. Ŵ (reconstruct)
 must be bit-exact. Observed maxima are written to $VLLM_EXL3_TEST_REPORT (JSON) when set.
 """

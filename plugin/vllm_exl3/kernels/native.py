@@ -82,8 +82,8 @@ def codebook_index(codebook: str) -> int:
 
 def reconstruct(w: Exl3Weights, original_basis: bool = False, bf16: bool = False) -> torch.Tensor:
     """Ŵ (rotated basis, bit-exact with reference.decode_rotated) or, with original_basis, W = diag(suh) H Ŵ H
-    diag(svh) (the output side by the W' kernel, rounded to fp16; the input side in fp32; rounded once more at the
-    end); (in, out) padded geometry."""
+    diag(svh) (the input side in fp32, rounded to fp16; then the output side as the W' kernel does it, with fp16
+    butterfly sums; rounded once more at the end); (in, out) padded geometry."""
     cb = codebook_index(w.codebook)
     if original_basis:
         return torch.ops.vllm_exl3.reconstruct(w.trellis, cb, w.suh, w.svh, bf16)
