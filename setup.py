@@ -48,7 +48,7 @@ def extension_args(arch_list: str | None = None) -> dict:
     # A bare token (no quotes or spaces to survive the build's shell); csrc/launch.cu turns it into a string.
     archs_define = "-DVLLM_EXL3_ARCHS=" + names.replace(" ", "__").replace("+", "_")
     return {
-        "sources": sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu")) + ["csrc/bindings.cpp"],
+        "sources": sorted(str(p.relative_to(ROOT)) for p in [*CSRC.glob("*.cu"), *CSRC.glob("*.cpp")]),
         "include_dirs": [str(CSRC)],
         "libraries": ["cublas"],
         "cxx": ["-O3", "-std=c++17", archs_define],

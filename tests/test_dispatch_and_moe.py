@@ -15,7 +15,7 @@ from vllm_exl3.format import CODEBOOKS
 from vllm_exl3.kernels import ExpertStack, LinearSpec
 from vllm_exl3.kernels import ops  # noqa: F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.torch_backend import TorchBackend, moe_all_tokens, moe_routed_tokens
-from vllm_exl3.testing import random_weights
+from vllm_exl3.testing import expert_stack, random_weights
 
 
 def rel(a, b) -> float:
@@ -116,24 +116,7 @@ def expert_weights(seed=0):
 
 def stack(weights, experts, i0=0, i1=INTER):
     """The stack one rank would hold: its experts, intermediate block range around [i0, i1)."""
-    b0, b1 = i0 // 128 * 128, -(-i1 // 128) * 128
-    w13_words = max(round(weights[e][p].bits * 16) for e in experts for p in (0, 1))
-    w2_words = max(round(weights[e][2].bits * 16) for e in experts)
-
-    def pad(t, words):
-        return torch.nn.functional.pad(t, (0, words - t.shape[-1]))
-
-    return ExpertStack(
-        torch.stack([torch.stack([pad(weights[e][p].trellis[:, b0 // 16:b1 // 16], w13_words) for p in (0, 1)])
-                     for e in experts]),
-        torch.stack([torch.stack([weights[e][p].suh for p in (0, 1)]) for e in experts]),
-        torch.stack([torch.stack([weights[e][p].svh[b0:b1] for p in (0, 1)]) for e in experts]),
-        torch.stack([pad(weights[e][2].trellis[b0 // 16:b1 // 16], w2_words) for e in experts]),
-        torch.stack([weights[e][2].suh[b0:b1] for e in experts]),
-        torch.stack([weights[e][2].svh for e in experts]),
-        tuple(round(weights[e][p].bits * 16) for e in experts for p in (0, 1)),
-        tuple(round(weights[e][2].bits * 16) for e in experts),
-        tuple(weights[e][p].codebook for e in experts for p in range(3)), i0 - b0, i1 - i0)
+    return expert_stack(weights, list(experts), i0, i1)
 
 
 def naive_moe(x, topk_weights, topk_ids, weights):

@@ -158,7 +158,8 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         backend = choose_moe_backend(MoESpec(codebooks, bits, self.hidden_span.block_size,
                                              self.inter_span.block_size, len(self.local_to_global), activation,
                                              layer.params_dtype, layer.w13_trellis.device.type))
-        prepared = backend.prepare_moe(self.stack)
+        prepared = backend.prepare_moe(self.stack, getattr(self.moe, "experts_per_token", None),
+                                       getattr(self.moe, "max_num_tokens", None))
         for k, t in enumerate(prepared):
             layer.register_buffer(f"exl3_prepared_{k}", t, persistent=False)
         self.call = (list(self.stack.w13_words), list(self.stack.w2_words),

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from ..format import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK, Exl3Weights
-from . import Backend, LinearSpec, register_backend
+from . import Backend, LinearSpec, MoESpec, native_moe, register_backend
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
 (PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
@@ -39,6 +39,7 @@ def extension_error() -> str | None:
             return "vllm_exl3._C not built (install with VLLM_EXL3_BUILD_CUDA=1)"
         return f"vllm_exl3._C failed to load: {e}"
     _register_fakes()
+    native_moe.register_fakes()
     return None
 
 
@@ -124,6 +125,16 @@ class NativeBackend(Backend):
 
     def linear(self, x, w, prepared, in_offset, out_offset, out_features):
         return linear(x, w, in_offset, out_offset, out_features)
+
+    def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
+        return native_moe.unsupported_reason(spec)
+
+    def prepare_moe(self, experts, top_k=None, max_tokens=None):
+        return native_moe.prepare(experts, top_k, max_tokens)
+
+    def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+        return native_moe.moe(x, topk_weights, topk_ids, expert_map, experts, prepared, activation,
+                              router_weight_on_input)
 
 
 register_backend(NativeBackend())

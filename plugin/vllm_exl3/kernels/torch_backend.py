@@ -1,16 +1,23 @@
-"""The `torch` backend: the reference math with Ŵ decoded once at load and cached.
+"""The `torch` backend: the reference math with Ŵ decoded by the reference decoder.
 
-Always available (CPU and CUDA) and the oracle every other backend is checked against. The cache costs 16 bits
-per weight on CUDA (fp16 Ŵ, matmul on tensor cores with fp32 accumulation) and 32 on CPU (fp32 Ŵ, exact).
+Always available (CPU and CUDA) and the oracle every other backend is checked against. Dense linears cache Ŵ at
+load: 16 bits per weight on CUDA (fp16 Ŵ, matmul on tensor cores with fp32 accumulation) and 32 on CPU (fp32 Ŵ,
+exact). Routed experts cache Ŵ on CPU only (the tests' tiny models); on CUDA a layer's experts would take ~5x
+their packed bytes, so there they are decoded per call, one expert at a time (bounded memory, very slow: a
+correctness fallback that says so once per process).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from ..format import Exl3Weights
 from ..reference import decode_rotated, hadamard_rows
 from . import Backend, ExpertStack, LinearSpec, MoESpec, register_backend
+
+logger = logging.getLogger("vllm_exl3.kernels")
 
 _ACTIVATION = {
     "silu": torch.nn.functional.silu,
@@ -51,8 +58,10 @@ class TorchBackend(Backend):
     def linear(self, x, w, prepared, in_offset, out_offset, out_features):
         return rotated_linear(x, w.suh, w.svh, prepared, in_offset, out_offset, out_features)
 
-    def prepare_moe(self, experts: ExpertStack) -> list[torch.Tensor]:
-        """Decoded Ŵ of every (expert, projection): [E, 2, H, I_blk] and [E, I_blk, H]."""
+    def prepare_moe(self, experts: ExpertStack, top_k=None, max_tokens=None) -> list[torch.Tensor]:
+        """CPU: decoded Ŵ of every (expert, projection), [E, 2, H, I_blk] and [E, I_blk, H]. CUDA: nothing."""
+        if experts.w13_trellis.is_cuda:
+            return []
         e = experts.num_experts
         w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in (0, 1)]) for i in range(e)])
         w2 = torch.stack([cached_w_hat(experts.weights(i, 2)) for i in range(e)])
@@ -65,15 +74,31 @@ class TorchBackend(Backend):
         return run(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input)
 
 
+_warned_slow = False
+
+
 def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: str, hidden: int):
-    w13_hat, w2_hat = prepared
+    global _warned_slow
     act = _ACTIVATION[activation]
     io, isz = experts.inter_offset, experts.inter_size
+    if prepared:
+        w13_hat, w2_hat = prepared
+
+        def w_hat(e: int, proj: int) -> torch.Tensor:
+            return w13_hat[e, proj] if proj < 2 else w2_hat[e]
+    else:
+        if not _warned_slow:
+            _warned_slow = True
+            logger.warning("EXL3 routed experts on the torch backend on CUDA: every expert is decoded on every call "
+                           "(a correctness fallback, orders of magnitude slower than the native kernels)")
+
+        def w_hat(e: int, proj: int) -> torch.Tensor:
+            return cached_w_hat(experts.weights(e, proj))
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        gate = rotated_linear(xe, experts.w13_suh[e, 0], experts.w13_svh[e, 0], w13_hat[e, 0], 0, io, isz)
-        up = rotated_linear(xe, experts.w13_suh[e, 1], experts.w13_svh[e, 1], w13_hat[e, 1], 0, io, isz)
-        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w2_hat[e], io, 0, hidden)
+        gate = rotated_linear(xe, experts.w13_suh[e, 0], experts.w13_svh[e, 0], w_hat(e, 0), 0, io, isz)
+        up = rotated_linear(xe, experts.w13_suh[e, 1], experts.w13_svh[e, 1], w_hat(e, 1), 0, io, isz)
+        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w_hat(e, 2), io, 0, hidden)
 
     return expert
 

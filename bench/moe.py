@@ -1,0 +1,144 @@
+"""Routed-expert (MoE) layers on one GPU: the native op vs the byte floor (and ExLlamaV3's BlockSparseMLP on the same
+pack with --exllamav3 PACK).
+
+    PYTHONPATH=plugin python bench/moe.py [--quick] [--out FILE.json] [--exllamav3 PACK_DIR]
+
+Layers: Qwen3-30B-A3B-shaped (hidden 2048, expert width 768, 128 experts, top-8) at 4 and 2 bits, GLM-4.5-Air-shaped
+(4096, 1408, 128, top-8) at 4 bits; random trellis (mcg), random routing per layer copy. Timing: several layer copies
+(so the L2 cannot hold the routed experts) called one after another inside one CUDA graph, replayed; µs per layer
+call = graph time / copies (median of replays); eager times with the queue filled behind a sleep kernel. Floor:
+the distinct routed experts' packed bytes at the measured device-to-device copy bandwidth. Writes JSON and prints a
+table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels import copy_bandwidth, time_calls  # noqa: E402  (bench/kernels.py)
+from vllm_exl3.format import TILE  # noqa: E402
+from vllm_exl3.kernels import ExpertStack, get_backend  # noqa: E402
+
+DEV = "cuda"
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
+L2_DEFEAT = 200 << 20  # routed bytes in play per graph replay (H200 L2: 60 MB)
+
+
+def random_stack(hidden, inter, experts, bits, codebook, seed) -> ExpertStack:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = round(bits * TILE)
+
+    def signs(*shape, scale=1.0):
+        return ((torch.rand(*shape, device=DEV, generator=g) * 0.5 + 0.75) * scale
+                * (torch.randint(0, 2, shape, device=DEV, generator=g) * 2 - 1)).half()
+
+    t13 = torch.randint(-(2**15), 2**15, (experts, 2, hidden // TILE, inter // TILE, w), dtype=torch.int16,
+                        device=DEV, generator=g)
+    t2 = torch.randint(-(2**15), 2**15, (experts, inter // TILE, hidden // TILE, w), dtype=torch.int16, device=DEV,
+                       generator=g)
+    return ExpertStack(t13, signs(experts, 2, hidden, scale=hidden ** -0.5), signs(experts, 2, inter), t2,
+                       signs(experts, inter, scale=inter ** -0.5), signs(experts, hidden), (w,) * (2 * experts),
+                       (w,) * experts, (codebook,) * (3 * experts), 0, inter)
+
+
+def routed_bytes(stack: ExpertStack, topk_ids: torch.Tensor) -> int:
+    distinct = torch.unique(topk_ids).numel()
+    per_expert = (stack.w13_trellis[0].numel() + stack.w2_trellis[0].numel()) * 2 + \
+        (stack.w13_suh[0].numel() + stack.w13_svh[0].numel() + stack.w2_suh[0].numel() + stack.w2_svh[0].numel()) * 2
+    return distinct * per_expert
+
+
+def graph_time(calls, replays: int = 20) -> float:
+    """µs per call: all `calls` captured into one graph, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1000.0 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidth, quick) -> list[dict]:
+    native = get_backend("native")
+    layer_bytes = experts * 3 * hidden * inter * bits / 8
+    copies = max(2, min(8, math.ceil(3 * L2_DEFEAT / layer_bytes) + 1))
+    stacks = [random_stack(hidden, inter, experts, bits, "mcg", seed=s) for s in range(copies)]
+    prepared = [native.prepare_moe(s, top_k, max(tokens_list)) for s in stacks]
+    rows = []
+    for tokens in tokens_list:
+        g = torch.Generator().manual_seed(tokens)
+        xs, routes = [], []
+        for _ in stacks:
+            logits = torch.randn(tokens, experts, generator=g)
+            w, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+            routes.append(((w / w.sum(-1, keepdim=True)).to(DEV), ids.to(torch.int32).to(DEV)))
+            xs.append(torch.randn(tokens, hidden, device=DEV, dtype=torch.float16))
+        calls = [lambda i=i: native.moe(xs[i], routes[i][0], routes[i][1], None, stacks[i], prepared[i], "silu",
+                                        False) for i in range(copies)]
+        nbytes = statistics.mean(routed_bytes(stacks[i], routes[i][1]) for i in range(copies))
+        flops = 2 * tokens * top_k * 3 * hidden * inter
+        us_graph = graph_time(calls, replays=10 if quick else 30)
+        us_eager = time_calls(calls, iters=len(calls) * (3 if quick else 8))
+        row = {"layer": name, "bits": bits, "tokens": tokens, "native_graph_us": us_graph, "native_eager_us": us_eager,
+               "routed_bytes": nbytes, "gbps": nbytes / (us_graph * 1e-6) / 1e9,
+               "floor_us": nbytes / bandwidth * 1e6, "tflops": flops / (us_graph * 1e-6) / 1e12}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    del stacks, prepared
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}: device-to-device copy {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for name, bits in (("qwen3-30b-a3b", 4), ("qwen3-30b-a3b", 2), ("glm-4.5-air", 4)):
+        h, i, e, k = SHAPES[name]
+        toks = TOKENS if not args.quick else (1, 8, 64, 1024)
+        rows += bench_layer(name, h, i, e, k, bits, toks, bw, args.quick)
+    result = {"gpu": gpu, "copy_bandwidth": bw, "torch": torch.__version__, "rows": rows}
+    out = Path(args.out or f"bench/results/{gpu.replace(' ', '-').lower()}-moe.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'layer':16} {'bits':>4} {'tokens':>6} {'graph µs':>9} {'eager µs':>9} {'GB/s':>7} {'floor µs':>8}")
+    for r in rows:
+        print(f"{r['layer']:16} {r['bits']:>4} {r['tokens']:>6} {r['native_graph_us']:>9.1f} "
+              f"{r['native_eager_us']:>9.1f} {r['gbps']:>7.0f} {r['floor_us']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+// Routed experts, everything but the grouped GEMM (moe_gemm.cuh): routing on the device, the two input
+// transforms, the deterministic top-k reduction, the workspace layout and the launchers (moe.h describes the steps).
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include <cub/block/block_scan.cuh>
+
+#include "exl3_device.cuh"
+#include "exl3_kernels.h"
+#include "moe.h"
+#include "moe_gemm.cuh"
+
+namespace exl3 {
+namespace {
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// ------------------------------------------------------------------------------------------------------------
+// Step 1: routing. One block: per-expert counts (shared-memory atomics), two block scans (pair offsets, chunk
+// offsets), then the scatter and the chunk table. Pair order inside an expert's list depends on atomic order, which
+// changes nothing: every output row is computed on its own (moe_gemm.cuh).
+// ------------------------------------------------------------------------------------------------------------
+constexpr int kRouteThreads = kMoeMaxExperts;
+
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeRouteArgs a) {
+  using Scan = cub::BlockScan<int, kRouteThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int count[kMoeMaxExperts], cursor[kMoeMaxExperts];
+  const int t = threadIdx.x;
+  griddep_wait();  // topk ids come from the router (the kernel before us)
+  count[t] = 0;
+  cursor[t] = 0;
+  __syncthreads();
+  for (int p = t; p < a.pairs; p += kRouteThreads) {
+    long long id = a.ids64 ? static_cast<const long long*>(a.topk_ids)[p] : static_cast<const int*>(a.topk_ids)[p];
+    int e = -1;
+    if (id >= 0 && (a.expert_map ? id < a.global_experts : id < a.experts))
+      e = a.expert_map ? a.expert_map[id] : static_cast<int>(id);
+    if (e >= a.experts) e = -1;  // a map entry past this rank's experts: treat as not local
+    a.pair_expert[p] = e;
+    if (e >= 0) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  const int n = t < a.experts ? count[t] : 0;
+  const int chunks = (n + a.rows_per_chunk - 1) / a.rows_per_chunk;
+  int offset, chunk0, total_chunks;
+  Scan(scan_tmp).ExclusiveSum(n, offset);
+  __syncthreads();
+  Scan(scan_tmp).ExclusiveSum(chunks, chunk0, total_chunks);
+  __syncthreads();
+  count[t] = offset;  // count[] now holds each expert's first position in sorted_pairs
+  if (t == 0) *a.num_chunks = total_chunks;
+  for (int c = 0; c < chunks; ++c) {
+    a.chunk_expert[chunk0 + c] = t;
+    a.chunk_start[chunk0 + c] = offset + c * a.rows_per_chunk;
+    a.chunk_count[chunk0 + c] = min(a.rows_per_chunk, n - c * a.rows_per_chunk);
+  }
+  __syncthreads();
+  for (int p = t; p < a.pairs; p += kRouteThreads) {
+    const int e = a.pair_expert[p];
+    if (e >= 0) a.sorted_pairs[count[e] + atomicAdd(&cursor[e], 1)] = p;
+  }
+  griddep_launch_dependents();
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Steps 2 and 4: per pair, per 128-block, xh = H(v * suh) / sqrt(128) rounded once to fp16. A half-warp owns one
+// 128-block, 8 consecutive values per lane (3 butterfly stages in registers, 4 across the half-warp); a block is
+// one pair x 8 such blocks.
+// ------------------------------------------------------------------------------------------------------------
+constexpr int kXfWarps = 4;
+constexpr int kXfThreads = kXfWarps * kWarp;
+constexpr int kXfBlocks = 2 * kXfWarps;  // 128-blocks per CUDA block
+
+__device__ __forceinline__ void fwht128_halfwarp(float (&v)[8], int lane) {
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (!(e & m)) {
+        const float lo = v[e], hi = v[e | m];
+        v[e] = lo + hi, v[e | m] = lo - hi;
+      }
+#pragma unroll
+  for (int m = 1; m < 16; m <<= 1) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float q = __shfl_xor_sync(0xFFFFFFFFu, v[e], m);
+      v[e] = upper ? q - v[e] : v[e] + q;
+    }
+  }
+}
+
+__device__ __forceinline__ void load8(const void* base, long long i, int dtype, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + i * 2);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = dtype == kActBF16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]))
+                                       : __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
+    v[2 * e] = f.x, v[2 * e + 1] = f.y;
+  }
+}
+
+// v / sqrt(128), rounded to fp16, one 16-byte store.
+__device__ __forceinline__ void store_scaled_fp16(const float (&v)[8], __half* dst) {
+  const __half2 h0 = __floats2half2_rn(v[0] * kHadScale, v[1] * kHadScale);
+  const __half2 h1 = __floats2half2_rn(v[2] * kHadScale, v[3] * kHadScale);
+  const __half2 h2 = __floats2half2_rn(v[4] * kHadScale, v[5] * kHadScale);
+  const __half2 h3 = __floats2half2_rn(v[6] * kHadScale, v[7] * kHadScale);
+  uint4 o;
+  o.x = *reinterpret_cast<const uint32_t*>(&h0);
+  o.y = *reinterpret_cast<const uint32_t*>(&h1);
+  o.z = *reinterpret_cast<const uint32_t*>(&h2);
+  o.w = *reinterpret_cast<const uint32_t*>(&h3);
+  *reinterpret_cast<uint4*>(dst) = o;
+}
+
+__device__ __forceinline__ void mul_suh8(float (&v)[8], const __half* suh) {
+  const uint4 su = *reinterpret_cast<const uint4*>(suh);
+  const uint32_t sw[4] = {su.x, su.y, su.z, su.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 s = __half22float2(*reinterpret_cast<const __half2*>(&sw[e]));
+    v[2 * e] *= s.x, v[2 * e + 1] *= s.y;
+  }
+}
+
+__global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherArgs a) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const int pair = blockIdx.x;
+  const int expert = a.pair_expert[pair];
+  if (expert < 0) return;
+  const int lane = threadIdx.x % kWarp, sub = lane % 16;
+  const int kbs = a.hidden_padded / kHadBlock;
+  const int idx = blockIdx.y * kXfBlocks + threadIdx.x / 16;  // (proj, 128-block)
+  const bool active = idx < 2 * kbs;                         // not warp-uniform: idle half-warps still shuffle
+  const int proj = active ? idx / kbs : 0, k = (active ? idx % kbs : 0) * kHadBlock + 8 * sub;
+  float v[8] = {};
+  if (active) {
+    const long long i = static_cast<long long>(pair / a.top_k) * a.x_stride + k;
+    if (k + 8 <= a.hidden && ((reinterpret_cast<uintptr_t>(a.x) + i * 2) & 15) == 0) {
+      load8(a.x, i, a.x_dtype, v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = k + e < a.hidden ? load_act(a.x, i + e, a.x_dtype) : 0.f;
+    }
+    const float w = a.pair_weight ? a.pair_weight[pair] : 1.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] *= w;
+    mul_suh8(v, static_cast<const __half*>(a.suh) + (static_cast<long long>(expert) * 2 + proj) * a.hidden_padded + k);
+  }
+  fwht128_halfwarp(v, lane);
+  if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + (static_cast<long long>(pair) * 2 + proj) * a.hidden_padded + k);
+}
+
+__device__ __forceinline__ float activate(float g, int activation) {
+  if (activation == kActSilu) return g / (1.f + expf(-g));
+  if (activation == kActGelu) return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+  const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi) (g + 0.044715 g^3)
+  return 0.5f * g * (1.f + tanhf(inner));
+}
+
+__global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const int pair = blockIdx.x;
+  const int expert = a.pair_expert[pair];
+  if (expert < 0) return;
+  const int lane = threadIdx.x % kWarp, sub = lane % 16;
+  const int kbs = a.inter_padded / kHadBlock;
+  const int kb = blockIdx.y * kXfBlocks + threadIdx.x / 16;
+  const bool active = kb < kbs;
+  const int k = (active ? kb : 0) * kHadBlock + 8 * sub;
+  float v[8] = {};
+  if (active) {
+    float g[8], u[8];
+    const long long row = static_cast<long long>(pair) * 2 * a.inter_padded;
+    load8(a.gu, row + k, a.gu_dtype, g);
+    load8(a.gu, row + a.inter_padded + k, a.gu_dtype, u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int c = k + e;
+      v[e] = c >= a.inter_offset && c < a.inter_offset + a.inter_size ? activate(g[e], a.activation) * u[e] : 0.f;
+    }
+    mul_suh8(v, static_cast<const __half*>(a.suh) + static_cast<long long>(expert) * a.inter_padded + k);
+  }
+  fwht128_halfwarp(v, lane);
+  if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + static_cast<long long>(pair) * a.inter_padded + k);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Step 6: y[token] = sum_k slot[token * top_k + k] over the pairs routed to local experts, k in order.
+// ------------------------------------------------------------------------------------------------------------
+constexpr int kReduceThreads = 256;
+
+__global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const MoeReduceArgs a) {
+  griddep_wait();
+  griddep_launch_dependents();
+  const int token = blockIdx.x;
+  const int h = (blockIdx.y * kReduceThreads + threadIdx.x) * 4;
+  if (h >= a.hidden) return;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int k = 0; k < a.top_k; ++k) {
+    const int pair = token * a.top_k + k;
+    if (a.pair_expert[pair] < 0) continue;
+    const float4 s = *reinterpret_cast<const float4*>(a.slots + static_cast<long long>(pair) * a.hidden_padded + h);
+    v[0] += s.x, v[1] += s.y, v[2] += s.z, v[3] += s.w;
+  }
+  const long long i = static_cast<long long>(token) * a.y_stride + h;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(a.y) + i * 2) & 7) == 0;
+  store_act4(a.y, i, v, a.y_dtype, aligned, 0, min(4, a.hidden - h));
+}
+
+// Raises a GEMM instantiation's shared-memory limit once per device (moe_prepare does it for a layer's kernels at
+// load, so that nothing but launches happens during CUDA-graph capture).
+cudaError_t prepare_gemm(const MoeGemmKernel& k) {
+  static std::mutex mu;
+  static std::set<std::pair<int, const void*>> done;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({dev, k.fn})) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.smem);
+  if (err == cudaSuccess) done.insert({dev, k.fn});
+  return err;
+}
+
+MoeGemmKernel pick_gemm(int bits2, int codebook, int rows) {
+  return codebook == kCbMul1 ? moe_gemm_kernel_mul1(bits2, rows) : moe_gemm_kernel_xcg(bits2, rows);
+}
+
+}  // namespace
+
+int moe_chunk_bound(int pairs, int experts, int rows_per_chunk) {
+  // Each expert's list splits into ceil(n_e / R) chunks: at most (pairs + min(E, pairs) * (R - 1)) / R in all.
+  const long long touched = std::min(experts, pairs);
+  return static_cast<int>((pairs + touched * (rows_per_chunk - 1)) / rows_per_chunk);
+}
+
+MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden_padded, int inter_padded,
+                                  int act_bytes, int rows_per_chunk) {
+  const size_t pairs = static_cast<size_t>(tokens) * top_k;
+  const size_t chunks = moe_chunk_bound(static_cast<int>(pairs), experts, rows_per_chunk);
+  MoeWorkspace w{};
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += align256(bytes);
+    return here;
+  };
+  w.pair_expert = take(pairs * 4);
+  w.sorted_pairs = take(pairs * 4);
+  w.chunk_expert = take(chunks * 4);
+  w.chunk_start = take(chunks * 4);
+  w.chunk_count = take(chunks * 4);
+  w.num_chunks = take(4);
+  w.gu = take(pairs * 2 * inter_padded * act_bytes);
+  // xh13 is dead once the gate/up GEMM has run: xh2 and the slots reuse its bytes (they must not overlap each
+  // other: the down GEMM reads one and writes the other).
+  const size_t big = at;
+  const size_t xh13 = align256(pairs * 2 * hidden_padded * 2);
+  const size_t xh2 = align256(pairs * inter_padded * 2), slots = align256(pairs * hidden_padded * 4);
+  w.xh13 = big;
+  w.xh2 = big;
+  w.slots = big + xh2;
+  w.total = big + std::max(xh13, xh2 + slots);
+  return w;
+}
+
+int moe_rows_per_chunk(int pairs, int experts) {
+  // Rows per expert on average, if the routing spreads the pairs over as many experts as it can. Small chunks
+  // waste no MMA rows at decode; large ones decode each tile once for 64 rows in prefill.
+  const int avg = pairs / std::max(1, std::min(experts, pairs));
+  return avg <= 8 ? 8 : avg <= 32 ? 16 : 64;
+}
+
+bool moe_gemm_supported(int bits2, int codebook, int rows_per_chunk) {
+  return pick_gemm(bits2, codebook, rows_per_chunk).fn != nullptr;
+}
+
+cudaError_t moe_prepare(int bits2, int codebook) {
+  for (int rows : {8, 16, 64}) {
+    const MoeGemmKernel k = pick_gemm(bits2, codebook, rows);
+    if (!k.fn) return cudaErrorInvalidValue;
+    const cudaError_t err = prepare_gemm(k);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
+  if (a.experts > kMoeMaxExperts || a.experts <= 0) return cudaErrorInvalidValue;
+  void* args[] = {const_cast<MoeRouteArgs*>(&a)};
+  return launch_kernel(reinterpret_cast<const void*>(&moe_route_kernel), dim3(1), dim3(kRouteThreads), 0, false,
+                       stream, args);
+}
+
+cudaError_t launch_moe_gather_transform(const MoeGatherArgs& a, bool pdl, cudaStream_t stream) {
+  if (a.pairs <= 0) return cudaSuccess;
+  const int kbs = a.hidden_padded / kHadBlock;
+  void* args[] = {const_cast<MoeGatherArgs*>(&a)};
+  return launch_kernel(reinterpret_cast<const void*>(&moe_gather_kernel),
+                       dim3(a.pairs, (2 * kbs + kXfBlocks - 1) / kXfBlocks), dim3(kXfThreads), 0, pdl, stream, args);
+}
+
+cudaError_t launch_moe_act_transform(const MoeActArgs& a, bool pdl, cudaStream_t stream) {
+  if (a.pairs <= 0) return cudaSuccess;
+  const int kbs = a.inter_padded / kHadBlock;
+  void* args[] = {const_cast<MoeActArgs*>(&a)};
+  return launch_kernel(reinterpret_cast<const void*>(&moe_act_kernel),
+                       dim3(a.pairs, (kbs + kXfBlocks - 1) / kXfBlocks), dim3(kXfThreads), 0, pdl, stream, args);
+}
+
+cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, cudaStream_t stream) {
+  const MoeGemmKernel k = pick_gemm(a.bits2, a.codebook, rows_per_chunk);
+  if (!k.fn) return cudaErrorInvalidValue;
+  if (a.chunk_bound <= 0) return cudaSuccess;
+  cudaError_t err = prepare_gemm(k);
+  if (err != cudaSuccess) return err;
+  void* args[] = {const_cast<MoeGemmArgs*>(&a)};
+  return launch_kernel(k.fn, dim3(a.chunk_bound, a.groups * a.projs), dim3(kMoeThreads), k.smem, pdl, stream, args);
+}
+
+cudaError_t launch_moe_reduce(const MoeReduceArgs& a, bool pdl, cudaStream_t stream) {
+  if (a.tokens <= 0 || a.hidden <= 0) return cudaSuccess;
+  void* args[] = {const_cast<MoeReduceArgs*>(&a)};
+  return launch_kernel(reinterpret_cast<const void*>(&moe_reduce_kernel),
+                       dim3(a.tokens, (a.hidden + 4 * kReduceThreads - 1) / (4 * kReduceThreads)),
+                       dim3(kReduceThreads), 0, pdl, stream, args);
+}
+
+}  // namespace exl3

@@ -1,0 +1,139 @@
+// Host-side launchers of the routed-expert (MoE) kernels: raw pointers, sizes and a stream, no torch types
+// (moe_bindings.cpp is the torch glue). Every launcher returns the CUDA error of its launch.
+//
+// One MoE layer call, for a chunk of tokens (moe_bindings.cpp loops over chunks so the workspace stays bounded):
+//   1. route            topk ids -> local expert per (token, k) pair, per-expert pair lists, row-chunk table
+//   2. gather transform xh13[pair][proj] = H(x[token] * suh[expert][proj]) / sqrt(128), fp16   (proj: gate, up)
+//   3. grouped GEMM     gu[pair][proj] = H(xh13 . Ŵ[expert][proj]) / sqrt(128) * svh           (act dtype)
+//   4. act transform    xh2[pair] = H(act(gate) * up * suh2[expert]) / sqrt(128), fp16 (TP slice only, zeros else)
+//   5. grouped GEMM     slot[pair] = H(xh2 . Ŵ2[expert]) / sqrt(128) * svh2 * router weight   (fp32)
+//   6. reduce           y[token] = sum over k of slot[token * top_k + k], in k order (deterministic, no atomics)
+// Every grid is sized from shapes alone (worst case), blocks past the device-side counts exit: no host sync, so
+// the whole sequence captures into a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "exl3_kernels.h"
+
+namespace exl3 {
+
+constexpr int kMoeMaxExperts = 1024;  // local experts per layer: the routing kernel keeps one counter per expert
+
+enum MoeActivation : int { kActSilu = 0, kActGelu = 1, kActGeluTanh = 2 };
+
+// The key of an (expert, projection) weight: its kernel instantiation (bit width, codebook). A layer whose weights
+// share one key runs one GEMM launch per projection kind; mixed layers run one launch per key, each skipping the
+// weights of other keys.
+inline int moe_weight_key(int words, int codebook) { return words * 4 + codebook; }
+
+// Workspace layout of one token chunk (bytes, 256-aligned pieces); see moe_workspace_layout.
+struct MoeWorkspace {
+  size_t pair_expert, sorted_pairs, chunk_expert, chunk_start, chunk_count, num_chunks;  // int32 arrays
+  size_t xh13;   // fp16 [pairs][2][H]            (step 2, read by step 3)
+  size_t gu;     // act  [pairs][2][I]            (step 3, read by step 4)
+  size_t xh2;    // fp16 [pairs][I]               (step 4, read by step 5): aliases xh13, dead by then
+  size_t slots;  // fp32 [pairs][H]               (step 5, read by step 6): aliases xh13 after xh2
+  size_t total;
+};
+// pairs = tokens * top_k; chunk_bound = most row chunks any routing of `pairs` pairs over `experts` experts can make.
+int moe_chunk_bound(int pairs, int experts, int rows_per_chunk);
+MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden_padded, int inter_padded,
+                                  int act_bytes, int rows_per_chunk);
+
+struct MoeRouteArgs {
+  const void* topk_ids;  // [pairs], int32 or int64 (ids64)
+  bool ids64;
+  const int* expert_map;  // [global experts] -> local id or -1; null: ids are local
+  int global_experts;
+  int pairs, experts, rows_per_chunk;
+  int* pair_expert;   // [pairs] local expert or -1
+  int* sorted_pairs;  // [pairs] pair indices grouped by expert
+  int* chunk_expert;  // [chunk_bound]
+  int* chunk_start;   // [chunk_bound] index into sorted_pairs
+  int* chunk_count;   // [chunk_bound] rows in the chunk (1..rows_per_chunk)
+  int* num_chunks;    // [1]
+};
+cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream);
+
+// Step 2: gate/up inputs. x [tokens, hidden] (row stride x_stride); pair p reads token p / top_k, optionally scaled by
+// its router weight (top-1 models apply it on the input).
+struct MoeGatherArgs {
+  const void* x;
+  int x_dtype;
+  long long x_stride;
+  int hidden;                  // logical input columns; columns past it are zeros
+  int hidden_padded;           // H
+  int pairs, top_k;
+  const int* pair_expert;
+  const void* suh;             // fp16 [experts][2][H]
+  const float* pair_weight;    // [pairs] or null
+  void* xh;                    // fp16 [pairs][2][H]
+};
+cudaError_t launch_moe_gather_transform(const MoeGatherArgs& a, bool pdl, cudaStream_t stream);
+
+// Step 4: down inputs from the gate/up outputs.
+struct MoeActArgs {
+  const void* gu;  // [pairs][2][I] act dtype
+  int gu_dtype;
+  int inter_padded;             // I
+  int inter_offset, inter_size;  // this rank's columns of the intermediate dim; others are zeros
+  int activation;               // MoeActivation
+  int pairs;
+  const int* pair_expert;
+  const void* suh;  // fp16 [experts][I]
+  void* xh;         // fp16 [pairs][I]
+};
+cudaError_t launch_moe_act_transform(const MoeActArgs& a, bool pdl, cudaStream_t stream);
+
+// Steps 3 and 5: grouped GEMM over the row-chunk table. Block (chunk, column group, projection): the chunk's rows of
+// xh times the 128 output columns of its expert's weight, then the output Hadamard and svh.
+struct MoeGemmArgs {
+  const int16_t* trellis;  // (expert, proj) slice at trellis + (expert * projs + proj) * slice_stride
+  long long slice_stride, row_stride;
+  int tile_stride;
+  int bits2, codebook;
+  const int* keys;  // [experts * projs] moe_weight_key of each slice, or null when all share want_key
+  int want_key;
+  int projs;
+  const void* svh;  // fp16 [experts * projs][N]
+  int n_padded;       // N
+  const void* xh;    // fp16; row of pair p for proj q: xh + p * xh_row_stride + q * xh_proj_stride (K wide)
+  long long xh_row_stride, xh_proj_stride;
+  int kb_count;  // K / 128
+  int groups;    // N / 128
+  const int* chunk_expert;
+  const int* chunk_start;
+  const int* chunk_count;
+  const int* num_chunks;
+  const int* sorted_pairs;
+  int chunk_bound;
+  bool to_slots;  // false: act dtype y[p * y_row_stride + q * N + col]; true: fp32 slots * pair_weight
+  void* y;
+  int y_dtype;
+  long long y_row_stride;
+  const float* pair_weight;  // to_slots: router weight per pair, or null (applied on the input)
+};
+// Row-chunk sizes with a kernel instantiation; the caller routes with the same size it launches with.
+int moe_rows_per_chunk(int pairs, int experts);
+bool moe_gemm_supported(int bits2, int codebook, int rows_per_chunk);
+// Once per layer at load: raises the shared-memory limits of every row size's kernel for this (width, codebook).
+cudaError_t moe_prepare(int bits2, int codebook);
+cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, cudaStream_t stream);
+
+// Step 6.
+struct MoeReduceArgs {
+  const float* slots;  // [pairs][H]
+  int hidden_padded, hidden;
+  int tokens, top_k;
+  const int* pair_expert;
+  void* y;  // [tokens][hidden], act dtype, row stride y_stride
+  int y_dtype;
+  long long y_stride;
+};
+cudaError_t launch_moe_reduce(const MoeReduceArgs& a, bool pdl, cudaStream_t stream);
+
+}  // namespace exl3

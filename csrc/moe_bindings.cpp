@@ -1,0 +1,341 @@
+// Torch glue of the routed-expert kernels (csrc/moe.h): the `native_moe` op and its helpers, in the `vllm_exl3`
+// namespace next to the dense ops of bindings.cpp. Fake (shape-only) implementations live in the native backend.
+//
+//   native_moe(x, topk_weights, topk_ids, expert_map, w13_*, w2_*, w13_keys, w2_keys, w13_words, w2_words,
+//              codebooks, activation, router_weight_on_input, inter_offset, inter_size) -> y [M, hidden]
+//   moe_expert_keys(words, codebooks) -> int32 CPU tensor: the kernel key of each (expert, projection)
+//   moe_reserve(device, tokens, top_k, experts, hidden_padded, inter_padded, act_bytes) -> workspace bytes
+//   moe_prepare(bits, codebook) -> raises the kernels' shared-memory limits (once per layer kind, at load)
+//
+// Workspace: one buffer per device for all MoE layers (they run one after another on the stream), sized for
+// kMoeChunkTokens tokens; longer calls run chunk by chunk. It grows only outside CUDA-graph capture (load time
+// reserves it, and vLLM's warm-up runs every size eagerly before capturing); growth requested during capture is an
+// error, never an allocation.
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "moe.h"
+
+namespace {
+
+constexpr int64_t kHad = 128;
+constexpr int kMoeChunkTokens = 1024;  // tokens per internal step: bounds the workspace (moe_workspace_layout)
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "vllm_exl3: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+bool use_pdl() {
+  const char* v = std::getenv("VLLM_EXL3_PDL");
+  return !(v && *v && std::atoi(v) == 0);
+}
+
+int activation_id(c10::string_view name) {
+  if (name == "silu") return exl3::kActSilu;
+  if (name == "gelu") return exl3::kActGelu;
+  if (name == "gelu_tanh") return exl3::kActGeluTanh;
+  TORCH_CHECK(false, "vllm_exl3: unknown MoE activation '", std::string(name), "' (silu, gelu, gelu_tanh)");
+}
+
+// Per-device workspace; leaked on purpose (a static tensor would be freed after the CUDA context at exit).
+std::mutex& ws_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<int, at::Tensor*>& workspaces() {
+  static auto* m = new std::map<int, at::Tensor*>();
+  return *m;
+}
+
+size_t reserve_bytes(int tokens, int top_k, int experts, int hidden_padded, int inter_padded, int act_bytes) {
+  // Rows per chunk 8 gives the most chunks, hence the largest routing table.
+  return exl3::moe_workspace_layout(std::min(tokens, kMoeChunkTokens), top_k, experts, hidden_padded, inter_padded,
+                                    act_bytes, 8)
+      .total;
+}
+
+char* workspace(const at::Device& device, size_t bytes) {
+  std::lock_guard<std::mutex> lock(ws_mutex());
+  at::Tensor*& t = workspaces()[device.index()];
+  if (t && static_cast<size_t>(t->numel()) >= bytes) return static_cast<char*>(t->data_ptr());
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &status), "cudaStreamIsCapturing");
+  TORCH_CHECK(status == cudaStreamCaptureStatusNone, "vllm_exl3: the MoE workspace must grow to ", bytes,
+              " bytes during CUDA-graph capture; reserve it at load (moe_reserve) or warm up eagerly first");
+  delete t;
+  t = new at::Tensor(at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device)));
+  return static_cast<char*>(t->data_ptr());
+}
+
+int64_t moe_reserve(c10::Device device, int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden_padded,
+                    int64_t inter_padded, int64_t act_bytes) {
+  TORCH_CHECK(device.is_cuda(), "moe_reserve needs a CUDA device");
+  const c10::cuda::CUDAGuard guard(device);
+  const size_t bytes = reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k), static_cast<int>(experts),
+                                     static_cast<int>(hidden_padded), static_cast<int>(inter_padded),
+                                     static_cast<int>(act_bytes));
+  workspace(device, bytes);
+  std::lock_guard<std::mutex> lock(ws_mutex());
+  return workspaces()[device.index()]->numel();
+}
+
+at::Tensor moe_expert_keys(at::IntArrayRef words, at::IntArrayRef codebooks) {
+  TORCH_CHECK(words.size() == codebooks.size(), "moe_expert_keys: one codebook per weight");
+  at::Tensor keys = at::empty({static_cast<int64_t>(words.size())}, at::kInt);
+  for (size_t i = 0; i < words.size(); ++i)
+    keys.data_ptr<int>()[i] = exl3::moe_weight_key(static_cast<int>(words[i]), static_cast<int>(codebooks[i]));
+  return keys;
+}
+
+void moe_prepare(int64_t words, int64_t codebook) {
+  TORCH_CHECK(words % 8 == 0 && words >= 16 && words <= 128, "moe_prepare: words must be 16 * bits");
+  check_cuda(exl3::moe_prepare(static_cast<int>(words / 8), static_cast<int>(codebook)), "MoE kernel preparation");
+}
+
+struct Slices {
+  const int16_t* data;
+  long long slice_stride, row_stride;
+  int tile_stride;
+};
+// [E, (projs,) K/16, N/16, W] int16, contiguous: (expert, proj) slices one after another.
+Slices slices(const at::Tensor& t, int projs, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kShort && t.is_contiguous() && t.dim() == (projs == 2 ? 5 : 4),
+              "vllm_exl3: ", name, " must be a contiguous CUDA int16 expert stack");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+  const int d = t.dim();
+  return {t.data_ptr<int16_t>(), t.stride(projs == 2 ? 1 : 0), t.stride(d - 3), static_cast<int>(t.stride(d - 2))};
+}
+
+// The distinct kernel keys of some (expert, projection) weights, and one of the widths/codebooks of each.
+struct Key {
+  int key, bits2, codebook;
+  bool operator<(const Key& o) const { return key < o.key; }
+};
+std::set<Key> distinct_keys(const std::vector<int>& words, const std::vector<int>& cbs) {
+  std::set<Key> out;
+  for (size_t i = 0; i < words.size(); ++i) {
+    TORCH_CHECK(words[i] % 8 == 0 && words[i] >= 16 && words[i] <= 128, "vllm_exl3: expert trellis words ", words[i],
+                " is not 16 * bits (bits 1..8, or 1.5/2.5/3.5)");
+    TORCH_CHECK(cbs[i] >= 0 && cbs[i] <= 2, "vllm_exl3: codebook index ", cbs[i], " is not 0..2");
+    const int bits2 = words[i] / 8;
+    TORCH_CHECK(bits2 % 2 == 0 || (cbs[i] == exl3::kCbMul1 && bits2 <= 7),
+                "vllm_exl3: half-integer bit widths need mul1, <= 3.5");
+    out.insert({exl3::moe_weight_key(words[i], cbs[i]), bits2, cbs[i]});
+  }
+  return out;
+}
+
+at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                      const at::Tensor& expert_map, const at::Tensor& w13_trellis, const at::Tensor& w13_suh,
+                      const at::Tensor& w13_svh, const at::Tensor& w2_trellis, const at::Tensor& w2_suh,
+                      const at::Tensor& w2_svh, const at::Tensor& w13_keys, const at::Tensor& w2_keys,
+                      at::IntArrayRef w13_words, at::IntArrayRef w2_words, at::IntArrayRef codebooks,
+                      c10::string_view activation, bool router_weight_on_input, int64_t inter_offset,
+                      int64_t inter_size) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "vllm_exl3: x must be a 2-D CUDA tensor");
+  TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16,
+              "vllm_exl3: activations must be fp16 or bf16");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int xdt = x.scalar_type() == at::kBFloat16 ? exl3::kActBF16 : exl3::kActF16;
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t experts = w13_trellis.size(0);
+  const int64_t hp = w13_trellis.size(2) * 16, ip = w13_trellis.size(3) * 16;
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == tokens && topk_ids.is_cuda() &&
+                  (topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong),
+              "vllm_exl3: topk_ids must be CUDA int32/int64 [tokens, top_k]");
+  const int64_t top_k = topk_ids.size(1);
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.is_cuda(),
+              "vllm_exl3: topk_weights must match topk_ids");
+  TORCH_CHECK(experts >= 1 && experts <= exl3::kMoeMaxExperts, "vllm_exl3: 1..", exl3::kMoeMaxExperts,
+              " local experts per layer, got ", experts);
+  TORCH_CHECK(hp % kHad == 0 && ip % kHad == 0, "vllm_exl3: expert dims are padded to 128");
+  TORCH_CHECK(hidden <= hp, "vllm_exl3: x has ", hidden, " columns, the experts take at most ", hp);
+  TORCH_CHECK(w2_trellis.size(0) == experts && w2_trellis.size(1) * 16 == ip && w2_trellis.size(2) * 16 == hp,
+              "vllm_exl3: w2_trellis does not match w13_trellis");
+  auto fp16_of = [](const at::Tensor& t, std::vector<int64_t> shape, const char* name) {
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kHalf && t.is_contiguous() && t.sizes() == at::IntArrayRef(shape),
+                "vllm_exl3: ", name, " must be contiguous CUDA fp16 ", at::IntArrayRef(shape));
+  };
+  fp16_of(w13_suh, {experts, 2, hp}, "w13_suh");
+  fp16_of(w13_svh, {experts, 2, ip}, "w13_svh");
+  fp16_of(w2_suh, {experts, ip}, "w2_suh");
+  fp16_of(w2_svh, {experts, hp}, "w2_svh");
+  TORCH_CHECK(static_cast<int64_t>(w13_words.size()) == 2 * experts && static_cast<int64_t>(w2_words.size()) == experts &&
+                  static_cast<int64_t>(codebooks.size()) == 3 * experts,
+              "vllm_exl3: words/codebooks lists do not match the expert count");
+  TORCH_CHECK(inter_offset >= 0 && inter_size >= 0 && inter_offset + inter_size <= ip,
+              "vllm_exl3: intermediate slice outside the stored block range");
+  const int act = activation_id(activation);
+  const bool has_map = expert_map.numel() > 0;
+  if (has_map)
+    TORCH_CHECK(expert_map.is_cuda() && expert_map.scalar_type() == at::kInt && expert_map.dim() == 1,
+                "vllm_exl3: expert_map must be a CUDA int32 vector");
+
+  std::vector<int> gw, gcb, dw, dcb;
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int p = 0; p < 2; ++p) gw.push_back(static_cast<int>(w13_words[2 * e + p])), gcb.push_back(static_cast<int>(codebooks[3 * e + p]));
+    dw.push_back(static_cast<int>(w2_words[e])), dcb.push_back(static_cast<int>(codebooks[3 * e + 2]));
+  }
+  const std::set<Key> keys13 = distinct_keys(gw, gcb), keys2 = distinct_keys(dw, dcb);
+  if (keys13.size() > 1)
+    TORCH_CHECK(w13_keys.is_cuda() && w13_keys.scalar_type() == at::kInt && w13_keys.numel() == 2 * experts,
+                "vllm_exl3: mixed gate/up widths need w13_keys (moe_expert_keys) on the device");
+  if (keys2.size() > 1)
+    TORCH_CHECK(w2_keys.is_cuda() && w2_keys.scalar_type() == at::kInt && w2_keys.numel() == experts,
+                "vllm_exl3: mixed down widths need w2_keys (moe_expert_keys) on the device");
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor y = at::empty({tokens, hidden}, x.options());
+  if (tokens == 0 || hidden == 0) return y;
+  const at::Tensor ids = topk_ids.contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const Slices s13 = slices(w13_trellis, 2, "w13_trellis"), s2 = slices(w2_trellis, 1, "w2_trellis");
+  const int act_bytes = static_cast<int>(x.element_size());
+  char* base = workspace(x.device(), reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k),
+                                                   static_cast<int>(experts), static_cast<int>(hp),
+                                                   static_cast<int>(ip), act_bytes));
+  const bool pdl = use_pdl();
+
+  for (int64_t t0 = 0; t0 < tokens; t0 += kMoeChunkTokens) {
+    const int tc = static_cast<int>(std::min<int64_t>(kMoeChunkTokens, tokens - t0));
+    const int pairs = tc * static_cast<int>(top_k);
+    const int rows = exl3::moe_rows_per_chunk(pairs, static_cast<int>(experts));
+    const exl3::MoeWorkspace L = exl3::moe_workspace_layout(tc, static_cast<int>(top_k), static_cast<int>(experts),
+                                                            static_cast<int>(hp), static_cast<int>(ip), act_bytes, rows);
+    auto at_ = [&](size_t off) { return base + off; };
+    int* pair_expert = reinterpret_cast<int*>(at_(L.pair_expert));
+    int* sorted = reinterpret_cast<int*>(at_(L.sorted_pairs));
+    int* chunk_expert = reinterpret_cast<int*>(at_(L.chunk_expert));
+    int* chunk_start = reinterpret_cast<int*>(at_(L.chunk_start));
+    int* chunk_count = reinterpret_cast<int*>(at_(L.chunk_count));
+    int* num_chunks = reinterpret_cast<int*>(at_(L.num_chunks));
+    const float* pair_w = weights.data_ptr<float>() + t0 * top_k;
+
+    exl3::MoeRouteArgs ra{};
+    ra.topk_ids = static_cast<const char*>(ids.data_ptr()) + t0 * top_k * ids.element_size();
+    ra.ids64 = ids.scalar_type() == at::kLong;
+    ra.expert_map = has_map ? expert_map.data_ptr<int>() : nullptr;
+    ra.global_experts = has_map ? static_cast<int>(expert_map.numel()) : static_cast<int>(experts);
+    ra.pairs = pairs;
+    ra.experts = static_cast<int>(experts);
+    ra.rows_per_chunk = rows;
+    ra.pair_expert = pair_expert;
+    ra.sorted_pairs = sorted;
+    ra.chunk_expert = chunk_expert;
+    ra.chunk_start = chunk_start;
+    ra.chunk_count = chunk_count;
+    ra.num_chunks = num_chunks;
+    check_cuda(exl3::launch_moe_route(ra, stream), "MoE routing");
+
+    exl3::MoeGatherArgs ga{};
+    ga.x = static_cast<const char*>(x.data_ptr()) + t0 * x.stride(0) * x.element_size();
+    ga.x_dtype = xdt;
+    ga.x_stride = x.stride(0);
+    ga.hidden = static_cast<int>(hidden);
+    ga.hidden_padded = static_cast<int>(hp);
+    ga.pairs = pairs;
+    ga.top_k = static_cast<int>(top_k);
+    ga.pair_expert = pair_expert;
+    ga.suh = w13_suh.data_ptr();
+    ga.pair_weight = router_weight_on_input ? pair_w : nullptr;
+    ga.xh = at_(L.xh13);
+    check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
+
+    const int chunk_bound = exl3::moe_chunk_bound(pairs, static_cast<int>(experts), rows);
+    auto gemm = [&](const Slices& s, const std::set<Key>& keys, const at::Tensor& key_tensor, int projs,
+                    const at::Tensor& svh, int n, const void* xh, long long xh_row, long long xh_proj, int k,
+                    bool to_slots, void* out, int out_dtype, long long out_row, const float* out_w, const char* what) {
+      for (const Key& key : keys) {
+        exl3::MoeGemmArgs a{};
+        a.trellis = s.data;
+        a.slice_stride = s.slice_stride;
+        a.row_stride = s.row_stride;
+        a.tile_stride = s.tile_stride;
+        a.bits2 = key.bits2;
+        a.codebook = key.codebook;
+        a.keys = keys.size() > 1 ? key_tensor.data_ptr<int>() : nullptr;
+        a.want_key = key.key;
+        a.projs = projs;
+        a.svh = svh.data_ptr();
+        a.n_padded = n;
+        a.xh = xh;
+        a.xh_row_stride = xh_row;
+        a.xh_proj_stride = xh_proj;
+        a.kb_count = k / static_cast<int>(kHad);
+        a.groups = n / static_cast<int>(kHad);
+        a.chunk_expert = chunk_expert;
+        a.chunk_start = chunk_start;
+        a.chunk_count = chunk_count;
+        a.num_chunks = num_chunks;
+        a.sorted_pairs = sorted;
+        a.chunk_bound = chunk_bound;
+        a.to_slots = to_slots;
+        a.y = out;
+        a.y_dtype = out_dtype;
+        a.y_row_stride = out_row;
+        a.pair_weight = out_w;
+        check_cuda(exl3::launch_moe_gemm(a, rows, pdl, stream), what);
+      }
+    };
+    void* gu = at_(L.gu);
+    gemm(s13, keys13, w13_keys, 2, w13_svh, static_cast<int>(ip), at_(L.xh13), 2 * hp, hp, static_cast<int>(hp), false,
+         gu, xdt, 2 * ip, nullptr, "MoE gate/up GEMM");
+
+    exl3::MoeActArgs aa{};
+    aa.gu = gu;
+    aa.gu_dtype = xdt;
+    aa.inter_padded = static_cast<int>(ip);
+    aa.inter_offset = static_cast<int>(inter_offset);
+    aa.inter_size = static_cast<int>(inter_size);
+    aa.activation = act;
+    aa.pairs = pairs;
+    aa.pair_expert = pair_expert;
+    aa.suh = w2_suh.data_ptr();
+    aa.xh = at_(L.xh2);
+    check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
+
+    float* slots = reinterpret_cast<float*>(at_(L.slots));
+    gemm(s2, keys2, w2_keys, 1, w2_svh, static_cast<int>(hp), at_(L.xh2), ip, 0, static_cast<int>(ip), true, slots,
+         exl3::kActF16, hp, router_weight_on_input ? nullptr : pair_w, "MoE down GEMM");
+
+    exl3::MoeReduceArgs rd{};
+    rd.slots = slots;
+    rd.hidden_padded = static_cast<int>(hp);
+    rd.hidden = static_cast<int>(hidden);
+    rd.tokens = tc;
+    rd.top_k = static_cast<int>(top_k);
+    rd.pair_expert = pair_expert;
+    rd.y = static_cast<char*>(y.data_ptr()) + t0 * y.stride(0) * y.element_size();
+    rd.y_dtype = xdt;
+    rd.y_stride = y.stride(0);
+    check_cuda(exl3::launch_moe_reduce(rd, pdl, stream), "MoE top-k reduction");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
+  m.def("native_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor expert_map, Tensor w13_trellis, "
+        "Tensor w13_suh, Tensor w13_svh, Tensor w2_trellis, Tensor w2_suh, Tensor w2_svh, Tensor w13_keys, "
+        "Tensor w2_keys, int[] w13_words, int[] w2_words, int[] codebooks, str activation, "
+        "bool router_weight_on_input, int inter_offset, int inter_size) -> Tensor");
+  m.def("moe_expert_keys(int[] words, int[] codebooks) -> Tensor", &moe_expert_keys);
+  m.def("moe_reserve(Device device, int tokens, int top_k, int experts, int hidden_padded, int inter_padded, "
+        "int act_bytes) -> int",
+        &moe_reserve);
+  m.def("moe_prepare(int words, int codebook) -> ()", &moe_prepare);
+}
+
+TORCH_LIBRARY_IMPL(vllm_exl3, CUDA, m) { m.impl("native_moe", &native_moe); }

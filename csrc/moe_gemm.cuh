@@ -1,0 +1,200 @@
+// Grouped EXL3 GEMM for routed experts (steps 3 and 5 of moe.h): one block per (row chunk, 128-column group,
+// projection). A row chunk is up to kRows pairs routed to one expert; the block streams that expert's tiles of the
+// group one 128-row input block at a time through a shared-memory ring (cp.async), together with the chunk's
+// activation rows of the same block, so each tile is decoded once for all rows of the chunk.
+//
+// * Warp w owns n-tile w of the group (16 output columns) over the whole K range: no cross-warp reduction, and the
+//   accumulators are kRows / 2 floats per lane (kRows = 64 stays in registers).
+// * Transposed product, as in the dense skinny kernel (skinny.cuh): the decoded 16x16 tile is the A operand (W^T) of
+//   mma.m16n8k16 in its natural fragment order, eight activation rows are B. The plain (rounded-pair) form feeds Ŵ
+//   itself, bit-exact, so one MMA per tile and 8 rows, and no affine epilogue for mul1.
+// * Epilogue: the warps' sums go to shared memory, then one warp per row applies the output Hadamard and svh and
+//   writes the row (gate/up outputs in the activation dtype, or router-weighted fp32 slots for the down projection).
+//   Each output element is one fixed sequence of MMAs and butterflies: bitwise deterministic, whatever the chunk
+//   layout the routing produced.
+#pragma once
+
+#include "exl3_decode.cuh"
+#include "exl3_device.cuh"
+#include "exl3_kernels.h"
+#include "moe.h"
+
+namespace exl3 {
+
+constexpr int kMoeWarps = 8;  // one per n-tile of a 128-column group
+constexpr int kMoeThreads = kMoeWarps * kWarp;
+constexpr int kMoeXRowBytes = kHadBlock * 2 + 16;  // one activation row of a stage, padded: fragment reads hit 32 banks
+constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilogue buffer
+
+template <int kBits2, int kRows>
+struct MoeGemmTraits {
+  using TB = TileBits<kBits2>;
+  static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
+  static constexpr int kXBytes = kRows * kMoeXRowBytes;
+  static constexpr int kStageBytes = kTileBytes + kXBytes;
+  // Three stages in flight where they fit in 96 KB (under sm_12x's 99 KB per block), else two.
+  static constexpr int kStages = 3 * kStageBytes <= 96 * 1024 ? 3 : 2;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kZBytes = kRows * kMoeZStride * 4;
+  static constexpr int kSmemBytes = (kRingBytes > kZBytes ? kRingBytes : kZBytes) + kRows * 4;
+  static constexpr int kTileChunks = kTilesPerHad * kTilesPerHad * TB::kChunks16;
+  static constexpr int kTileCopies = (kTileChunks + kMoeThreads - 1) / kMoeThreads;
+  static constexpr int kXChunks = kRows * (kHadBlock * 2 / 16);
+  static constexpr int kXCopies = (kXChunks + kMoeThreads - 1) / kMoeThreads;
+  static_assert(kRows % 8 == 0, "rows come in MMA groups of 8");
+  static_assert(kSmemBytes <= 99 * 1024, "shared memory per block (sm_12x)");
+};
+
+template <int kBits2, bool kMul1, int kRows>
+__global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
+  using T = MoeGemmTraits<kBits2, kRows>;
+  using TB = typename T::TB;
+  extern __shared__ __align__(16) unsigned char smem[];
+  int* row_pair = reinterpret_cast<int*>(smem + (T::kRingBytes > T::kZBytes ? T::kRingBytes : T::kZBytes));
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g8 = lane >> 2, c4 = lane & 3;
+  const int chunk = blockIdx.x;
+  const int group = blockIdx.y % a.groups, proj = blockIdx.y / a.groups;
+
+  griddep_wait();  // the routing table and xh come from the kernels before this one
+  griddep_launch_dependents();
+  if (chunk >= *a.num_chunks) return;
+  const int expert = a.chunk_expert[chunk];
+  const int slice = expert * a.projs + proj;
+  if (a.keys && a.keys[slice] != a.want_key) return;
+  const int start = a.chunk_start[chunk], count = a.chunk_count[chunk];
+  if (threadIdx.x < kRows) row_pair[threadIdx.x] = threadIdx.x < count ? a.sorted_pairs[start + threadIdx.x] : -1;
+  __syncthreads();
+
+  // Per-thread copy offsets, fixed for the whole K loop (the stage base moves by one 128-row block per step).
+  const int16_t* w_base = a.trellis + slice * a.slice_stride + static_cast<long long>(group) * kTilesPerHad * a.tile_stride;
+  const long long w_step = kTilesPerHad * a.row_stride;
+  int tile_src[T::kTileCopies];
+  uint32_t tile_dst[T::kTileCopies];
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+#pragma unroll
+  for (int i = 0; i < T::kTileCopies; ++i) {
+    const int c = threadIdx.x + i * kMoeThreads;
+    const int t = c / TB::kChunks16, part = c % TB::kChunks16;  // t = kt * 8 + nt
+    tile_src[i] = static_cast<int>((t / kTilesPerHad) * a.row_stride + (t % kTilesPerHad) * a.tile_stride) + part * 8;
+    tile_dst[i] = ring + t * TB::kBytes + part * 16;
+  }
+  const __half* x_src[T::kXCopies];
+  uint32_t x_dst[T::kXCopies];
+#pragma unroll
+  for (int i = 0; i < T::kXCopies; ++i) {
+    const int c = threadIdx.x + i * kMoeThreads;
+    const int row = c / 16, part = c % 16;
+    const int pair = c < T::kXChunks ? row_pair[row] : -1;
+    x_src[i] = pair >= 0 ? static_cast<const __half*>(a.xh) + pair * a.xh_row_stride + proj * a.xh_proj_stride + part * 8 : nullptr;
+    x_dst[i] = ring + T::kTileBytes + row * kMoeXRowBytes + part * 16;
+  }
+  auto issue = [&](int kb, int slot) {
+    if (kb < a.kb_count) {
+      const int16_t* w = w_base + kb * w_step;
+      const uint32_t off = slot * T::kStageBytes;
+#pragma unroll
+      for (int i = 0; i < T::kTileCopies; ++i)
+        if (T::kTileChunks % kMoeThreads == 0 || threadIdx.x + i * kMoeThreads < T::kTileChunks)
+          cp_async16(tile_dst[i] + off, w + tile_src[i]);
+#pragma unroll
+      for (int i = 0; i < T::kXCopies; ++i)
+        if (x_src[i]) cp_async16(x_dst[i] + off, x_src[i] + kb * kHadBlock);
+    }
+    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+  };
+
+  const uint32_t mul = codebook_mul(a.codebook), add = codebook_add(a.codebook);
+  LaneWindows<kBits2> lw;
+  lw.init(lane);
+  float acc[kRows / 8][4];
+#pragma unroll
+  for (int rg = 0; rg < kRows / 8; ++rg)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[rg][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) issue(s, s);
+  for (int kb = 0; kb < a.kb_count; ++kb) {
+    cp_async_wait<T::kStages - 2>();
+    __syncthreads();  // stage kb landed for every thread; the slot refilled below was consumed by all warps
+    issue(kb + T::kStages - 1, (kb + T::kStages - 1) % T::kStages);
+    const unsigned char* st = smem + (kb % T::kStages) * T::kStageBytes;
+    const unsigned char* xs = st + T::kTileBytes + g8 * kMoeXRowBytes + 4 * c4;
+#pragma unroll
+    for (int kt = 0; kt < kTilesPerHad; ++kt) {
+      const unsigned char* tile = st + (kt * kTilesPerHad + warp) * TB::kBytes;
+      uint32_t w[TB::kLoadWords];
+#pragma unroll
+      for (int i = 0; i < TB::kLoadWords; ++i) w[i] = lds32(tile + lw.word_byte[i]);
+      uint32_t s[kLanePositions], cw[kLanePositions];
+      lw.states(w, s);
+#pragma unroll
+      for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+      const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
+      const uint32_t a2 = rounded_pair<kMul1>(cw[2], cw[3]), a3 = rounded_pair<kMul1>(cw[6], cw[7]);
+#pragma unroll
+      for (int rg = 0; rg < kRows / 8; ++rg) {
+        const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
+        mma_16816(acc[rg], a0, a1, a2, a3, lds32(xr), lds32(xr + 16));
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the epilogue buffer
+
+  // C fragment: c0/c1 = output column g8 of the n-tile, rows 2*c4 + {0,1} of the row group; c2/c3 column g8 + 8.
+  float* z = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int rg = 0; rg < kRows / 8; ++rg) {
+    float* p = z + (rg * 8 + 2 * c4) * kMoeZStride + warp * kTile + g8;
+    p[0] = acc[rg][0], p[kMoeZStride] = acc[rg][1], p[8] = acc[rg][2], p[kMoeZStride + 8] = acc[rg][3];
+  }
+  __syncthreads();
+  const int col = group * kHadBlock + 4 * lane;
+  const __half* svh = static_cast<const __half*>(a.svh) + static_cast<long long>(slice) * a.n_padded + col;
+  const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(svh));
+  const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(svh + 2));
+  const float sv[4] = {s01.x * kHadScale, s01.y * kHadScale, s23.x * kHadScale, s23.y * kHadScale};
+  for (int r = warp; r < count; r += kMoeWarps) {
+    const float4 q = *reinterpret_cast<const float4*>(z + r * kMoeZStride + 4 * lane);
+    float v[4] = {q.x, q.y, q.z, q.w};
+    fwht128_warp(v, lane);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] *= sv[e];
+    const int pair = row_pair[r];
+    if (a.to_slots) {
+      const float w = a.pair_weight ? a.pair_weight[pair] : 1.f;
+      *reinterpret_cast<float4*>(static_cast<float*>(a.y) + pair * a.y_row_stride + col) =
+          make_float4(v[0] * w, v[1] * w, v[2] * w, v[3] * w);
+    } else {
+      store_act4(a.y, pair * a.y_row_stride + static_cast<long long>(proj) * a.n_padded + col, v, a.y_dtype, true, 0,
+                 4);
+    }
+  }
+}
+
+struct MoeGemmKernel {
+  const void* fn;
+  int smem;
+};
+
+template <int kBits2, bool kMul1, int kRows>
+MoeGemmKernel moe_gemm_kernel_ref() {
+  return {reinterpret_cast<const void*>(&moe_gemm_kernel<kBits2, kMul1, kRows>), MoeGemmTraits<kBits2, kRows>::kSmemBytes};
+}
+
+// Per-family lookup (one definition per translation unit); {nullptr, 0} for widths or row sizes not built.
+MoeGemmKernel moe_gemm_kernel_mul1(int bits2, int rows);
+MoeGemmKernel moe_gemm_kernel_xcg(int bits2, int rows);
+
+// Row-chunk sizes with instantiations (moe_rows_per_chunk picks among them).
+#define EXL3_MOE_DISPATCH_ROWS(rows, F)                 \
+  switch (rows) {                                      \
+    case 8: F(std::integral_constant<int, 8>{}); break;   \
+    case 16: F(std::integral_constant<int, 16>{}); break; \
+    case 64: F(std::integral_constant<int, 64>{}); break; \
+    default: break;                                    \
+  }
+
+}  // namespace exl3
