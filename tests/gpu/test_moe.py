@@ -66,9 +66,11 @@ def poison(shape, dtype) -> None:
 
 def make_weights(hidden, inter, experts, widths, seed):
     """weights[e] = [gate, up, down] on the GPU; widths[e] = (codebook, bits) of that expert (all three)."""
-    return [[random_weights(hidden, inter, *widths[e % len(widths)], seed=seed * 1000 + 3 * e + p, device=DEV)
-             for p in range(2)] + [random_weights(inter, hidden, *widths[e % len(widths)], seed=seed * 1000 + 3 * e + 2,
-                                                  device=DEV)] for e in range(experts)]
+    def one(k, n, e, p):
+        codebook, bits = widths[e % len(widths)]
+        return random_weights(k, n, bits, codebook, seed=seed * 1000 + 3 * e + p, device=DEV)
+
+    return [[one(hidden, inter, e, 0), one(hidden, inter, e, 1), one(inter, hidden, e, 2)] for e in range(experts)]
 
 
 def _act(name, t):

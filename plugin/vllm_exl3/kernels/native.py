@@ -130,6 +130,8 @@ class NativeBackend(Backend):
         return native_moe.unsupported_reason(spec)
 
     def prepare_moe(self, experts, top_k=None, max_tokens=None):
+        if (err := extension_error()) is not None:
+            raise RuntimeError(err)
         return native_moe.prepare(experts, top_k, max_tokens)
 
     def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
