@@ -24,21 +24,26 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 // ------------------------------------------------------------------------------------------------------------
 constexpr int kRouteThreads = kMoeMaxExperts;
 
+// The local expert of pair p, or -1 (another rank's expert, or an id out of range).
+__device__ __forceinline__ int local_expert(const void* topk_ids, bool ids64, const int* expert_map, int global_experts,
+                                            int experts, int p) {
+  const long long id = ids64 ? static_cast<const long long*>(topk_ids)[p] : static_cast<const int*>(topk_ids)[p];
+  int e = -1;
+  if (id >= 0 && (expert_map ? id < global_experts : id < experts)) e = expert_map ? expert_map[id] : static_cast<int>(id);
+  return e < experts ? e : -1;  // a map entry past this rank's experts: not local
+}
+
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeRouteArgs a) {
   using Scan = cub::BlockScan<int, kRouteThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int count[kMoeMaxExperts], cursor[kMoeMaxExperts];
   const int t = threadIdx.x;
-  griddep_wait();  // topk ids come from the router (the kernel before us)
+  griddep_launch_dependents();  // the gather transform behind us needs nothing we write: let it start now
   count[t] = 0;
   cursor[t] = 0;
   __syncthreads();
   for (int p = t; p < a.pairs; p += kRouteThreads) {
-    long long id = a.ids64 ? static_cast<const long long*>(a.topk_ids)[p] : static_cast<const int*>(a.topk_ids)[p];
-    int e = -1;
-    if (id >= 0 && (a.expert_map ? id < a.global_experts : id < a.experts))
-      e = a.expert_map ? a.expert_map[id] : static_cast<int>(id);
-    if (e >= a.experts) e = -1;  // a map entry past this rank's experts: treat as not local
+    const int e = local_expert(a.topk_ids, a.ids64, a.expert_map, a.global_experts, a.experts, p);
     a.pair_expert[p] = e;
     if (e >= 0) atomicAdd(&count[e], 1);
   }
@@ -62,7 +67,6 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeRoute
     const int e = a.pair_expert[p];
     if (e >= 0) a.sorted_pairs[count[e] + atomicAdd(&cursor[e], 1)] = p;
   }
-  griddep_launch_dependents();
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -129,11 +133,14 @@ __device__ __forceinline__ void mul_suh8(float (&v)[8], const __half* suh) {
   }
 }
 
+// Reads only what the router wrote before the routing kernel started (x, topk ids): it runs beside the routing
+// kernel (launched behind it with PDL) instead of after it, and one block waits for it at the end so that the
+// GEMM behind this grid sees the routing table too.
 __global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherArgs a) {
-  griddep_wait();
   griddep_launch_dependents();
   const int pair = blockIdx.x;
-  const int expert = a.pair_expert[pair];
+  const int expert = local_expert(a.topk_ids, a.ids64, a.expert_map, a.global_experts, a.experts, pair);
+  if (blockIdx.x == 0 && blockIdx.y == 0) griddep_wait();
   if (expert < 0) return;
   const int lane = threadIdx.x % kWarp, sub = lane % 16;
   const int kbs = a.hidden_padded / kHadBlock;
@@ -178,10 +185,17 @@ __global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a)
   const int k = (active ? kb : 0) * kHadBlock + 8 * sub;
   float v[8] = {};
   if (active) {
-    float g[8], u[8];
-    const long long row = static_cast<long long>(pair) * 2 * a.inter_padded;
-    load8(a.gu, row + k, a.gu_dtype, g);
-    load8(a.gu, row + a.inter_padded + k, a.gu_dtype, u);
+    float g[8] = {}, u[8] = {};
+    for (int s = 0; s < a.splits; ++s) {  // split order: deterministic
+      const float* row = a.gu + (static_cast<long long>(pair) * a.splits + s) * 2 * a.inter_padded + k;
+#pragma unroll
+      for (int h = 0; h < 8; h += 4) {
+        const float4 gv = *reinterpret_cast<const float4*>(row + h);
+        const float4 uv = *reinterpret_cast<const float4*>(row + a.inter_padded + h);
+        g[h] += gv.x, g[h + 1] += gv.y, g[h + 2] += gv.z, g[h + 3] += gv.w;
+        u[h] += uv.x, u[h + 1] += uv.y, u[h + 2] += uv.z, u[h + 3] += uv.w;
+      }
+    }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int c = k + e;
@@ -208,8 +222,11 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const MoeRed
   for (int k = 0; k < a.top_k; ++k) {
     const int pair = token * a.top_k + k;
     if (a.pair_expert[pair] < 0) continue;
-    const float4 s = *reinterpret_cast<const float4*>(a.slots + static_cast<long long>(pair) * a.hidden_padded + h);
-    v[0] += s.x, v[1] += s.y, v[2] += s.z, v[3] += s.w;
+    for (int s = 0; s < a.splits; ++s) {
+      const float4 q = *reinterpret_cast<const float4*>(
+          a.slots + (static_cast<long long>(pair) * a.splits + s) * a.hidden_padded + h);
+      v[0] += q.x, v[1] += q.y, v[2] += q.z, v[3] += q.w;
+    }
   }
   const long long i = static_cast<long long>(token) * a.y_stride + h;
   const bool aligned = ((reinterpret_cast<uintptr_t>(a.y) + i * 2) & 7) == 0;
@@ -243,7 +260,7 @@ int moe_chunk_bound(int pairs, int experts, int rows_per_chunk) {
 }
 
 MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden_padded, int inter_padded,
-                                  int act_bytes, int rows_per_chunk) {
+                                  int rows_per_chunk, int splits13, int splits2) {
   const size_t pairs = static_cast<size_t>(tokens) * top_k;
   const size_t chunks = moe_chunk_bound(static_cast<int>(pairs), experts, rows_per_chunk);
   MoeWorkspace w{};
@@ -259,17 +276,24 @@ MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden
   w.chunk_start = take(chunks * 4);
   w.chunk_count = take(chunks * 4);
   w.num_chunks = take(4);
-  w.gu = take(pairs * 2 * inter_padded * act_bytes);
+  w.gu = take(pairs * splits13 * 2 * inter_padded * 4);
   // xh13 is dead once the gate/up GEMM has run: xh2 and the slots reuse its bytes (they must not overlap each
   // other: the down GEMM reads one and writes the other).
   const size_t big = at;
   const size_t xh13 = align256(pairs * 2 * hidden_padded * 2);
-  const size_t xh2 = align256(pairs * inter_padded * 2), slots = align256(pairs * hidden_padded * 4);
+  const size_t xh2 = align256(pairs * inter_padded * 2), slots = align256(pairs * splits2 * hidden_padded * 4);
   w.xh13 = big;
   w.xh2 = big;
   w.slots = big + xh2;
   w.total = big + std::max(xh13, xh2 + slots);
   return w;
+}
+
+int moe_k_splits(int pairs, long long blocks, int sms, int kb_count) {
+  if (pairs > kMoeSplitMaxPairs) return 1;
+  int s = 1;
+  while (s < kMoeMaxSplits && s < kb_count && blocks * s < 2LL * sms) ++s;
+  return s;
 }
 
 int moe_rows_per_chunk(int pairs, int experts) {
@@ -323,7 +347,8 @@ cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, 
   cudaError_t err = prepare_gemm(k);
   if (err != cudaSuccess) return err;
   void* args[] = {const_cast<MoeGemmArgs*>(&a)};
-  return launch_kernel(k.fn, dim3(a.chunk_bound, a.groups * a.projs), dim3(kMoeThreads), k.smem, pdl, stream, args);
+  return launch_kernel(k.fn, dim3(a.chunk_bound, a.groups * a.projs, a.splits), dim3(kMoeThreads), k.smem, pdl, stream,
+                       args);
 }
 
 cudaError_t launch_moe_reduce(const MoeReduceArgs& a, bool pdl, cudaStream_t stream) {

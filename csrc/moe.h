@@ -4,10 +4,13 @@
 // One MoE layer call, for a chunk of tokens (moe_bindings.cpp loops over chunks so the workspace stays bounded):
 //   1. route            topk ids -> local expert per (token, k) pair, per-expert pair lists, row-chunk table
 //   2. gather transform xh13[pair][proj] = H(x[token] * suh[expert][proj]) / sqrt(128), fp16   (proj: gate, up)
-//   3. grouped GEMM     gu[pair][proj] = H(xh13 . Ŵ[expert][proj]) / sqrt(128) * svh           (act dtype)
-//   4. act transform    xh2[pair] = H(act(gate) * up * suh2[expert]) / sqrt(128), fp16 (TP slice only, zeros else)
-//   5. grouped GEMM     slot[pair] = H(xh2 . Ŵ2[expert]) / sqrt(128) * svh2 * router weight   (fp32)
-//   6. reduce           y[token] = sum over k of slot[token * top_k + k], in k order (deterministic, no atomics)
+//   3. grouped GEMM     gu[pair][split][proj] = H(xh13 . Ŵ[expert][proj]) / sqrt(128) * svh    (fp32)
+//   4. act transform    xh2[pair] = H(act(gate) * up * suh2[expert]) / sqrt(128), fp16 (TP slice only, zeros else),
+//                       gate and up summed over the K splits in split order first
+//   5. grouped GEMM     slot[pair][split] = H(xh2 . Ŵ2[expert]) / sqrt(128) * svh2 * router weight   (fp32)
+//   6. reduce           y[token] = sum over k, then splits, of slot[token * top_k + k] (fixed order, no atomics)
+// At decode sizes the GEMMs split K over several blocks (moe_k_splits) so that the few routed experts still fill
+// the GPU; the splits' partial sums go to their own fp32 slots, never through float atomics.
 // Every grid is sized from shapes alone (worst case), blocks past the device-side counts exit: no host sync, so
 // the whole sequence captures into a CUDA graph.
 #pragma once
@@ -34,15 +37,21 @@ inline int moe_weight_key(int words, int codebook) { return words * 4 + codebook
 struct MoeWorkspace {
   size_t pair_expert, sorted_pairs, chunk_expert, chunk_start, chunk_count, num_chunks;  // int32 arrays
   size_t xh13;   // fp16 [pairs][2][H]            (step 2, read by step 3)
-  size_t gu;     // act  [pairs][2][I]            (step 3, read by step 4)
+  size_t gu;     // fp32 [pairs][splits][2][I]    (step 3, read by step 4)
   size_t xh2;    // fp16 [pairs][I]               (step 4, read by step 5): aliases xh13, dead by then
-  size_t slots;  // fp32 [pairs][H]               (step 5, read by step 6): aliases xh13 after xh2
+  size_t slots;  // fp32 [pairs][splits][H]       (step 5, read by step 6): aliases xh13 after xh2
   size_t total;
 };
 // pairs = tokens * top_k; chunk_bound = most row chunks any routing of `pairs` pairs over `experts` experts can make.
 int moe_chunk_bound(int pairs, int experts, int rows_per_chunk);
 MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden_padded, int inter_padded,
-                                  int act_bytes, int rows_per_chunk);
+                                  int rows_per_chunk, int splits13, int splits2);
+// K splits for a GEMM whose grid would have about `blocks` working blocks on a GPU of `sms` multiprocessors: enough
+// for two blocks per SM, at most kMoeMaxSplits and the K range's 128-blocks; none past kMoeSplitMaxPairs pairs (decode
+// sizes only, so the split slots never need more workspace than a full token chunk without splits).
+constexpr int kMoeMaxSplits = 4;
+constexpr int kMoeSplitMaxPairs = 256;
+int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 
 struct MoeRouteArgs {
   const void* topk_ids;  // [pairs], int32 or int64 (ids64)
@@ -62,13 +71,16 @@ cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream);
 // Step 2: gate/up inputs. x [tokens, hidden] (row stride x_stride); pair p reads token p / top_k, optionally scaled by
 // its router weight (top-1 models apply it on the input).
 struct MoeGatherArgs {
+  const void* topk_ids;  // as MoeRouteArgs: the gather finds each pair's local expert itself (runs beside routing)
+  bool ids64;
+  const int* expert_map;
+  int global_experts, experts;
   const void* x;
   int x_dtype;
   long long x_stride;
   int hidden;                  // logical input columns; columns past it are zeros
   int hidden_padded;           // H
   int pairs, top_k;
-  const int* pair_expert;
   const void* suh;             // fp16 [experts][2][H]
   const float* pair_weight;    // [pairs] or null
   void* xh;                    // fp16 [pairs][2][H]
@@ -77,8 +89,8 @@ cudaError_t launch_moe_gather_transform(const MoeGatherArgs& a, bool pdl, cudaSt
 
 // Step 4: down inputs from the gate/up outputs.
 struct MoeActArgs {
-  const void* gu;  // [pairs][2][I] act dtype
-  int gu_dtype;
+  const float* gu;  // [pairs][splits][2][I]
+  int splits;
   int inter_padded;             // I
   int inter_offset, inter_size;  // this rank's columns of the intermediate dim; others are zeros
   int activation;               // MoeActivation
@@ -111,11 +123,11 @@ struct MoeGemmArgs {
   const int* num_chunks;
   const int* sorted_pairs;
   int chunk_bound;
-  bool to_slots;  // false: act dtype y[p * y_row_stride + q * N + col]; true: fp32 slots * pair_weight
-  void* y;
-  int y_dtype;
-  long long y_row_stride;
-  const float* pair_weight;  // to_slots: router weight per pair, or null (applied on the input)
+  int splits;  // K splits (grid z); split s writes its partial at y + s * y_split_stride
+  // Output, fp32: y[p * y_row_stride + s * y_split_stride + q * N + col] = H(partial) * svh * pair_weight[p].
+  float* y;
+  long long y_row_stride, y_split_stride;
+  const float* pair_weight;  // router weight per pair, or null (1: gate/up, or applied on the input)
 };
 // Row-chunk sizes with a kernel instantiation; the caller routes with the same size it launches with.
 int moe_rows_per_chunk(int pairs, int experts);
@@ -126,7 +138,8 @@ cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, 
 
 // Step 6.
 struct MoeReduceArgs {
-  const float* slots;  // [pairs][H]
+  const float* slots;  // [pairs][splits][H]
+  int splits;
   int hidden_padded, hidden;
   int tokens, top_k;
   const int* pair_expert;

@@ -4,7 +4,7 @@
 //   native_moe(x, topk_weights, topk_ids, expert_map, w13_*, w2_*, w13_keys, w2_keys, w13_words, w2_words,
 //              codebooks, activation, router_weight_on_input, inter_offset, inter_size) -> y [M, hidden]
 //   moe_expert_keys(words, codebooks) -> int32 CPU tensor: the kernel key of each (expert, projection)
-//   moe_reserve(device, tokens, top_k, experts, hidden_padded, inter_padded, act_bytes) -> workspace bytes
+//   moe_reserve(device, tokens, top_k, experts, hidden_padded, inter_padded) -> workspace bytes
 //   moe_prepare(bits, codebook) -> raises the kernels' shared-memory limits (once per layer kind, at load)
 //
 // Workspace: one buffer per device for all MoE layers (they run one after another on the stream), sized for
@@ -57,11 +57,15 @@ std::map<int, at::Tensor*>& workspaces() {
   return *m;
 }
 
-size_t reserve_bytes(int tokens, int top_k, int experts, int hidden_padded, int inter_padded, int act_bytes) {
-  // Rows per chunk 8 gives the most chunks, hence the largest routing table.
-  return exl3::moe_workspace_layout(std::min(tokens, kMoeChunkTokens), top_k, experts, hidden_padded, inter_padded,
-                                    act_bytes, 8)
-      .total;
+size_t reserve_bytes(int tokens, int top_k, int experts, int hidden_padded, int inter_padded) {
+  // Rows per chunk 8 gives the most chunks, hence the largest routing table; split slots exist only up to
+  // kMoeSplitMaxPairs pairs.
+  const int tc = std::min(tokens, kMoeChunkTokens);
+  const int split_tokens = std::max(1, std::min(tc, exl3::kMoeSplitMaxPairs / top_k));
+  const size_t whole = exl3::moe_workspace_layout(tc, top_k, experts, hidden_padded, inter_padded, 8, 1, 1).total;
+  const size_t split = exl3::moe_workspace_layout(split_tokens, top_k, experts, hidden_padded, inter_padded, 8,
+                                                  exl3::kMoeMaxSplits, exl3::kMoeMaxSplits).total;
+  return std::max(whole, split);
 }
 
 char* workspace(const at::Device& device, size_t bytes) {
@@ -78,12 +82,11 @@ char* workspace(const at::Device& device, size_t bytes) {
 }
 
 int64_t moe_reserve(c10::Device device, int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden_padded,
-                    int64_t inter_padded, int64_t act_bytes) {
+                    int64_t inter_padded) {
   TORCH_CHECK(device.is_cuda(), "moe_reserve needs a CUDA device");
   const c10::cuda::CUDAGuard guard(device);
   const size_t bytes = reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k), static_cast<int>(experts),
-                                     static_cast<int>(hidden_padded), static_cast<int>(inter_padded),
-                                     static_cast<int>(act_bytes));
+                                     static_cast<int>(hidden_padded), static_cast<int>(inter_padded));
   workspace(device, bytes);
   std::lock_guard<std::mutex> lock(ws_mutex());
   return workspaces()[device.index()]->numel();
@@ -201,18 +204,22 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
   const at::Tensor ids = topk_ids.contiguous();
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
   const Slices s13 = slices(w13_trellis, 2, "w13_trellis"), s2 = slices(w2_trellis, 1, "w2_trellis");
-  const int act_bytes = static_cast<int>(x.element_size());
   char* base = workspace(x.device(), reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k),
                                                    static_cast<int>(experts), static_cast<int>(hp),
-                                                   static_cast<int>(ip), act_bytes));
+                                                   static_cast<int>(ip)));
   const bool pdl = use_pdl();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 
   for (int64_t t0 = 0; t0 < tokens; t0 += kMoeChunkTokens) {
     const int tc = static_cast<int>(std::min<int64_t>(kMoeChunkTokens, tokens - t0));
     const int pairs = tc * static_cast<int>(top_k);
     const int rows = exl3::moe_rows_per_chunk(pairs, static_cast<int>(experts));
+    const int chunk_bound = exl3::moe_chunk_bound(pairs, static_cast<int>(experts), rows);
+    const int splits13 = exl3::moe_k_splits(pairs, 2LL * chunk_bound * (ip / kHad), sms, static_cast<int>(hp / kHad));
+    const int splits2 = exl3::moe_k_splits(pairs, 1LL * chunk_bound * (hp / kHad), sms, static_cast<int>(ip / kHad));
     const exl3::MoeWorkspace L = exl3::moe_workspace_layout(tc, static_cast<int>(top_k), static_cast<int>(experts),
-                                                            static_cast<int>(hp), static_cast<int>(ip), act_bytes, rows);
+                                                            static_cast<int>(hp), static_cast<int>(ip), rows, splits13,
+                                                            splits2);
     auto at_ = [&](size_t off) { return base + off; };
     int* pair_expert = reinterpret_cast<int*>(at_(L.pair_expert));
     int* sorted = reinterpret_cast<int*>(at_(L.sorted_pairs));
@@ -239,6 +246,11 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     check_cuda(exl3::launch_moe_route(ra, stream), "MoE routing");
 
     exl3::MoeGatherArgs ga{};
+    ga.topk_ids = ra.topk_ids;
+    ga.ids64 = ra.ids64;
+    ga.expert_map = ra.expert_map;
+    ga.global_experts = ra.global_experts;
+    ga.experts = ra.experts;
     ga.x = static_cast<const char*>(x.data_ptr()) + t0 * x.stride(0) * x.element_size();
     ga.x_dtype = xdt;
     ga.x_stride = x.stride(0);
@@ -246,16 +258,15 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     ga.hidden_padded = static_cast<int>(hp);
     ga.pairs = pairs;
     ga.top_k = static_cast<int>(top_k);
-    ga.pair_expert = pair_expert;
     ga.suh = w13_suh.data_ptr();
     ga.pair_weight = router_weight_on_input ? pair_w : nullptr;
     ga.xh = at_(L.xh13);
     check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
 
-    const int chunk_bound = exl3::moe_chunk_bound(pairs, static_cast<int>(experts), rows);
     auto gemm = [&](const Slices& s, const std::set<Key>& keys, const at::Tensor& key_tensor, int projs,
                     const at::Tensor& svh, int n, const void* xh, long long xh_row, long long xh_proj, int k,
-                    bool to_slots, void* out, int out_dtype, long long out_row, const float* out_w, const char* what) {
+                    int splits, float* out, long long out_row, long long out_split, const float* out_w,
+                    const char* what) {
       for (const Key& key : keys) {
         exl3::MoeGemmArgs a{};
         a.trellis = s.data;
@@ -280,21 +291,21 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
         a.num_chunks = num_chunks;
         a.sorted_pairs = sorted;
         a.chunk_bound = chunk_bound;
-        a.to_slots = to_slots;
+        a.splits = splits;
         a.y = out;
-        a.y_dtype = out_dtype;
         a.y_row_stride = out_row;
+        a.y_split_stride = out_split;
         a.pair_weight = out_w;
         check_cuda(exl3::launch_moe_gemm(a, rows, pdl, stream), what);
       }
     };
-    void* gu = at_(L.gu);
-    gemm(s13, keys13, w13_keys, 2, w13_svh, static_cast<int>(ip), at_(L.xh13), 2 * hp, hp, static_cast<int>(hp), false,
-         gu, xdt, 2 * ip, nullptr, "MoE gate/up GEMM");
+    float* gu = reinterpret_cast<float*>(at_(L.gu));
+    gemm(s13, keys13, w13_keys, 2, w13_svh, static_cast<int>(ip), at_(L.xh13), 2 * hp, hp, static_cast<int>(hp),
+         splits13, gu, splits13 * 2 * ip, 2 * ip, nullptr, "MoE gate/up GEMM");
 
     exl3::MoeActArgs aa{};
     aa.gu = gu;
-    aa.gu_dtype = xdt;
+    aa.splits = splits13;
     aa.inter_padded = static_cast<int>(ip);
     aa.inter_offset = static_cast<int>(inter_offset);
     aa.inter_size = static_cast<int>(inter_size);
@@ -306,11 +317,12 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
 
     float* slots = reinterpret_cast<float*>(at_(L.slots));
-    gemm(s2, keys2, w2_keys, 1, w2_svh, static_cast<int>(hp), at_(L.xh2), ip, 0, static_cast<int>(ip), true, slots,
-         exl3::kActF16, hp, router_weight_on_input ? nullptr : pair_w, "MoE down GEMM");
+    gemm(s2, keys2, w2_keys, 1, w2_svh, static_cast<int>(hp), at_(L.xh2), ip, 0, static_cast<int>(ip), splits2, slots,
+         splits2 * hp, hp, router_weight_on_input ? nullptr : pair_w, "MoE down GEMM");
 
     exl3::MoeReduceArgs rd{};
     rd.slots = slots;
+    rd.splits = splits2;
     rd.hidden_padded = static_cast<int>(hp);
     rd.hidden = static_cast<int>(hidden);
     rd.tokens = tc;
@@ -332,8 +344,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
         "Tensor w2_keys, int[] w13_words, int[] w2_words, int[] codebooks, str activation, "
         "bool router_weight_on_input, int inter_offset, int inter_size) -> Tensor");
   m.def("moe_expert_keys(int[] words, int[] codebooks) -> Tensor", &moe_expert_keys);
-  m.def("moe_reserve(Device device, int tokens, int top_k, int experts, int hidden_padded, int inter_padded, "
-        "int act_bytes) -> int",
+  m.def("moe_reserve(Device device, int tokens, int top_k, int experts, int hidden_padded, int inter_padded) -> int",
         &moe_reserve);
   m.def("moe_prepare(int words, int codebook) -> ()", &moe_prepare);
 }

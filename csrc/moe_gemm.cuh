@@ -32,8 +32,9 @@ struct MoeGemmTraits {
   static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
   static constexpr int kXBytes = kRows * kMoeXRowBytes;
   static constexpr int kStageBytes = kTileBytes + kXBytes;
-  // Three stages in flight where they fit in 96 KB (under sm_12x's 99 KB per block), else two.
-  static constexpr int kStages = 3 * kStageBytes <= 96 * 1024 ? 3 : 2;
+  // Up to four stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two.
+  static constexpr int kStagesFit = 96 * 1024 / kStageBytes;
+  static constexpr int kStages = kStagesFit > 4 ? 4 : kStagesFit < 2 ? 2 : kStagesFit;
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kZBytes = kRows * kMoeZStride * 4;
   static constexpr int kSmemBytes = (kRingBytes > kZBytes ? kRingBytes : kZBytes) + kRows * 4;
@@ -45,8 +46,13 @@ struct MoeGemmTraits {
   static_assert(kSmemBytes <= 99 * 1024, "shared memory per block (sm_12x)");
 };
 
+// kDup (3inst/mcg at decode sizes, as the dense skinny kernel does): a tile's codeword registers go to the tensor
+// cores as they are, two fp16 halves summing exactly to the weight, against activations duplicated into both
+// halves: two MMAs per tile instead of the four rounding steps of the pairs, which the issue-bound decode cannot
+// afford. (mul1 codewords would need an affine epilogue with row sums; they take the rounded pairs.)
 template <int kBits2, bool kMul1, int kRows>
 __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
+  constexpr bool kDup = !kMul1 && kRows <= 16;
   using T = MoeGemmTraits<kBits2, kRows>;
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -55,6 +61,8 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
   const int g8 = lane >> 2, c4 = lane & 3;
   const int chunk = blockIdx.x;
   const int group = blockIdx.y % a.groups, proj = blockIdx.y / a.groups;
+  const int split = blockIdx.z;  // this block's share of the K range (split-K at decode sizes)
+  const int kb_begin = split * a.kb_count / a.splits, kb_end = (split + 1) * a.kb_count / a.splits;
 
   griddep_wait();  // the routing table and xh come from the kernels before this one
   griddep_launch_dependents();
@@ -90,7 +98,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
     x_dst[i] = ring + T::kTileBytes + row * kMoeXRowBytes + part * 16;
   }
   auto issue = [&](int kb, int slot) {
-    if (kb < a.kb_count) {
+    if (kb < kb_end) {
       const int16_t* w = w_base + kb * w_step;
       const uint32_t off = slot * T::kStageBytes;
 #pragma unroll
@@ -114,12 +122,13 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
     for (int e = 0; e < 4; ++e) acc[rg][e] = 0.f;
 
 #pragma unroll
-  for (int s = 0; s < T::kStages - 1; ++s) issue(s, s);
-  for (int kb = 0; kb < a.kb_count; ++kb) {
+  for (int s = 0; s < T::kStages - 1; ++s) issue(kb_begin + s, s);
+  for (int kb = kb_begin, slot = 0; kb < kb_end; ++kb, slot = slot + 1 == T::kStages ? 0 : slot + 1) {
     cp_async_wait<T::kStages - 2>();
     __syncthreads();  // stage kb landed for every thread; the slot refilled below was consumed by all warps
-    issue(kb + T::kStages - 1, (kb + T::kStages - 1) % T::kStages);
-    const unsigned char* st = smem + (kb % T::kStages) * T::kStageBytes;
+    const int refill = slot == 0 ? T::kStages - 1 : slot - 1;
+    issue(kb + T::kStages - 1, refill);
+    const unsigned char* st = smem + slot * T::kStageBytes;
     const unsigned char* xs = st + T::kTileBytes + g8 * kMoeXRowBytes + 4 * c4;
 #pragma unroll
     for (int kt = 0; kt < kTilesPerHad; ++kt) {
@@ -131,12 +140,22 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
       lw.states(w, s);
 #pragma unroll
       for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
-      const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
-      const uint32_t a2 = rounded_pair<kMul1>(cw[2], cw[3]), a3 = rounded_pair<kMul1>(cw[6], cw[7]);
+      if constexpr (kDup) {
 #pragma unroll
-      for (int rg = 0; rg < kRows / 8; ++rg) {
-        const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
-        mma_16816(acc[rg], a0, a1, a2, a3, lds32(xr), lds32(xr + 16));
+        for (int rg = 0; rg < kRows / 8; ++rg) {
+          const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
+          const uint32_t x0 = lds32(xr), x1 = lds32(xr + 16);
+          mma_16816(acc[rg], cw[0], cw[4], cw[2], cw[6], __byte_perm(x0, 0u, 0x1010), __byte_perm(x1, 0u, 0x1010));
+          mma_16816(acc[rg], cw[1], cw[5], cw[3], cw[7], __byte_perm(x0, 0u, 0x3232), __byte_perm(x1, 0u, 0x3232));
+        }
+      } else {
+        const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
+        const uint32_t a2 = rounded_pair<kMul1>(cw[2], cw[3]), a3 = rounded_pair<kMul1>(cw[6], cw[7]);
+#pragma unroll
+        for (int rg = 0; rg < kRows / 8; ++rg) {
+          const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
+          mma_16816(acc[rg], a0, a1, a2, a3, lds32(xr), lds32(xr + 16));
+        }
       }
     }
   }
@@ -163,14 +182,12 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
 #pragma unroll
     for (int e = 0; e < 4; ++e) v[e] *= sv[e];
     const int pair = row_pair[r];
-    if (a.to_slots) {
-      const float w = a.pair_weight ? a.pair_weight[pair] : 1.f;
-      *reinterpret_cast<float4*>(static_cast<float*>(a.y) + pair * a.y_row_stride + col) =
-          make_float4(v[0] * w, v[1] * w, v[2] * w, v[3] * w);
-    } else {
-      store_act4(a.y, pair * a.y_row_stride + static_cast<long long>(proj) * a.n_padded + col, v, a.y_dtype, true, 0,
-                 4);
-    }
+    const float w = a.pair_weight ? a.pair_weight[pair] : 1.f;
+    // The output transform is linear: each K split writes H(its partial) * svh to its own slot, and the next
+    // kernel adds the slots in split order.
+    *reinterpret_cast<float4*>(static_cast<float*>(a.y) + pair * a.y_row_stride + split * a.y_split_stride +
+                               static_cast<long long>(proj) * a.n_padded + col) =
+        make_float4(v[0] * w, v[1] * w, v[2] * w, v[3] * w);
   }
 }
 

@@ -74,10 +74,8 @@ def prepare(experts: ExpertStack, top_k: int | None, max_tokens: int | None) -> 
     keys13 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w13_words), gate_up_cb).to(device)
     keys2 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w2_words), down_cb).to(device)
     if top_k:
-        act_bytes = 2  # fp16 and bf16 alike
         held = torch.ops.vllm_exl3.moe_reserve(device, max_tokens or 1024, top_k, experts.num_experts,
-                                               experts.w13_trellis.shape[2] * 16, experts.w13_trellis.shape[3] * 16,
-                                               act_bytes)
+                                               experts.w13_trellis.shape[2] * 16, experts.w13_trellis.shape[3] * 16)
         logger.debug("EXL3 native MoE workspace on %s: %.1f MiB (shared by every MoE layer)", device, held / 2**20)
     return [keys13, keys2]
 
