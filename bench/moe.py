@@ -116,12 +116,41 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
     return rows
 
 
+def profile(tokens_list=(1, 8, 64)) -> None:
+    """Device time of each kernel of one layer call (torch.profiler / CUPTI): where the time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    native = get_backend("native")
+    h, i, e, k = SHAPES["qwen3-30b-a3b"]
+    stack = random_stack(h, i, e, 4, "mcg", seed=0)
+    prepared = native.prepare_moe(stack, k, 1024)
+    for tokens in tokens_list:
+        x = torch.randn(tokens, h, device=DEV, dtype=torch.float16)
+        w, ids = torch.topk(torch.randn(tokens, e, device=DEV).softmax(-1), k, dim=-1)
+        ids = ids.to(torch.int32)
+        for _ in range(3):
+            native.moe(x, w, ids, None, stack, prepared, "silu", False)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                native.moe(x, w, ids, None, stack, prepared, "silu", False)
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" and ev.count:
+                print(json.dumps({"profile_tokens": tokens, "kernel": ev.key[:70], "us": ev.device_time_total / ev.count,
+                                  "count": ev.count}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times of one layer, then exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.profile:
+        profile()
+        return
     bw = copy_bandwidth()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: device-to-device copy {bw / 1e12:.2f} TB/s", flush=True)
