@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a)
 // ------------------------------------------------------------------------------------------------------------
 // Step 6: y[token] = sum_k slot[token * top_k + k] over the pairs routed to local experts, k in order.
 // ------------------------------------------------------------------------------------------------------------
-constexpr int kReduceThreads = 256;
+constexpr int kReduceThreads = 128;
 
 __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const MoeReduceArgs a) {
   griddep_wait();
@@ -219,12 +219,13 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const MoeRed
   const int h = (blockIdx.y * kReduceThreads + threadIdx.x) * 4;
   if (h >= a.hidden) return;
   float v[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int k = 0; k < a.top_k; ++k) {
-    const int pair = token * a.top_k + k;
-    if (a.pair_expert[pair] < 0) continue;
+  const float* row = a.slots + static_cast<long long>(token) * a.top_k * a.splits * a.hidden_padded + h;
+#pragma unroll 4
+  for (int k = 0; k < a.top_k; ++k) {  // k, then split: a fixed order
+    const bool local = a.pair_expert[token * a.top_k + k] >= 0;
     for (int s = 0; s < a.splits; ++s) {
-      const float4 q = *reinterpret_cast<const float4*>(
-          a.slots + (static_cast<long long>(pair) * a.splits + s) * a.hidden_padded + h);
+      const float4 q = local ? *reinterpret_cast<const float4*>(row + (k * a.splits + s) * a.hidden_padded)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
       v[0] += q.x, v[1] += q.y, v[2] += q.z, v[3] += q.w;
     }
   }

@@ -123,6 +123,7 @@ struct MoeGemmArgs {
   const int* num_chunks;
   const int* sorted_pairs;
   int chunk_bound;
+  bool table_early;  // the routing table was complete before the previous kernel started (see moe_gemm.cuh)
   int splits;  // K splits (grid z); split s writes its partial at y + s * y_split_stride
   // Output, fp32: y[p * y_row_stride + s * y_split_stride + q * N + col] = H(partial) * svh * pair_weight[p].
   float* y;

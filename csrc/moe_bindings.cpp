@@ -266,7 +266,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     auto gemm = [&](const Slices& s, const std::set<Key>& keys, const at::Tensor& key_tensor, int projs,
                     const at::Tensor& svh, int n, const void* xh, long long xh_row, long long xh_proj, int k,
                     int splits, float* out, long long out_row, long long out_split, const float* out_w,
-                    const char* what) {
+                    bool table_early, const char* what) {
       for (const Key& key : keys) {
         exl3::MoeGemmArgs a{};
         a.trellis = s.data;
@@ -292,6 +292,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
         a.sorted_pairs = sorted;
         a.chunk_bound = chunk_bound;
         a.splits = splits;
+        a.table_early = table_early;
         a.y = out;
         a.y_row_stride = out_row;
         a.y_split_stride = out_split;
@@ -301,7 +302,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     };
     float* gu = reinterpret_cast<float*>(at_(L.gu));
     gemm(s13, keys13, w13_keys, 2, w13_svh, static_cast<int>(ip), at_(L.xh13), 2 * hp, hp, static_cast<int>(hp),
-         splits13, gu, splits13 * 2 * ip, 2 * ip, nullptr, "MoE gate/up GEMM");
+         splits13, gu, splits13 * 2 * ip, 2 * ip, nullptr, false, "MoE gate/up GEMM");
 
     exl3::MoeActArgs aa{};
     aa.gu = gu;
@@ -318,7 +319,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
 
     float* slots = reinterpret_cast<float*>(at_(L.slots));
     gemm(s2, keys2, w2_keys, 1, w2_svh, static_cast<int>(hp), at_(L.xh2), ip, 0, static_cast<int>(ip), splits2, slots,
-         splits2 * hp, hp, router_weight_on_input ? nullptr : pair_w, "MoE down GEMM");
+         splits2 * hp, hp, router_weight_on_input ? nullptr : pair_w, pdl, "MoE down GEMM");
 
     exl3::MoeReduceArgs rd{};
     rd.slots = slots;

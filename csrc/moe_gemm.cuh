@@ -64,7 +64,10 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
   const int split = blockIdx.z;  // this block's share of the K range (split-K at decode sizes)
   const int kb_begin = split * a.kb_count / a.splits, kb_end = (split + 1) * a.kb_count / a.splits;
 
-  griddep_wait();  // the routing table and xh come from the kernels before this one
+  // The routing table comes from the routing kernel; xh from the kernel just before this one. When the routing is
+  // older than that kernel (the down GEMM: routing, gather, gate/up GEMM, act transform, this), the block reads the
+  // table and streams its first weight stages before waiting, so those loads overlap the previous kernel's tail.
+  if (!a.table_early) griddep_wait();
   griddep_launch_dependents();
   if (chunk >= *a.num_chunks) return;
   const int expert = a.chunk_expert[chunk];
@@ -97,7 +100,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
     x_src[i] = pair >= 0 ? static_cast<const __half*>(a.xh) + pair * a.xh_row_stride + proj * a.xh_proj_stride + part * 8 : nullptr;
     x_dst[i] = ring + T::kTileBytes + row * kMoeXRowBytes + part * 16;
   }
-  auto issue = [&](int kb, int slot) {
+  auto issue_tiles = [&](int kb, int slot) {
     if (kb < kb_end) {
       const int16_t* w = w_base + kb * w_step;
       const uint32_t off = slot * T::kStageBytes;
@@ -105,11 +108,14 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
       for (int i = 0; i < T::kTileCopies; ++i)
         if (T::kTileChunks % kMoeThreads == 0 || threadIdx.x + i * kMoeThreads < T::kTileChunks)
           cp_async16(tile_dst[i] + off, w + tile_src[i]);
+    }
+  };
+  auto issue_x = [&](int kb, int slot) {
+    if (kb < kb_end) {
 #pragma unroll
       for (int i = 0; i < T::kXCopies; ++i)
-        if (x_src[i]) cp_async16(x_dst[i] + off, x_src[i] + kb * kHadBlock);
+        if (x_src[i]) cp_async16(x_dst[i] + slot * T::kStageBytes, x_src[i] + kb * kHadBlock);
     }
-    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
   };
 
   const uint32_t mul = codebook_mul(a.codebook), add = codebook_add(a.codebook);
@@ -121,13 +127,24 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[rg][e] = 0.f;
 
+  // Prologue: the first stages' weights (they depend on nothing), then, once the previous kernel is done, their
+  // activations; one wait for all of it, after which every ring stage is one commit group (tiles + activations).
 #pragma unroll
-  for (int s = 0; s < T::kStages - 1; ++s) issue(kb_begin + s, s);
+  for (int s = 0; s < T::kStages - 1; ++s) issue_tiles(kb_begin + s, s);
+  if (a.table_early) griddep_wait();
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) issue_x(kb_begin + s, s);
+  cp_async_commit();
+  cp_async_wait<0>();
+#pragma unroll
+  for (int s = 0; s < T::kStages - 2; ++s) cp_async_commit();  // empty groups: the loop's wait counts stay uniform
   for (int kb = kb_begin, slot = 0; kb < kb_end; ++kb, slot = slot + 1 == T::kStages ? 0 : slot + 1) {
     cp_async_wait<T::kStages - 2>();
     __syncthreads();  // stage kb landed for every thread; the slot refilled below was consumed by all warps
     const int refill = slot == 0 ? T::kStages - 1 : slot - 1;
-    issue(kb + T::kStages - 1, refill);
+    issue_tiles(kb + T::kStages - 1, refill);
+    issue_x(kb + T::kStages - 1, refill);
+    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
     const unsigned char* st = smem + slot * T::kStageBytes;
     const unsigned char* xs = st + T::kTileBytes + g8 * kMoeXRowBytes + 4 * c4;
 #pragma unroll
