@@ -220,14 +220,23 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const MoeRed
   if (h >= a.hidden) return;
   float v[4] = {0.f, 0.f, 0.f, 0.f};
   const float* row = a.slots + static_cast<long long>(token) * a.top_k * a.splits * a.hidden_padded + h;
-#pragma unroll 4
-  for (int k = 0; k < a.top_k; ++k) {  // k, then split: a fixed order
-    const bool local = a.pair_expert[token * a.top_k + k] >= 0;
-    for (int s = 0; s < a.splits; ++s) {
-      const float4 q = local ? *reinterpret_cast<const float4*>(row + (k * a.splits + s) * a.hidden_padded)
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
-      v[0] += q.x, v[1] += q.y, v[2] += q.z, v[3] += q.w;
+  // Four k at a time with every split unrolled: all their loads are in flight together (one at a time, the kernel
+  // was a chain of L2 latencies); the sums still run k, then split, in order.
+  for (int k0 = 0; k0 < a.top_k; k0 += 4) {
+    float4 q[4][kMoeMaxSplits];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int k = k0 + kk;
+      const bool local = k < a.top_k && a.pair_expert[token * a.top_k + k] >= 0;
+#pragma unroll
+      for (int s = 0; s < kMoeMaxSplits; ++s)
+        q[kk][s] = local && s < a.splits ? *reinterpret_cast<const float4*>(row + (k * a.splits + s) * a.hidden_padded)
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int s = 0; s < kMoeMaxSplits; ++s) v[0] += q[kk][s].x, v[1] += q[kk][s].y, v[2] += q[kk][s].z, v[3] += q[kk][s].w;
   }
   const long long i = static_cast<long long>(token) * a.y_stride + h;
   const bool aligned = ((reinterpret_cast<uintptr_t>(a.y) + i * 2) & 7) == 0;
