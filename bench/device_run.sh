@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one GPU-machine call does, in order: (optionally) start ExLlamaV3's JIT build in the background, build
-# vllm_exl3._C, check its SASS, run the correctness harness, benchmark. Logs and JSON go to $OUT; a short table
+# vllm_exl3.kernels._C, check its SASS, run the correctness harness, benchmark. Logs and JSON go to $OUT; a short table
 # comes last on stdout.
 #
 #   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]
@@ -37,7 +37,7 @@ if [ "${EXL:-0}" = 1 ]; then
 fi
 
 # Built through torch's JIT loader with setup.py's own sources and flags (independent of the image's setuptools);
-# the library lands where `import vllm_exl3._C` finds it. build DIR [extra nvcc flags...]
+# the library lands where `import vllm_exl3.kernels._C` finds it. build DIR [extra nvcc flags...]
 build() {
   local dir=$1 t0; shift
   t0=$(date +%s)
@@ -53,7 +53,7 @@ os.makedirs(d, exist_ok=True)
 load(name="_C", sources=a["sources"], extra_include_paths=a["include_dirs"], extra_cflags=a["cxx"],
      extra_cuda_cflags=a["nvcc"] + os.environ["EXTRA_NVCC"].split(), extra_ldflags=["-lcublas"], build_directory=d,
      is_python_module=True, verbose=True)
-shutil.copy(os.path.join(d, "_C.so"), "plugin/vllm_exl3/_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+shutil.copy(os.path.join(d, "_C.so"), "plugin/vllm_exl3/kernels/_C" + sysconfig.get_config_var("EXT_SUFFIX"))
 PY
   local rc=$?
   echo "build $dir ${*:-(default flags)}: rc=$rc in $(( $(date +%s) - t0 )) s"
@@ -62,7 +62,7 @@ PY
 # One build directory per set of extra flags: a variant with the default flags reuses the first build.
 build_dir() { echo "/tmp/vx-build-$(echo "$*" | md5sum | cut -c1-8)"; }
 build "$(build_dir)"
-SO=$(ls plugin/vllm_exl3/_C*.so)
+SO=$(ls plugin/vllm_exl3/kernels/_C*.so)
 python3 tools/check-cubins "$SO" "sm_${ARCH//./}" | tee -a "$OUT/build.log"
 python3 -m vllm_exl3.cli info 2>&1 | tail -12
 

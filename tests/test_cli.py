@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from vllm_exl3 import reference as R
-from vllm_exl3.format import Pack, load_weights
+from vllm_exl3.format import reference as R
+from vllm_exl3.format.pack import Pack, load_weights
 
 from conftest import pack_dir
 

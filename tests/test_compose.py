@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from appliance import ROOT, compose_binary, required
-from vllm_exl3.launch import build_spec, load_preset
+from vllm_exl3.appliance.launch import build_spec, load_preset
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_exl3 import reference as R
-from vllm_exl3.format import CODEBOOKS
+from vllm_exl3.format import reference as R
+from vllm_exl3.format.pack import CODEBOOKS
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"

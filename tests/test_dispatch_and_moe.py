@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from vllm_exl3 import kernels
-from vllm_exl3 import reference as R
-from vllm_exl3.format import CODEBOOKS
+from vllm_exl3.format import reference as R
+from vllm_exl3.format.pack import CODEBOOKS
 from vllm_exl3.kernels import ExpertStack, LinearSpec
 from vllm_exl3.kernels import ops  # noqa: F401  (registers torch.ops.vllm_exl3.*)
-from vllm_exl3.kernels.torch_backend import TorchBackend, moe_all_tokens, moe_routed_tokens
-from vllm_exl3.testing import random_weights
+from vllm_exl3.kernels.backends.torch_ref import TorchBackend, moe_all_tokens, moe_routed_tokens
+from vllm_exl3.dev.synthetic import random_weights
 
 
 def rel(a, b) -> float:

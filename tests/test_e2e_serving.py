@@ -12,7 +12,8 @@ import requests
 from safetensors.torch import load_file, save_file
 
 from conftest import PACKS, pack_dir
-from vllm_exl3 import demo, parity
+from vllm_exl3 import demo
+from vllm_exl3.dev import parity
 from servers import cpu_env, free_port, server_argv, vllm_server
 
 pytestmark = pytest.mark.e2e
@@ -133,8 +134,8 @@ def test_extended_contract_routed_experts_only_pack(tmp_path):
     """A pack in the extended contract other EXL3 tools write: routed experts (and the head) in EXL3, the
     attention of layer 1 as plain BF16 (`non_routed_dtype_policy: bf16_as_stored`), layer 0's q in EXL3 with
     k/v as BF16 shards of the same fused module (`non_routed_exl3` long form), `layer_bits` declared."""
-    from vllm_exl3 import dequant
-    from vllm_exl3.format import Pack
+    from vllm_exl3.format import dequant
+    from vllm_exl3.format.pack import Pack
 
     src = pack_dir("qwen3moe-a-exl3-mul1-b4")
     pack = tmp_path / "experts-only"

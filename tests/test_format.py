@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from vllm_exl3.format import Exl3FormatError, Pack, load_weights, read_safetensors_header, verify_pack
-from vllm_exl3.testing import linear_tensors, random_weights, write_pack
+from vllm_exl3.format.pack import Exl3FormatError, Pack, load_weights, read_safetensors_header, verify_pack
+from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
 from conftest import pack_dir
 
@@ -34,7 +34,7 @@ def test_half_integer_pack_is_mul1():
 
 def test_listing_reads_headers_only(tmp_path, monkeypatch):
     """Streaming: opening and validating a pack never reads tensor data (only the 4-byte markers)."""
-    import vllm_exl3.format as F
+    import vllm_exl3.format.pack as F
 
     reads = []
     real = F.read_bytes

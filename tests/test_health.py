@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 
 from appliance import HEALTHCHECK
-from vllm_exl3.health import decode_address, worker_connected
+from vllm_exl3.appliance.health import decode_address, worker_connected
 
 
 def run_check(mode: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -151,7 +151,7 @@ def test_worker_readiness_and_watchdog(tmp_path):
                                                     "VLLM_EXL3_MASTER_PORT": str(port),
                                                     "VLLM_EXL3_RENDEZVOUS_GRACE": "1"}
             assert run_check("readiness", env).returncode == 0
-            watchdog = subprocess.Popen([sys.executable, "-m", "vllm_exl3.health", "watch"], env={**os.environ, **env},
+            watchdog = subprocess.Popen([sys.executable, "-m", "vllm_exl3.appliance.health", "watch"], env={**os.environ, **env},
                                         stderr=subprocess.PIPE, text=True)
             try:
                 time.sleep(1.5)
@@ -168,6 +168,6 @@ def test_worker_readiness_and_watchdog(tmp_path):
 
 
 def test_watchdog_idles_on_other_roles():
-    r = subprocess.run([sys.executable, "-m", "vllm_exl3.health", "watch"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "vllm_exl3.appliance.health", "watch"], capture_output=True, text=True,
                        env={**os.environ, "VLLM_EXL3_ROLE": "head"}, timeout=30)
     assert r.returncode == 0 and "no rendezvous to watch" in r.stderr

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from vllm_exl3 import demo
-from vllm_exl3.launch import (EXIT_REFUSED, ROLES, TOPOLOGY_FLAGS, LaunchError, apply_plan, available_presets,
+from vllm_exl3.appliance.launch import (EXIT_REFUSED, ROLES, TOPOLOGY_FLAGS, LaunchError, apply_plan, available_presets,
                               build_spec, exec_argv, flag_value, load_preset)
 
 SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency")
@@ -131,7 +131,7 @@ def test_plan_figures_and_threshold_follow_the_context():
 
 
 def test_exec_goes_through_the_cli_shim():
-    assert exec_argv(["vllm", "serve", "/m", "--headless"]) == [sys.executable, "-m", "vllm_exl3.vllm_cli",
+    assert exec_argv(["vllm", "serve", "/m", "--headless"]) == [sys.executable, "-m", "vllm_exl3.integration.vllm_cli",
                                                                  "serve", "/m", "--headless"]
 
 

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import vllm_exl3.loader as L
+import vllm_exl3.loader.reader as L
 from conftest import FIXTURES
 from safetensors.torch import load_file
-from vllm_exl3 import loadbench
-from vllm_exl3.format import Exl3FormatError, Pack, read_safetensors_header
-from vllm_exl3.loader import MIB, PackReadError, ReaderOptions, last_load_stats, read_tensors
-from vllm_exl3.loadplan import plan_reads
-from vllm_exl3.testing import linear_tensors, random_weights, write_pack
+from vllm_exl3.loader import bench as loadbench
+from vllm_exl3.format.pack import Exl3FormatError, Pack, read_safetensors_header
+from vllm_exl3.loader.reader import MIB, PackReadError, ReaderOptions, last_load_stats, read_tensors
+from vllm_exl3.loader.plan import plan_reads
+from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_FILES = sorted(FIXTURES.rglob("*.safetensors")) + sorted((REPO / "plugin/vllm_exl3/demo").rglob("*.safetensors"))
@@ -283,7 +283,7 @@ def test_progress_log_line_without_a_terminal(tmp_path, monkeypatch, caplog):
 
 def test_expert_parallel_filter_skips_other_ranks_experts():
     pytest.importorskip("vllm")
-    from vllm_exl3.model_loader import _expert_filter
+    from vllm_exl3.integration.model_loader import _expert_filter
 
     keep = _expert_filter({0, 1})
     assert keep("model.layers.0.mlp.experts.1.down_proj.trellis")

@@ -12,9 +12,9 @@ import pytest
 
 from conftest import pack_dir
 from vllm_exl3 import demo
-from vllm_exl3.format import Pack
-from vllm_exl3.memory_plan import GIB, MemoryFigures, ModelShape, PlanSettings, Request, model_max_len, plan
-from vllm_exl3.preflight import model_shape
+from vllm_exl3.format.pack import Pack
+from vllm_exl3.appliance.memory_plan import GIB, MemoryFigures, ModelShape, PlanSettings, Request, model_max_len, plan
+from vllm_exl3.appliance.preflight import model_shape
 
 # What a DGX Spark reports: ~119.7 GiB of 128 GB visible to the OS.
 SPARK_TOTAL = int(119.7 * GIB)

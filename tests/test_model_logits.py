@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_exl3 import dequant
-from vllm_exl3.format import Pack, read_tensor
+from vllm_exl3.format import dequant
+from vllm_exl3.format.pack import Pack, read_tensor
 
 transformers = pytest.importorskip("transformers")
 

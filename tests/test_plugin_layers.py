@@ -17,9 +17,9 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import vllm_exl3  # noqa: E402
-from vllm_exl3 import reference as R  # noqa: E402
-from vllm_exl3.format import Exl3FormatError, Exl3Weights  # noqa: E402
-from vllm_exl3.testing import linear_tensors, random_weights, write_pack  # noqa: E402
+from vllm_exl3.format import reference as R  # noqa: E402
+from vllm_exl3.format.pack import Exl3FormatError, Exl3Weights  # noqa: E402
+from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack  # noqa: E402
 
 vllm_exl3.register()
 
@@ -28,7 +28,7 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 from vllm.model_executor.layers import linear as vllm_linear  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  # noqa: E402
 
-from vllm_exl3.config import Exl3Config, Exl3ConfigError  # noqa: E402
+from vllm_exl3.integration.config import Exl3Config, Exl3ConfigError  # noqa: E402
 
 from conftest import pack_dir  # noqa: E402
 
@@ -275,7 +275,7 @@ def test_contract_errors(raw, message):
 @pytest.mark.parametrize("layer", [0, 7])
 def test_layer_bits_declaration_is_checked_for_every_layer(layer):
     """`layer_bits` keys are layer indices; layer 0 is a key like any other."""
-    from vllm_exl3.config import Contract, LinearMeta
+    from vllm_exl3.integration.config import Contract, LinearMeta
 
     contract = Contract.parse({"layer_bits": {str(layer): 3}})
     prefix = f"model.layers.{layer}.mlp.experts"

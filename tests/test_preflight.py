@@ -12,7 +12,7 @@ import time
 import pytest
 
 from vllm_exl3 import demo
-from vllm_exl3.preflight import (check_head_is_local, check_head_reachable, check_kernel, check_network, check_pack,
+from vllm_exl3.appliance.preflight import (check_head_is_local, check_head_reachable, check_kernel, check_network, check_pack,
                                  gpu_present, interface_addresses, nccl_interfaces, route_source, wait_for_port)
 
 NOT_OURS = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never assigned to a real machine; no packet is sent to it

@@ -12,12 +12,12 @@ def register() -> None:
     if _registered:
         return
     _attach_logging()
-    from . import compat  # fails here, with the supported range, on an unsupported vLLM
-    from .config import Exl3Config
+    from .integration import compat  # fails here, with the supported range, on an unsupported vLLM
+    from .integration.config import Exl3Config
     from .kernels import ops  # noqa: F401  (registers the vllm_exl3:: custom ops)
 
     compat.register_quantization_config("exl3")(Exl3Config)
-    from .model_loader import register_loader
+    from .integration.model_loader import register_loader
 
     register_loader()
     _registered = True

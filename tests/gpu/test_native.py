@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_exl3 import reference as R
-from vllm_exl3.format import CODEBOOKS, Pack, load_weights
-from vllm_exl3.testing import random_weights
+from vllm_exl3.format import reference as R
+from vllm_exl3.format.pack import CODEBOOKS, Pack, load_weights
+from vllm_exl3.dev.synthetic import random_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -251,7 +251,7 @@ def test_fake_impls_give_shapes():
 
 @pytest.mark.parametrize("order", ["c_first", "python_first"])
 def test_cpp_and_python_ops_coexist(order):
-    first, second = ("vllm_exl3._C", "vllm_exl3.kernels.ops")[:: 1 if order == "c_first" else -1]
+    first, second = ("vllm_exl3.kernels._C", "vllm_exl3.kernels.ops")[:: 1 if order == "c_first" else -1]
     code = (f"import importlib, torch; importlib.import_module('{first}'); importlib.import_module('{second}'); "
             "assert hasattr(torch.ops.vllm_exl3, 'linear') and hasattr(torch.ops.vllm_exl3, 'native_linear'); "
             "print(torch.ops.vllm_exl3.build_info())")

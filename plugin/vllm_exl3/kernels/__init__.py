@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import Exl3Weights
+from ..format.pack import Exl3Weights
 
 logger = logging.getLogger("vllm_exl3.kernels")
 
@@ -83,7 +83,7 @@ class ExpertStack:
 
     def weights(self, expert: int, proj: int) -> Exl3Weights:
         """Views of one projection (0 gate, 1 up, 2 down) of one local expert."""
-        from ..format import bits_from_trellis_dim
+        from ..format.pack import bits_from_trellis_dim
 
         if proj < 2:
             words = self.w13_words[2 * expert + proj]
@@ -160,9 +160,9 @@ def _load_backends() -> None:
     if _backends_loaded:
         return
     _backends_loaded = True
-    from . import torch_backend  # noqa: F401  (registers "torch")
+    from .backends import torch_ref as torch_backend  # noqa: F401  (registers "torch")
 
-    for module in ("native", "exllamav3_backend"):
+    for module in ("backends.native", "backends.exllamav3"):
         try:
             __import__(f"{__name__}.{module}")
         except ImportError as e:  # a backend module itself must import; its *library* may be missing

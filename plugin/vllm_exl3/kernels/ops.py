@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..format import CODEBOOKS, Exl3Weights, bits_from_trellis_dim
+from ..format.pack import CODEBOOKS, Exl3Weights, bits_from_trellis_dim
 from . import ACTIVATIONS, PREFERENCE, ExpertStack, get_backend
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .format import Exl3Linear, Pack, load_weights
+from .pack import Exl3Linear, Pack, load_weights
 from .reference import decode_rotated, full_weight
 
 _DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .format import HADAMARD_BLOCK, TILE
+from .pack import HADAMARD_BLOCK, TILE
 
 
 def round_up(n: int, multiple: int = HADAMARD_BLOCK) -> int:

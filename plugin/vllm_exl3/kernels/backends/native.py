@@ -1,4 +1,4 @@
-"""The `native` backend: our CUDA kernels (`vllm_exl3._C`, built from csrc/ when VLLM_EXL3_BUILD_CUDA=1).
+"""The `native` backend: our CUDA kernels (`vllm_exl3.kernels._C`, built from csrc/ when VLLM_EXL3_BUILD_CUDA=1).
 
 Imports fine without the extension (CPU installs); `unavailable_reason()` then says why it cannot run. The C++ ops
 live in the `vllm_exl3` namespace next to the Python-defined ones; their fake (shape-only) implementations are
@@ -20,8 +20,8 @@ import functools
 
 import torch
 
-from ..format import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK, Exl3Weights
-from . import Backend, LinearSpec, register_backend
+from ...format.pack import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK, Exl3Weights
+from .. import Backend, LinearSpec, register_backend
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
 (PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
@@ -31,13 +31,13 @@ ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 @functools.lru_cache(maxsize=None)
 def extension_error() -> str | None:
-    """Load vllm_exl3._C (registering its ops); None when loaded, else why not."""
+    """Load vllm_exl3.kernels._C (registering its ops); None when loaded, else why not."""
     try:
         from .. import _C  # noqa: F401
     except ImportError as e:
         if isinstance(e, ModuleNotFoundError) or "cannot import name '_C'" in str(e):
-            return "vllm_exl3._C not built (install with VLLM_EXL3_BUILD_CUDA=1)"
-        return f"vllm_exl3._C failed to load: {e}"
+            return "vllm_exl3.kernels._C not built (install with VLLM_EXL3_BUILD_CUDA=1)"
+        return f"vllm_exl3.kernels._C failed to load: {e}"
     _register_fakes()
     return None
 

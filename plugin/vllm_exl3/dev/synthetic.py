@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .format import CODEBOOK_3INST, HADAMARD_BLOCK, MARKER_VALUE, TILE, Exl3Weights
+from ..format.pack import CODEBOOK_3INST, HADAMARD_BLOCK, MARKER_VALUE, TILE, Exl3Weights
 
 
 def padded(n: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from .format import Exl3FormatError
+from ..format.pack import Exl3FormatError
 
 
 class PaddedHeadMethod(UnquantizedEmbeddingMethod):

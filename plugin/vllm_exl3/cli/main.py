@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .format import Exl3FormatError, Pack
+from ..format.pack import Exl3FormatError, Pack
 
 console = Console()
 err_console = Console(stderr=True)
@@ -42,7 +42,7 @@ def _inspect(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(a: argparse.Namespace) -> int:
-        from .report import summarize
+        from ..format.summary import summarize
 
         s = summarize(Pack.open(a.pack))
         if a.json:
@@ -77,7 +77,7 @@ def _verify(p: argparse.ArgumentParser):
     p.add_argument("pack", help="EXL3 model directory")
 
     def run(a: argparse.Namespace) -> int:
-        from .format import verify_pack
+        from ..format.pack import verify_pack
 
         pack, problems = verify_pack(a.pack)
         for e in problems:
@@ -106,7 +106,7 @@ def _dequant(p: argparse.ArgumentParser):
     def run(a: argparse.Namespace) -> int:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        from . import dequant
+        from ..format import dequant
 
         pack = Pack.open(a.pack)
         items = dequant.plan(pack, a.tensor, a.rotated, a.padded)
@@ -126,7 +126,7 @@ def _dequant(p: argparse.ArgumentParser):
 @command("launch")
 def _launch(p: argparse.ArgumentParser):
     """Check the pack, network and memory, then run `vllm serve` for a role (single, head, worker) and preset."""
-    from . import launch
+    from ..appliance import launch
 
     launch.add_arguments(p)
     return launch.run
@@ -147,7 +147,7 @@ def _serve(p: argparse.ArgumentParser):
         import subprocess
 
         from . import serve
-        from .format import verify_pack
+        from ..format.pack import verify_pack
 
         extra = tuple(x for x in a.vllm_args if x != "--")
         if a.demo == bool(a.pack):
@@ -188,7 +188,7 @@ def _info(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(a: argparse.Namespace) -> int:
-        from .info import collect
+        from ..kernels.info import collect
 
         info = collect()
         if a.json:
@@ -231,8 +231,8 @@ def _load_bench(p: argparse.ArgumentParser):
     def run(a: argparse.Namespace) -> int:
         import torch
 
-        from . import loadbench
-        from .loader import GB, ReaderOptions, format_bytes
+        from ..loader import bench as loadbench
+        from ..loader.reader import GB, ReaderOptions, format_bytes
 
         config = {k: v for k, v in (("chunk_mib", a.chunk_mib), ("ring_mib", a.ring_mib),
                                     ("direct_io", a.direct_io)) if v is not None}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..format import Exl3Weights
-from ..reference import decode_rotated, hadamard_rows
-from . import Backend, ExpertStack, LinearSpec, MoESpec, register_backend
+from ...format.pack import Exl3Weights
+from ...format.reference import decode_rotated, hadamard_rows
+from .. import Backend, ExpertStack, LinearSpec, MoESpec, register_backend
 
 _ACTIVATION = {
     "silu": torch.nn.functional.silu,

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import demo
+from .. import demo
 
 DEMO_NAME = "qwen3moe-tiny-exl3"
 

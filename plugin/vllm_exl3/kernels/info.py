@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import __version__
+from .. import __version__
 
 
 @dataclass
@@ -32,10 +32,10 @@ class Info:
 
 
 def collect() -> Info:
-    from .kernels import KERNEL_ENV, PREFERENCE, get_backend
+    from . import KERNEL_ENV, PREFERENCE, get_backend
 
     get_backend("torch")  # loads every backend module first (kernels._load_backends runs once, on first use)
-    from .kernels import native
+    from .backends import native
 
     devices = []
     if torch.cuda.is_available():

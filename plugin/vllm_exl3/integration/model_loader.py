@@ -26,9 +26,9 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from . import compat
-from .format import SafetensorsFile, read_safetensors_header
-from .loader import OPTION_KEYS, ParallelRead, ProgressReporter, ReaderOptions
-from .loadplan import plan_reads
+from ..format.pack import SafetensorsFile, read_safetensors_header
+from ..loader.reader import OPTION_KEYS, ParallelRead, ProgressReporter, ReaderOptions
+from ..loader.plan import plan_reads
 
 LOAD_FORMAT = "exl3_parallel"
 # Per-expert tensors holding nearly all expert bytes; vLLM's own EP filter knows only `.weight`/`.weight_packed`.

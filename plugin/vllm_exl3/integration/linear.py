@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from . import compat
 from .config import LinearMeta
-from .format import CODEBOOKS, MARKER_VALUE, TILE, Exl3FormatError, Exl3Weights, unpack_signs
-from .geometry import Span, check_padding
-from .kernels import PREFERENCE, LinearSpec, choose_linear_backend
+from ..format.pack import CODEBOOKS, MARKER_VALUE, TILE, Exl3FormatError, Exl3Weights, unpack_signs
+from ..format.geometry import Span, check_padding
+from ..kernels import PREFERENCE, LinearSpec, choose_linear_backend
 
 logger = logging.getLogger("vllm_exl3")
 

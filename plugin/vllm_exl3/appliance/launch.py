@@ -38,7 +38,7 @@ DEFAULT_MODEL_DIR = "/model"  # where compose mounts the pack, read-only
 DEFAULT_MASTER_PORT = 29501  # vLLM's own default for --master-port
 DEFAULT_HEAD_WAIT_S = 900.0
 IMAGE_PRESET_DIR = Path("/etc/vllm-exl3/presets")
-SOURCE_PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"
+PACKAGE_PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: in the wheel and the source tree
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Preset:
 
 def preset_dirs(env: Mapping[str, str]) -> list[Path]:
     dirs = [Path(p) for p in env.get("VLLM_EXL3_PRESET_DIR", "").split(os.pathsep) if p]
-    return dirs + [SOURCE_PRESET_DIR, IMAGE_PRESET_DIR]
+    return dirs + [PACKAGE_PRESET_DIR, IMAGE_PRESET_DIR]
 
 
 def available_presets(env: Mapping[str, str]) -> dict[str, Path]:
@@ -249,7 +249,7 @@ def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: flo
 
 def exec_argv(argv: list[str]) -> list[str]:
     """The process to exec for a `vllm ...` command line (see vllm_cli: one invocation on GPU and CPU builds)."""
-    return [sys.executable, "-m", "vllm_exl3.vllm_cli", *argv[1:]]
+    return [sys.executable, "-m", "vllm_exl3.integration.vllm_cli", *argv[1:]]
 
 
 # ---------------------------------------------------------------------------------------------------------------

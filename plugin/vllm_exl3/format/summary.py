@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .format import Pack, format_bits, tensor_group
+from .pack import Pack, format_bits, tensor_group
 
 GROUPS = ("experts", "dense", "head")
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .format import Pack, verify_pack
+from ..format.pack import Pack, verify_pack
 from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib, model_max_len
 from .memory_plan import plan as make_plan
 
@@ -77,7 +77,7 @@ def check_pack(model_dir: str | os.PathLike) -> tuple[Check, Pack | None]:
 
 
 def model_shape(pack: Pack) -> ModelShape:
-    from .report import summarize
+    from ..format.summary import summarize
 
     summary = summarize(pack)
     largest = max((lin.in_padded * lin.out_padded for lin in pack.linears().values()), default=0)
@@ -104,7 +104,7 @@ def check_kernel(env: Mapping[str, str]) -> Check | None:
     name = env.get("VLLM_EXL3_KERNEL", "auto").strip().lower() or "auto"
     if name == "auto":
         return None  # without importing torch: the launcher stays quick when nothing needs checking
-    from .kernels import CHOICES, KERNEL_ENV, get_backend
+    from ..kernels import CHOICES, KERNEL_ENV, get_backend
 
     if name not in CHOICES:
         return Check("kernel backend", False, f"{KERNEL_ENV}={name!r}: expected one of {', '.join(CHOICES)}")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .format import Pack, SafetensorsFile, read_safetensors_header
-from .loader import GB, MIB, AlignedBuffer, ReaderOptions, last_load_stats, read_tensors
+from ..format.pack import Pack, SafetensorsFile, read_safetensors_header
+from .reader import GB, MIB, AlignedBuffer, ReaderOptions, last_load_stats, read_tensors
 
 RAW_BLOCK_BYTES = 16 * MIB  # like `dd bs=16M`
 
