@@ -70,7 +70,7 @@ if has tests; then
   t0=$(date +%s)
   # The exllamav3 backend test runs after its JIT build (below); here it would only wait on the build's lock.
   VLLM_EXL3_REQUIRE_NATIVE=1 VLLM_EXL3_TEST_REPORT="$OUT/test_bounds.json" PYTHONPATH="$PWD/plugin" \
-    timeout 420 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --timeout 300 -k "not exllamav3" \
+    timeout 420 python3 -m pytest -m gpu tests/kernels/gpu -q -p no:cacheprovider --timeout 300 -k "not exllamav3" \
     > "$OUT/tests.log" 2>&1
   echo "tests rc=$? in $(( $(date +%s) - t0 )) s"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
@@ -114,7 +114,7 @@ if has bench; then
   grep -v "^{" "$OUT/bench.log" | tail -70
   if [ "$EXL_OK" = 1 ]; then  # after the table, so a slow test cannot cost it
     PYTHONPATH="$PWD/plugin:$EXL_SITE" TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST_EXL timeout 120 \
-      python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+      python3 -m pytest -m gpu tests/kernels/gpu -q -p no:cacheprovider \
       -k exllamav3 > "$OUT/tests_exllamav3.log" 2>&1
     echo "exllamav3 backend test rc=$?"; tail -1 "$OUT/tests_exllamav3.log"
   fi

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from conftest import PACKS, pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.dev import parity
-from servers import cpu_env, free_port, server_argv, vllm_server
+from support.servers import cpu_env, free_port, server_argv, vllm_server
 
 pytestmark = pytest.mark.e2e
 

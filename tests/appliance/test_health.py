@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from appliance import HEALTHCHECK
+from support.appliance import HEALTHCHECK
 from vllm_exl3.appliance.health import decode_address, worker_connected
 
 

@@ -1,4 +1,4 @@
-"""The native kernels against the torch reference, on a GPU (the device harness; `pytest -m gpu tests/gpu`).
+"""The native kernels against the torch reference, on a GPU (the device harness; `pytest -m gpu tests/kernels/gpu`).
 
 Every codebook x bit width (1..8, 1.5/2.5/3.5 for mul1) x several shapes (padded, non-square) x row counts x kernel
 paths x activation dtypes, on fresh random inputs, outputs poisoned before each call; tensor-parallel offsets;
@@ -45,7 +45,7 @@ if native.unavailable_reason():
         raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
     pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "exl3"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
 DEV = "cuda"
 BOUND = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
 WIDTHS = [(cb, float(b)) for cb in CODEBOOKS for b in range(1, 9)] + [("mul1", 1.5), ("mul1", 2.5), ("mul1", 3.5)]

@@ -12,8 +12,8 @@ import signal
 import pytest
 import requests
 
-from appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
-from servers import free_port
+from support.appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
+from support.servers import free_port
 
 pytestmark = pytest.mark.e2e
 

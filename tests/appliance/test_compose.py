@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import ROOT, compose_binary, required
+from support.appliance import ROOT, compose_binary, required
 from vllm_exl3.appliance.launch import build_spec, load_preset
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"

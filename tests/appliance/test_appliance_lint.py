@@ -9,7 +9,7 @@ import subprocess
 
 import yaml
 
-from appliance import ROOT, required, tool
+from support.appliance import ROOT, required, tool
 
 DOCKERFILE = ROOT / "Dockerfile"
 

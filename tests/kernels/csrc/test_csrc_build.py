@@ -22,7 +22,7 @@ import torch
 from vllm_exl3.format import reference as R
 from vllm_exl3.format.pack import CODEBOOKS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 CSRC = ROOT / "csrc"
 CHECK_CUBINS = ROOT / "tools" / "check-cubins"
 ARCHS = ("sm_90a", "sm_121a")
@@ -100,10 +100,10 @@ def test_check_cubins_script(objects):
 
 @pytest.fixture(scope="module")
 def decode_host(tmp_path_factory) -> Path:
-    """tests/csrc/decode_host.cpp: the kernels' decode header compiled for the CPU."""
+    """tests/kernels/csrc/decode_host.cpp: the kernels' decode header compiled for the CPU."""
     nvcc = _require("nvcc")
     exe = tmp_path_factory.mktemp("host") / "decode_host"
-    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "csrc" / "decode_host.cpp"), "-o",
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "decode_host.cpp"), "-o",
                         str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     return exe
@@ -147,7 +147,7 @@ def test_fast_division_matches_integer_division(tmp_path):
     """exl3::FastDiv (skinny kernel bookkeeping) equals n / d and n % d for n < 2^31, divisors 1 .. 2^31 - 1."""
     nvcc = _require("nvcc")
     exe = tmp_path / "fast_div_host"
-    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "csrc" / "fast_div_host.cpp"), "-o",
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "fast_div_host.cpp"), "-o",
                         str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True)
@@ -159,7 +159,7 @@ def test_stream_k_bookkeeping_matches_integer_forms(tmp_path):
     """The skinny kernel's division-free block ranges and group-to-block mapping equal the host's exact forms."""
     nvcc = _require("nvcc")
     exe = tmp_path / "stream_k_host"
-    r = subprocess.run([nvcc, *NVCC_FLAGS, str(ROOT / "tests" / "csrc" / "stream_k_host.cu"), "-o", str(exe)],
+    r = subprocess.run([nvcc, *NVCC_FLAGS, str(ROOT / "tests" / "kernels" / "csrc" / "stream_k_host.cu"), "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True)

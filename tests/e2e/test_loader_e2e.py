@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
-from servers import cpu_env
+from support.servers import cpu_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 vllm = pytest.importorskip("vllm")
 
 HERE = Path(__file__).parent
-DEMO_PACK = HERE.parent / "plugin" / "vllm_exl3" / "demo" / "qwen3moe-tiny-exl3"
+DEMO_PACK = HERE.parents[1] / "plugin" / "vllm_exl3" / "demo" / "qwen3moe-tiny-exl3"
 LOADER_OPTIONS = {"workers": 3, "chunk_mib": 1}  # several chunks per shard, several workers
 
 
@@ -43,7 +43,7 @@ def tiny_moe_model(root: Path) -> Path:
 
 def start(model: Path, load_format: str, extra: dict | None = None) -> subprocess.Popen:
     env = cpu_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine core in-process: one process less to boot
-    return subprocess.Popen([sys.executable, str(HERE / "vllm_generate.py"), str(model), load_format,
+    return subprocess.Popen([sys.executable, str(HERE.parent / "support" / "vllm_generate.py"), str(model), load_format,
                              json.dumps(extra or {})], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 

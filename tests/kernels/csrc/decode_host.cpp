@@ -1,5 +1,5 @@
 // Runs the kernels' lane decoder (csrc/exl3_decode.cuh) on the CPU: reads tiles, writes every lane's states and
-// codewords. tests/test_csrc_build.py compares them with the Python reference. No GPU needed.
+// codewords. tests/kernels/csrc/test_csrc_build.py compares them with the Python reference. No GPU needed.
 //
 // stdin:  int32 bits2, int32 codebook, int32 tiles, then tiles * 8 * bits2 int16 words (tile records)
 // stdout: for each tile, lane 0..31, position j 0..7: uint32 state, uint32 codeword

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 import requests
 
-from appliance import ROOT, SERVED_NAME
-from servers import free_port
+from support.appliance import ROOT, SERVED_NAME
+from support.servers import free_port
 from vllm_exl3 import demo
 
 IMAGE = "vllm-exl3:test"

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from servers import cpu_env, free_port
+from .servers import cpu_env, free_port
 from vllm_exl3 import demo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUPERVISORD_CONF = ROOT / "deploy" / "supervisord.conf"
 HEALTHCHECK = ROOT / "healthchecks" / "healthcheck.py"
 VENV_BIN = Path(sys.executable).parent

@@ -21,7 +21,7 @@ from vllm_exl3.loader.reader import MIB, PackReadError, ReaderOptions, last_load
 from vllm_exl3.loader.plan import plan_reads
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURE_FILES = sorted(FIXTURES.rglob("*.safetensors")) + sorted((REPO / "plugin/vllm_exl3/demo").rglob("*.safetensors"))
 # tiny chunks and ring so that the fixtures' tensors span chunks, share chunks and exceed the ring
 TINY = ReaderOptions(workers=3, chunk_bytes=8192, ring_bytes=16384)
