@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 
-from vllm_exl3.format.pack import CODEBOOKS, TILE, Exl3Weights  # noqa: E402
+from vllm_exl3.format.constants import CODEBOOKS, TILE# noqa: E402
+from vllm_exl3.format.tensors import Exl3Weights
 from vllm_exl3.kernels import get_backend  # noqa: E402
 
 get_backend("torch")

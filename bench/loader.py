@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 from vllm_exl3.loader import bench as loadbench
-from vllm_exl3.format.pack import TILE, Exl3Weights
+from vllm_exl3.format.constants import TILE
+from vllm_exl3.format.tensors import Exl3Weights
 from vllm_exl3.loader.reader import GB, ReaderOptions, read_tensors
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 

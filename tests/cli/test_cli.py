@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vllm_exl3.format import reference as R
-from vllm_exl3.format.pack import Pack, load_weights
+from vllm_exl3.format.pack import Pack
+from vllm_exl3.format.tensors import load_weights
 
 from conftest import pack_dir
 

@@ -6,7 +6,10 @@ import json
 import pytest
 import torch
 
-from vllm_exl3.format.pack import Exl3FormatError, Pack, load_weights, read_safetensors_header, verify_pack
+from vllm_exl3.format.errors import Exl3FormatError
+from vllm_exl3.format.headers import read_safetensors_header
+from vllm_exl3.format.pack import Pack, verify_pack
+from vllm_exl3.format.tensors import load_weights
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
 from conftest import pack_dir
@@ -34,7 +37,7 @@ def test_half_integer_pack_is_mul1():
 
 def test_listing_reads_headers_only(tmp_path, monkeypatch):
     """Streaming: opening and validating a pack never reads tensor data (only the 4-byte markers)."""
-    import vllm_exl3.format.pack as F
+    import vllm_exl3.format.records as F  # the marker check reads through records.read_bytes
 
     reads = []
     real = F.read_bytes

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_exl3.format import dequant
-from vllm_exl3.format.pack import Pack, read_tensor
+from vllm_exl3.format.pack import Pack
+from vllm_exl3.format.tensors import read_tensor
 
 transformers = pytest.importorskip("transformers")
 

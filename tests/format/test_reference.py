@@ -6,7 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_exl3.format import reference as R
-from vllm_exl3.format.pack import CODEBOOKS, Pack, load_weights
+from vllm_exl3.format.constants import CODEBOOKS
+from vllm_exl3.format.pack import Pack
+from vllm_exl3.format.tensors import load_weights
 from vllm_exl3.dev.synthetic import random_weights
 
 
@@ -175,7 +177,7 @@ def test_split_forward_with_block_halos_sums_to_the_whole():
     x = torch.randn(4, 384, dtype=torch.float64)
     whole = R.forward(x, w, W_hat)
     # row split at 192 (mid-block): rank 0 holds blocks 0-1 (rows 0..256), rank 1 blocks 1-2 (rows 128..384)
-    from vllm_exl3.format.pack import Exl3Weights
+    from vllm_exl3.format.tensors import Exl3Weights
 
     def rows(a0, a1):
         return Exl3Weights(w.trellis[a0 // 16:a1 // 16], w.suh[a0:a1], w.svh, w.codebook, w.bits)

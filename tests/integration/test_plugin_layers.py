@@ -18,7 +18,8 @@ vllm = pytest.importorskip("vllm")
 
 import vllm_exl3  # noqa: E402
 from vllm_exl3.format import reference as R  # noqa: E402
-from vllm_exl3.format.pack import Exl3FormatError, Exl3Weights  # noqa: E402
+from vllm_exl3.format.errors import Exl3FormatError# noqa: E402
+from vllm_exl3.format.tensors import Exl3Weights
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack  # noqa: E402
 
 vllm_exl3.register()
@@ -275,7 +276,8 @@ def test_contract_errors(raw, message):
 @pytest.mark.parametrize("layer", [0, 7])
 def test_layer_bits_declaration_is_checked_for_every_layer(layer):
     """`layer_bits` keys are layer indices; layer 0 is a key like any other."""
-    from vllm_exl3.integration.config import Contract, LinearMeta
+    from vllm_exl3.format.contract import Contract
+    from vllm_exl3.format.index import LinearMeta
 
     contract = Contract.parse({"layer_bits": {str(layer): 3}})
     prefix = f"model.layers.{layer}.mlp.experts"

@@ -11,7 +11,7 @@ import torch
 
 from vllm_exl3 import kernels
 from vllm_exl3.format import reference as R
-from vllm_exl3.format.pack import CODEBOOKS
+from vllm_exl3.format.constants import CODEBOOKS
 from vllm_exl3.kernels import ExpertStack, LinearSpec
 from vllm_exl3.kernels import ops  # noqa: F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backends.torch_ref import TorchBackend, moe_all_tokens, moe_routed_tokens

@@ -16,7 +16,9 @@ import vllm_exl3.loader.reader as L
 from conftest import FIXTURES
 from safetensors.torch import load_file
 from vllm_exl3.loader import bench as loadbench
-from vllm_exl3.format.pack import Exl3FormatError, Pack, read_safetensors_header
+from vllm_exl3.format.errors import Exl3FormatError
+from vllm_exl3.format.headers import read_safetensors_header
+from vllm_exl3.format.pack import Pack
 from vllm_exl3.loader.reader import MIB, PackReadError, ReaderOptions, last_load_stats, read_tensors
 from vllm_exl3.loader.plan import plan_reads
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack

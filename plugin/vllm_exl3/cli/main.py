@@ -12,7 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..format.pack import Exl3FormatError, Pack
+from ..format.errors import Exl3FormatError
+from ..format.pack import Pack
 
 console = Console()
 err_console = Console(stderr=True)

@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
-from ..format.pack import CODEBOOK_3INST, HADAMARD_BLOCK, MARKER_VALUE, TILE, Exl3Weights
+from ..format.constants import CODEBOOK_3INST, MARKER_VALUE, TILE
+from ..format.geometry import ceil_to
+from ..format.tensors import Exl3Weights
 
 
 def padded(n: int) -> int:
-    return -(-n // HADAMARD_BLOCK) * HADAMARD_BLOCK
+    return ceil_to(n)
 
 
 def random_weights(in_features: int, out_features: int, bits: float, codebook: str, seed: int = 0,

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .pack import Exl3Linear, Pack, load_weights
+from .pack import Pack
+from .records import Exl3Linear
+from .tensors import load_weights
 from .reference import decode_rotated, full_weight
 
 _DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32"}

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .pack import HADAMARD_BLOCK, TILE
+from .constants import HADAMARD_BLOCK, TILE
 
 
-def round_up(n: int, multiple: int = HADAMARD_BLOCK) -> int:
+def ceil_to(n: int, multiple: int = HADAMARD_BLOCK) -> int:
+    """n rounded up to a multiple (by default the Hadamard block both feature dims are padded to): the ONE rounding
+    rule (padding, the reader's alignment, huge-page boundaries)."""
     return -(-n // multiple) * multiple
 
 
@@ -39,7 +41,7 @@ class Span:
         if not 0 <= start <= stop <= padded:
             raise ValueError(f"range [{start}, {stop}) outside the padded width {padded}")
         b0 = start // HADAMARD_BLOCK * HADAMARD_BLOCK
-        b1 = min(round_up(stop), padded)
+        b1 = min(ceil_to(stop), padded)
         return cls(start, stop, b0, b1)
 
     @property
@@ -69,6 +71,6 @@ class Span:
 
 def check_padding(what: str, logical: int, padded: int) -> None:
     """The pack's padded width must be exactly the model's width rounded up to a Hadamard block."""
-    if round_up(logical) != padded:
+    if ceil_to(logical) != padded:
         raise ValueError(f"{what}: the pack stores {padded} padded features but the model config gives "
-                         f"{logical} (which pads to {round_up(logical)}): the pack does not match this model")
+                         f"{logical} (which pads to {ceil_to(logical)}): the pack does not match this model")

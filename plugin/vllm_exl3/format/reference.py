@@ -15,16 +15,9 @@ import sys
 
 import torch
 
-from .pack import (
-    CODEBOOK_3INST,
-    CODEBOOK_MCG,
-    CODEBOOK_MUL1,
-    HADAMARD_BLOCK,
-    MARKER_VALUE,
-    TILE,
-    Exl3Weights,
-    bits_from_trellis_dim,
-)
+from .constants import CODEBOOK_3INST, CODEBOOK_MCG, CODEBOOK_MUL1, HADAMARD_BLOCK, MARKER_VALUE, TILE
+from .records import bits_from_trellis_dim
+from .tensors import Exl3Weights
 
 if sys.byteorder != "little":  # the int16 pairs of a trellis word are little-endian uint32 (§1.5 step 3)
     raise ImportError("vllm_exl3.format.reference assumes a little-endian host")

@@ -6,7 +6,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .pack import Pack, format_bits, tensor_group
+from .pack import Pack, tensor_group
+from .records import format_bits
 
 GROUPS = ("experts", "dense", "head")
 

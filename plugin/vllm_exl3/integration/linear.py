@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from . import compat
-from .config import LinearMeta
-from ..format.pack import CODEBOOKS, MARKER_VALUE, TILE, Exl3FormatError, Exl3Weights, unpack_signs
+from ..format.index import LinearMeta
+from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
+from ..format.errors import Exl3FormatError
+from ..format.tensors import Exl3Weights, unpack_signs
 from ..format.geometry import Span, check_padding
 from ..kernels import PREFERENCE, LinearSpec, choose_linear_backend
 

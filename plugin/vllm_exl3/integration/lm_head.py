@@ -1,6 +1,6 @@
 """An unquantized LM head stored with ExLlamaV3's padding (head_bits 16, exl3-format.md §E.2).
 
-The converter keeps the head at the padded input width ([vocab, round_up(hidden, 128)], zero pad columns);
+The converter keeps the head at the padded input width ([vocab, ceil_to(hidden, 128)], zero pad columns);
 vLLM's head is [vocab, hidden]. Everything is vLLM's unquantized embedding method except that the loader
 drops the pad columns (after checking they are zero: non-zero pad columns would mean a different layout).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from ..format.pack import Exl3FormatError
+from ..format.errors import Exl3FormatError
 
 
 class PaddedHeadMethod(UnquantizedEmbeddingMethod):

@@ -26,7 +26,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from . import compat
-from ..format.pack import SafetensorsFile, read_safetensors_header
+from ..format.headers import SafetensorsFile, read_safetensors_header
 from ..loader.reader import OPTION_KEYS, ParallelRead, ProgressReporter, ReaderOptions
 from ..loader.plan import plan_reads
 

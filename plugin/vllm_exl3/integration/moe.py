@@ -15,8 +15,10 @@ import logging
 import torch
 
 from . import compat
-from .config import LinearMeta
-from ..format.pack import CODEBOOKS, MARKER_VALUE, TILE, Exl3FormatError, unpack_signs
+from ..format.index import LinearMeta
+from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
+from ..format.errors import Exl3FormatError
+from ..format.tensors import unpack_signs
 from ..format.geometry import Span, check_padding
 from ..kernels import ACTIVATIONS, PREFERENCE, ExpertStack, MoESpec, choose_moe_backend
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.pack import Exl3Weights
+from ..format.tensors import Exl3Weights
 
 logger = logging.getLogger("vllm_exl3.kernels")
 
@@ -83,7 +83,7 @@ class ExpertStack:
 
     def weights(self, expert: int, proj: int) -> Exl3Weights:
         """Views of one projection (0 gate, 1 up, 2 down) of one local expert."""
-        from ..format.pack import bits_from_trellis_dim
+        from ..format.records import bits_from_trellis_dim
 
         if proj < 2:
             words = self.w13_words[2 * expert + proj]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..format.pack import CODEBOOKS, Exl3Weights, bits_from_trellis_dim
+from ..format.constants import CODEBOOKS
+from ..format.records import bits_from_trellis_dim
+from ..format.tensors import Exl3Weights
 from . import ACTIVATIONS, PREFERENCE, ExpertStack, get_backend
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..format.pack import Pack, SafetensorsFile, read_safetensors_header
+from ..format.headers import SafetensorsFile, read_safetensors_header
+from ..format.pack import Pack
 from .reader import GB, MIB, AlignedBuffer, ReaderOptions, last_load_stats, read_tensors
 
 RAW_BLOCK_BYTES = 16 * MIB  # like `dd bs=16M`

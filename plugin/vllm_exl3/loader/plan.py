@@ -10,7 +10,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..format.pack import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord
+from ..format.errors import Exl3FormatError
+from ..format.geometry import ceil_to
+from ..format.headers import SafetensorsFile, TensorRecord
+from ..format.tensors import TORCH_DTYPES
 
 # O_DIRECT needs file offset, length and buffer address aligned to the device's logical block size. 4096 covers
 # both 512-byte and 4K-native devices, so chunk boundaries and bounce slots use it everywhere.
@@ -55,7 +58,7 @@ def _align_down(n: int) -> int:
 
 
 def _align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    return ceil_to(n, ALIGN)
 
 
 def plan_reads(files: Iterable[SafetensorsFile], chunk_bytes: int,

@@ -38,7 +38,10 @@ from typing import Any
 
 import torch
 
-from ..format.pack import TORCH_DTYPES, Exl3FormatError, SafetensorsFile, TensorRecord, read_safetensors_header
+from ..format.errors import Exl3FormatError
+from ..format.geometry import ceil_to
+from ..format.headers import SafetensorsFile, TensorRecord, read_safetensors_header
+from ..format.tensors import TORCH_DTYPES
 from .plan import ALIGN, Chunk, ReadPlan, plan_reads
 
 logger = logging.getLogger("vllm_exl3.loader")
@@ -62,7 +65,7 @@ _madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if os.nam
 
 def advise_huge_pages(buffer: torch.Tensor) -> bool:
     """Ask for transparent huge pages under the 2 MiB-aligned interior of a host buffer not yet touched."""
-    start = -(-buffer.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    start = ceil_to(buffer.data_ptr(), HUGE_PAGE)
     end = (buffer.data_ptr() + buffer.numel() * buffer.element_size()) // HUGE_PAGE * HUGE_PAGE
     if _madvise is None or end <= start or not os.uname().sysname == "Linux":
         return False
@@ -622,7 +625,7 @@ class ParallelRead:
         pos = inplace = 0  # chunk-relative: the bytes before `pos` have a segment
         for p in pieces:
             address = self._dest[p.tensor].data_ptr() + p.tensor_offset  # of the piece's first byte
-            lo, hi = -(-p.chunk_offset // ALIGN) * ALIGN, (p.chunk_offset + p.nbytes) // ALIGN * ALIGN
+            lo, hi = ceil_to(p.chunk_offset, ALIGN), (p.chunk_offset + p.nbytes) // ALIGN * ALIGN
             if self._inplace[p.tensor] and not overlapping and hi > lo and len(segments) + 2 < MAX_IOVECS:
                 if lo > pos:
                     segments.append((pos, lo, base + pos))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vllm_exl3.format import reference as R
-from vllm_exl3.format.pack import CODEBOOKS
+from vllm_exl3.format.constants import CODEBOOKS
 
 ROOT = Path(__file__).resolve().parents[3]
 CSRC = ROOT / "csrc"

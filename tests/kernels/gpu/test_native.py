@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from vllm_exl3.format import reference as R
-from vllm_exl3.format.pack import CODEBOOKS, Pack, load_weights
+from vllm_exl3.format.constants import CODEBOOKS
+from vllm_exl3.format.pack import Pack
+from vllm_exl3.format.tensors import load_weights
 from vllm_exl3.dev.synthetic import random_weights
 
 pytestmark = pytest.mark.gpu

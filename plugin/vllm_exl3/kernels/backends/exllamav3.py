@@ -16,7 +16,8 @@ import threading
 
 import torch
 
-from ...format.pack import CODEBOOK_3INST, MARKER_VALUE, Exl3Weights
+from ...format.constants import CODEBOOK_3INST, MARKER_VALUE
+from ...format.tensors import Exl3Weights
 from .. import Backend, LinearSpec, register_backend
 
 SUPPORTED_VERSIONS = ("1.6.",)  # the format and kernel behaviour this wrapper was checked against

@@ -20,7 +20,8 @@ import functools
 
 import torch
 
-from ...format.pack import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK, Exl3Weights
+from ...format.constants import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK
+from ...format.tensors import Exl3Weights
 from .. import Backend, LinearSpec, register_backend
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)

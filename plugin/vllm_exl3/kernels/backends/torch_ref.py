@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...format.pack import Exl3Weights
+from ...format.tensors import Exl3Weights
 from ...format.reference import decode_rotated, hadamard_rows
 from .. import Backend, ExpertStack, LinearSpec, MoESpec, register_backend
 
