@@ -29,7 +29,9 @@ import torch
 from vllm_exl3.loader import bench as loadbench
 from vllm_exl3.format.constants import TILE
 from vllm_exl3.format.tensors import Exl3Weights
-from vllm_exl3.loader.reader import GB, ReaderOptions, read_tensors
+from vllm_exl3.format.units import GB
+from vllm_exl3.loader.options import ReaderOptions
+from vllm_exl3.loader.reader import read_tensors
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
 HIDDEN, MOE_INTERMEDIATE, EXPERTS, VOCAB, BITS = 2048, 768, 128, 151936, 4

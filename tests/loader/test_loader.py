@@ -13,13 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_exl3.loader.reader as L
+import vllm_exl3.loader.progress as progress
 from conftest import FIXTURES
 from safetensors.torch import load_file
 from vllm_exl3.loader import bench as loadbench
 from vllm_exl3.format.errors import Exl3FormatError
 from vllm_exl3.format.headers import read_safetensors_header
 from vllm_exl3.format.pack import Pack
-from vllm_exl3.loader.reader import MIB, PackReadError, ReaderOptions, last_load_stats, read_tensors
+from vllm_exl3.format.units import MIB
+from vllm_exl3.loader.options import ReaderOptions
+from vllm_exl3.loader.progress import last_load_stats
+from vllm_exl3.loader.reader import PackReadError, read_tensors
 from vllm_exl3.loader.plan import plan_reads
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
@@ -272,7 +276,7 @@ def test_options_precedence_and_validation():
 
 
 def test_progress_log_line_without_a_terminal(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(L, "LOG_EVERY_S", 0.0)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     files = Pack.open(generated_pack(tmp_path / "pack")).files
     with caplog.at_level(logging.INFO, logger="vllm_exl3.loader"):
         reporter = L.ProgressReporter(plan_reads(files, TINY.chunk_bytes).nbytes, bar=False)

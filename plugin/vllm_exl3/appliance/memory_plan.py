@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-GIB = 2**30
+from ..format.units import GIB, format_bytes
+
 KIB = 2**10
 
 # vLLM allocates KV in blocks; planning to whole blocks keeps the promised context honest.
@@ -202,7 +203,7 @@ class Plan:
 
 def gib(n: float) -> str:
     """A byte count for people: GiB with one decimal, MiB below 1 GiB (tiny test packs stay readable)."""
-    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
+    return format_bytes(n, binary=True, digits=1)
 
 
 def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSettings) -> Plan:

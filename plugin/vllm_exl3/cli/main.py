@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..format.errors import Exl3FormatError
 from ..format.pack import Pack
+from ..format.units import format_bytes
 
 console = Console()
 err_console = Console(stderr=True)
@@ -32,7 +33,7 @@ def command(name: str):
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    return format_bytes(n, binary=True, digits=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,7 +234,8 @@ def _load_bench(p: argparse.ArgumentParser):
         import torch
 
         from ..loader import bench as loadbench
-        from ..loader.reader import GB, ReaderOptions, format_bytes
+        from ..format.units import GB
+        from ..loader.options import ReaderOptions
 
         config = {k: v for k, v in (("chunk_mib", a.chunk_mib), ("ring_mib", a.ring_mib),
                                     ("direct_io", a.direct_io)) if v is not None}

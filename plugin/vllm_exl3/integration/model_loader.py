@@ -27,7 +27,9 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from . import compat
 from ..format.headers import SafetensorsFile, read_safetensors_header
-from ..loader.reader import OPTION_KEYS, ParallelRead, ProgressReporter, ReaderOptions
+from ..loader.options import OPTION_KEYS, ReaderOptions
+from ..loader.progress import ProgressReporter
+from ..loader.reader import ParallelRead
 from ..loader.plan import plan_reads
 
 LOAD_FORMAT = "exl3_parallel"

@@ -27,7 +27,11 @@ import torch
 
 from ..format.headers import SafetensorsFile, read_safetensors_header
 from ..format.pack import Pack
-from .reader import GB, MIB, AlignedBuffer, ReaderOptions, last_load_stats, read_tensors
+from ..format.units import GB, MIB
+from .buffers import AlignedBuffer
+from .options import ReaderOptions
+from .progress import last_load_stats
+from .reader import read_tensors
 
 RAW_BLOCK_BYTES = 16 * MIB  # like `dd bs=16M`
 

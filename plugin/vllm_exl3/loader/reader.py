@@ -31,10 +31,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,34 +40,20 @@ from ..format.errors import Exl3FormatError
 from ..format.geometry import ceil_to
 from ..format.headers import SafetensorsFile, TensorRecord, read_safetensors_header
 from ..format.tensors import TORCH_DTYPES
+from ..format.units import format_bytes
+from .buffers import HUGE_PAGE, AlignedBuffer, RecycledHostBuffers, advise_huge_pages
+from .options import ReaderOptions
 from .plan import ALIGN, Chunk, ReadPlan, plan_reads
+from .progress import LoadStats, ProgressReporter, record_load_stats
 
 logger = logging.getLogger("vllm_exl3.loader")
 
-MIB = 1 << 20
-GB = 1e9  # throughput is reported in GB/s (10^9 bytes), like disk vendors and the issue's reference numbers
-LOG_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
 # Host destinations of at least this many bytes are read in place (no bounce copy). Each costs up to ALIGN bytes
 # of over-allocation (<= 3 % at this size) to put its address in phase with its file offset; smaller tensors go
 # through the bounce slot, where a copy costs less than the over-allocation and the extra iovecs.
 INPLACE_MIN_BYTES = 128 * 1024
 # iovecs per scatter read: Linux refuses more than IOV_MAX (1024); the rest of a chunk goes through the slot.
 MAX_IOVECS = 512
-# Fresh host destinations of at least two huge pages are advised MADV_HUGEPAGE (the 2 MiB-aligned part of them)
-# before their first byte is written: the page faults of 4 KiB pages, not the reads, capped a hot-cache load on
-# the 2-core guest at ~4.8 GB/s (14 GB/s with huge pages; bench/NOTES.md). A hint: ignored where THP is off.
-HUGE_PAGE = 2 * MIB
-_MADV_HUGEPAGE = 14  # Linux
-_madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if os.name == "posix" else None
-
-
-def advise_huge_pages(buffer: torch.Tensor) -> bool:
-    """Ask for transparent huge pages under the 2 MiB-aligned interior of a host buffer not yet touched."""
-    start = ceil_to(buffer.data_ptr(), HUGE_PAGE)
-    end = (buffer.data_ptr() + buffer.numel() * buffer.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if _madvise is None or end <= start or not os.uname().sysname == "Linux":
-        return False
-    return _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
 
 
 class PackReadError(Exl3FormatError):
@@ -78,186 +62,6 @@ class PackReadError(Exl3FormatError):
     def __init__(self, file: str | os.PathLike, offset: int, tensor: str | None, expected: str, found: str):
         self.offset = offset
         super().__init__(file, tensor, f"{expected} at offset {offset}", found)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Options
-# ------------------------------------------------------------------------------------------------------------
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
-
-
-def _parse_positive_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"expected a positive integer, got {value!r}")  # noqa: TRY004 - a config error like the rest
-    number = int(value)
-    if number <= 0:
-        raise ValueError(f"expected a positive integer, got {value!r}")
-    return number
-
-
-# user-facing knob -> (environment variable, parser). `--model-loader-extra-config` keys beat environment variables,
-# environment variables beat the defaults of `ReaderOptions`.
-OPTION_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "workers": ("VLLM_EXL3_LOAD_WORKERS", _parse_positive_int),
-    "chunk_mib": ("VLLM_EXL3_LOAD_CHUNK_MIB", _parse_positive_int),
-    "ring_mib": ("VLLM_EXL3_LOAD_RING_MIB", _parse_positive_int),
-    "direct_io": ("VLLM_EXL3_LOAD_DIRECT_IO", _parse_bool),
-    "drop_page_cache": ("VLLM_EXL3_LOAD_DROP_PAGE_CACHE", _parse_bool),
-}
-
-
-@dataclass(frozen=True)
-class ReaderOptions:
-    """How to read. 16 MiB reads match fastsafetensors' bounce buffer (deploy-notes.md §7.6); the best worker count
-    depends on the drive: `vllm-exl3 load-bench PACK --workers 1,2,4,8,16` measures it."""
-
-    workers: int = 8
-    chunk_bytes: int = 16 * MIB  # one pread, one bounce slot
-    ring_bytes: int = 512 * MIB  # tensors read ahead of the consumer (host: plus as much again recycled)
-    direct_io: bool = True  # O_DIRECT where the filesystem allows it (tmpfs and some overlays refuse: buffered)
-    drop_page_cache: bool = True  # buffered reads: posix_fadvise(DONTNEED) each chunk once it is copied out
-
-    def __post_init__(self):
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if self.chunk_bytes < ALIGN or self.chunk_bytes % ALIGN:
-            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {self.chunk_bytes}")
-        if self.ring_bytes < self.chunk_bytes:
-            # a chunk of small tensors is admitted whole; a ring smaller than a chunk could never hold it
-            raise ValueError(f"ring_bytes ({self.ring_bytes}) must be >= chunk_bytes ({self.chunk_bytes})")
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any] | None = None,
-                    environ: Mapping[str, str] | None = None) -> ReaderOptions:
-        """Options from user-facing keys (`workers`, `chunk_mib`, `ring_mib`, `direct_io`, `drop_page_cache`)."""
-        config = dict(config or {})
-        environ = os.environ if environ is None else environ
-        unknown = sorted(set(config) - set(OPTION_KEYS))
-        if unknown:
-            raise ValueError(f"unknown loader option(s) {unknown}; known: {sorted(OPTION_KEYS)}")
-        values: dict[str, Any] = {}
-        for key, (env, parse) in OPTION_KEYS.items():
-            source, raw = (key, config[key]) if key in config else (env, environ.get(env))
-            if raw is None or raw == "":
-                continue
-            try:
-                values[key] = parse(raw)
-            except ValueError as e:
-                raise ValueError(f"loader option {source}: {e}") from None
-        chunk = values.pop("chunk_mib", None)
-        ring = values.pop("ring_mib", None)
-        if chunk is not None:
-            values["chunk_bytes"] = chunk * MIB
-        if ring is not None:
-            values["ring_bytes"] = ring * MIB
-        elif chunk is not None and chunk * MIB > cls.ring_bytes:
-            values["ring_bytes"] = chunk * MIB
-        return cls(**values)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Load receipt and progress
-# ------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LoadStats:
-    """The receipt of one finished load (read by the metrics code through `last_load_stats()`)."""
-
-    bytes: int
-    seconds: float
-    workers: int
-    chunk_bytes: int
-    ring_bytes: int
-    direct_io: bool  # O_DIRECT was used for every file
-    files: int
-    tensors: int
-    wait_seconds: float  # time the consumer waited for reads; near `seconds` means the disk was the bottleneck
-    device: str
-    # time with no read in flight between the first read and the last: what the disk lost to copies, ring waits
-    # and hand-offs (a raw read's is ~0). Near 0 with `wait_seconds` near `seconds`: the disk itself set the pace.
-    idle_seconds: float = 0.0
-    # bytes the kernel wrote straight into their destination tensors (host loads), not through a bounce slot
-    inplace_bytes: int = 0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / GB / self.seconds if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "gbps": round(self.gbps, 3)}
-
-
-_last_stats: LoadStats | None = None
-
-
-def last_load_stats() -> LoadStats | None:
-    """The receipt of the last load that completed in this process (None before the first)."""
-    return _last_stats
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.1f} MB"
-
-
-def _eta(done: int, total: int, elapsed: float) -> str:
-    if done <= 0 or elapsed <= 0:
-        return "?"
-    return f"{(total - done) / (done / elapsed):.0f} s"
-
-
-class ProgressReporter:
-    """A progress bar when stderr is a terminal, otherwise a log line every `LOG_EVERY_S` (bytes, GB/s, ETA)."""
-
-    def __init__(self, total_bytes: int, label: str = "loading weights", *, bar: bool | None = None,
-                 log: logging.Logger = logger):
-        self.total = total_bytes
-        self.label = label
-        self.log = log
-        self.start = time.perf_counter()
-        self.last_log = self.start
-        self._bar = None
-        if bar is None:
-            bar = os.isatty(2)
-        if bar:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
-                                 TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                                 transient=False)
-            self._task = self._bar.add_task(label, total=total_bytes)
-            self._bar.start()
-
-    def update(self, done: int) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done)
-            return
-        now = time.perf_counter()
-        if now - self.last_log >= LOG_EVERY_S:
-            self.last_log = now
-            elapsed = now - self.start
-            self.log.info("%s: %s / %s (%.0f%%), %.2f GB/s, ETA %s", self.label, format_bytes(done),
-                          format_bytes(self.total), 100 * done / max(self.total, 1), done / GB / elapsed,
-                          _eta(done, self.total, elapsed))
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -324,55 +128,6 @@ class _Aborted(Exception):
     """Another worker failed or the consumer stopped: this worker stops without reporting."""
 
 
-class AlignedBuffer:
-    """An `ALIGN`-aligned read buffer, as a tensor and as a writable memoryview for `os.preadv` (O_DIRECT needs the
-    alignment). Each worker owns one; it is pinned when the destination is a GPU, so the H2D copy is a DMA."""
-
-    def __init__(self, nbytes: int, pinned: bool = False):
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
-        skip = -raw.data_ptr() % ALIGN
-        self.tensor = raw[skip:skip + nbytes]
-        # `self.tensor` keeps the storage alive as long as this object, and the view never outlives it
-        self.view = memoryview((ctypes.c_char * nbytes).from_address(self.tensor.data_ptr())).cast("B")
-
-
-class RecycledHostBuffers:
-    """Host destinations the consumer has let go of, handed out again for tensors of the same size.
-
-    Fresh host memory costs a page fault per 4 KiB on first touch, which caps one thread at a few GB/s (2.5 GB/s
-    measured on a KVM guest), below a fast NVMe. A buffer is reused only when nothing outside this pool still
-    references its storage: a consumer that keeps a tensor keeps its memory, and the buffer leaves the pool.
-    Expert tensors of one layer share a size, so most bytes of a MoE checkpoint are recycled. GPU destinations
-    need none of this: PyTorch's caching allocator already reuses device memory.
-    """
-
-    CHECKS_PER_TAKE = 4  # oldest entries first; a still-referenced one is dropped, the scan stays O(1)
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity = capacity_bytes
-        self.bytes = 0
-        self._by_size: dict[int, list[torch.Tensor]] = {}
-        use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it, no recycling
-        self._use_count = (lambda t: use_count(t.untyped_storage()._cdata)) if use_count else None
-        self._unreferenced = self._use_count(torch.empty(1, dtype=torch.uint8)) if use_count else None
-
-    def put(self, buffer: torch.Tensor) -> None:
-        if buffer._base is not None:  # an ALIGN-phased view: pool the whole allocation
-            buffer = buffer._base
-        if self._use_count is not None and self.bytes + buffer.numel() <= self.capacity:
-            self._by_size.setdefault(buffer.numel(), []).append(buffer)
-            self.bytes += buffer.numel()
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        same_size = self._by_size.get(nbytes)
-        for _ in range(min(self.CHECKS_PER_TAKE, len(same_size or ()))):
-            buffer = same_size.pop(0)
-            self.bytes -= nbytes
-            if self._use_count(buffer) <= self._unreferenced:
-                return buffer
-        return None
-
-
 class ParallelRead:
     """One load in progress. Iterate it once for `(name, tensor)` pairs; see the module docstring."""
 
@@ -420,7 +175,6 @@ class ParallelRead:
 
     # -- the consumer side ------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        global _last_stats
         start = time.perf_counter()
         waited = 0.0
         done = 0
@@ -451,13 +205,13 @@ class ParallelRead:
                 yield rec.name, tensor
                 del tensor, dest
             seconds = time.perf_counter() - start
-            _last_stats = LoadStats(done, seconds, self.options.workers, self.options.chunk_bytes,
+            stats = record_load_stats(LoadStats(done, seconds, self.options.workers, self.options.chunk_bytes,
                                     self.options.ring_bytes, all(f.direct for f in self._files), len(self.plan.files),
                                     len(self.plan.tensors), waited, str(self.device), self._idle,
-                                    self._inplace_bytes)
+                                    self._inplace_bytes))
             logger.info("loaded %s (%d tensors, %d files) in %.2f s: %.2f GB/s with %d workers%s",
-                        format_bytes(done), len(self.plan.tensors), len(self.plan.files), seconds, _last_stats.gbps,
-                        self.options.workers, ", O_DIRECT" if _last_stats.direct_io else "")
+                        format_bytes(done), len(self.plan.tensors), len(self.plan.files), seconds, stats.gbps,
+                        self.options.workers, ", O_DIRECT" if stats.direct_io else "")
         finally:
             self._stop()
 
