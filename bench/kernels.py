@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 
 from vllm_exl3.format.constants import CODEBOOKS, TILE# noqa: E402
 from vllm_exl3.format.tensors import Exl3Weights
-from vllm_exl3.kernels import get_backend  # noqa: E402
+from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 
 get_backend("torch")
-from vllm_exl3.kernels import native  # noqa: E402
+from vllm_exl3.kernels.backends import native  # noqa: E402
 
 DEV = "cuda"
 L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies until this many bytes are in play (H200 L2: 60 MB)

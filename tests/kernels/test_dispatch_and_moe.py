@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from vllm_exl3 import kernels
+from vllm_exl3.kernels import backend as kbackend
+from vllm_exl3.kernels import choice, selection, specs
 from vllm_exl3.format import reference as R
 from vllm_exl3.format.constants import CODEBOOKS
-from vllm_exl3.kernels import ExpertStack, LinearSpec
+from vllm_exl3.kernels.specs import ExpertStack, LinearSpec
 from vllm_exl3.kernels import ops  # noqa: F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backends.torch_ref import TorchBackend, moe_all_tokens, moe_routed_tokens
 from vllm_exl3.dev.synthetic import random_weights
@@ -30,27 +31,27 @@ def spec(device="cpu"):
 
 
 def test_auto_picks_an_available_backend_and_records_why_others_were_skipped(monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "auto")
-    backend = kernels.choose_linear_backend(spec())
+    monkeypatch.setenv(choice.KERNEL_ENV, "auto")
+    backend = selection.choose_linear_backend(spec())
     assert backend.unavailable_reason() is None and backend.linear_unsupported_reason(spec()) is None
-    decision = next(d for d in kernels.decision_counts() if d.layer_type == "linear:mul1:4b:cpu")
+    decision = next(d for d in selection.decision_counts() if d.layer_type == "linear:mul1:4b:cpu")
     assert decision.backend == backend.name
     skipped = [name for name, _ in decision.fallback_reasons]
-    assert skipped == list(kernels.PREFERENCE[: kernels.PREFERENCE.index(backend.name)])
+    assert skipped == list(choice.PREFERENCE[: choice.PREFERENCE.index(backend.name)])
     assert all(reason for _, reason in decision.fallback_reasons)
 
 
 def test_explicit_backend_that_is_unavailable_is_an_error(monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "native")
-    monkeypatch.setattr(kernels.get_backend("torch"), "unavailable_reason", lambda: None)
-    native = kernels._REGISTRY.get("native")
+    monkeypatch.setenv(choice.KERNEL_ENV, "native")
+    monkeypatch.setattr(kbackend.get_backend("torch"), "unavailable_reason", lambda: None)
+    native = kbackend.REGISTRY.get("native")
     if native is not None:
         monkeypatch.setattr(native, "unavailable_reason", lambda: "no CUDA device")
     with pytest.raises(RuntimeError, match="VLLM_EXL3_KERNEL=native, but that backend is unavailable"):
-        kernels.choose_linear_backend(spec())
+        selection.choose_linear_backend(spec())
 
 
-class _NoMoE(kernels.Backend):
+class _NoMoE(kbackend.Backend):
     name = "exllamav3"
 
     def linear_unsupported_reason(self, spec):
@@ -59,26 +60,26 @@ class _NoMoE(kernels.Backend):
 
 def test_explicit_backend_falls_back_for_layer_types_it_lacks_unless_strict(monkeypatch, caplog):
     """The exllamav3 compose profile must still boot a model whose experts that backend cannot run."""
-    monkeypatch.setitem(kernels._REGISTRY, "exllamav3", _NoMoE())
-    monkeypatch.setenv(kernels.KERNEL_ENV, "exllamav3")
-    moe = kernels.MoESpec(("mcg",), (3.0,), 256, 128, 8, "silu", torch.bfloat16, "cpu")
-    assert kernels.choose_linear_backend(spec()).name == "exllamav3"
+    monkeypatch.setitem(kbackend.REGISTRY, "exllamav3", _NoMoE())
+    monkeypatch.setenv(choice.KERNEL_ENV, "exllamav3")
+    moe = specs.MoESpec(("mcg",), (3.0,), 256, 128, 8, "silu", torch.bfloat16, "cpu")
+    assert selection.choose_linear_backend(spec()).name == "exllamav3"
     log = logging.getLogger("vllm_exl3.kernels")  # the plugin's logger may not propagate (register())
     log.addHandler(caplog.handler)
     try:
-        assert kernels.choose_moe_backend(moe).name == "torch"
+        assert selection.choose_moe_backend(moe).name == "torch"
     finally:
         log.removeHandler(caplog.handler)
     assert "exllamav3 backend cannot serve it" in caplog.text
-    monkeypatch.setenv(kernels.STRICT_ENV, "1")
+    monkeypatch.setenv(choice.STRICT_ENV, "1")
     with pytest.raises(RuntimeError, match="forbids falling back"):
-        kernels.choose_moe_backend(moe)
+        selection.choose_moe_backend(moe)
 
 
 def test_unknown_kernel_name(monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_ENV, "fastest")
+    monkeypatch.setenv(choice.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match="expected one of auto, native, exllamav3, torch"):
-        kernels.requested_kernel()
+        choice.requested_kernel()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def test_unknown_kernel_name(monkeypatch):
 def test_linear_op_matches_reference_and_traces_whole_under_compile():
     w = random_weights(320, 200, 3, "mcg", seed=1)
     prepared = TorchBackend().prepare_linear(w)
-    args = (w.trellis, w.suh, w.svh, prepared, CODEBOOKS.index("mcg"), kernels.PREFERENCE.index("torch"), 0, 0, 200)
+    args = (w.trellis, w.suh, w.svh, prepared, CODEBOOKS.index("mcg"), choice.PREFERENCE.index("torch"), 0, 0, 200)
 
     def f(x):
         return torch.ops.vllm_exl3.linear(x, *args) * 2
@@ -199,7 +200,7 @@ def test_moe_op_through_torch_ops(moe_case):
     y = torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, torch.empty(0, dtype=torch.int32), e.w13_trellis,
                                 e.w13_suh, e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared, list(e.w13_words),
                                 list(e.w2_words), [CODEBOOKS.index(c) for c in e.codebooks],
-                                kernels.ACTIVATIONS.index("silu"), False, kernels.PREFERENCE.index("torch"),
+                                specs.ACTIVATIONS.index("silu"), False, choice.PREFERENCE.index("torch"),
                                 e.inter_offset, e.inter_size)
     assert rel(y, expected) < 1e-5
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.pack import Pack, verify_pack
+from ..kernels.choice import KERNEL_ENV, parse_kernel
 from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib, model_max_len
 from .memory_plan import plan as make_plan
 
@@ -101,13 +102,14 @@ def pack_max_len(pack: Pack) -> int | None:
 def check_kernel(env: Mapping[str, str]) -> Check | None:
     """A backend named in VLLM_EXL3_KERNEL must be usable here: the plugin refuses it at load time otherwise,
     minutes into the boot (`auto` always finds one, down to the torch reference)."""
-    name = env.get("VLLM_EXL3_KERNEL", "auto").strip().lower() or "auto"
+    try:
+        name = parse_kernel(env.get(KERNEL_ENV))
+    except ValueError as e:
+        return Check("kernel backend", False, str(e))
     if name == "auto":
         return None  # without importing torch: the launcher stays quick when nothing needs checking
-    from ..kernels import CHOICES, KERNEL_ENV, get_backend
+    from ..kernels.backend import get_backend
 
-    if name not in CHOICES:
-        return Check("kernel backend", False, f"{KERNEL_ENV}={name!r}: expected one of {', '.join(CHOICES)}")
     try:
         reason = get_backend(name).unavailable_reason()
     except KeyError:

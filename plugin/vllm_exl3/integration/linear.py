@@ -23,7 +23,9 @@ from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
 from ..format.tensors import Exl3Weights, unpack_signs
 from ..format.geometry import Span, check_padding
-from ..kernels import PREFERENCE, LinearSpec, choose_linear_backend
+from ..kernels.choice import PREFERENCE
+from ..kernels.selection import choose_linear_backend
+from ..kernels.specs import LinearSpec
 
 logger = logging.getLogger("vllm_exl3")
 

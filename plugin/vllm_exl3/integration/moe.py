@@ -20,11 +20,12 @@ from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
 from ..format.tensors import unpack_signs
 from ..format.geometry import Span, check_padding
-from ..kernels import ACTIVATIONS, PREFERENCE, ExpertStack, MoESpec, choose_moe_backend
+from ..kernels.choice import PREFERENCE
+from ..kernels.selection import choose_moe_backend
+from ..kernels.specs import ACTIVATIONS, PROJECTIONS, ExpertStack, MoESpec
 
 logger = logging.getLogger("vllm_exl3")
 
-PROJECTIONS = ("gate", "up", "down")
 SHARD_PROJECTION = {"w1": 0, "w3": 1, "w2": 2}
 
 

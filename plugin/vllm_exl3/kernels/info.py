@@ -32,7 +32,8 @@ class Info:
 
 
 def collect() -> Info:
-    from . import KERNEL_ENV, PREFERENCE, get_backend
+    from .backend import get_backend
+    from .choice import KERNEL_ENV, PREFERENCE
 
     get_backend("torch")  # loads every backend module first (kernels._load_backends runs once, on first use)
     from .backends import native

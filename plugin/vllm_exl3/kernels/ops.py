@@ -8,7 +8,9 @@ import torch
 from ..format.constants import CODEBOOKS
 from ..format.records import bits_from_trellis_dim
 from ..format.tensors import Exl3Weights
-from . import ACTIVATIONS, PREFERENCE, ExpertStack, get_backend
+from .backend import get_backend
+from .choice import PREFERENCE
+from .specs import ACTIVATIONS, ExpertStack
 
 
 @torch.library.custom_op("vllm_exl3::linear", mutates_args=())

@@ -37,10 +37,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from vllm_exl3.kernels import PREFERENCE, get_backend  # noqa: E402
+from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.choice import PREFERENCE
 
 get_backend("torch")  # load every backend module (the registry loads once, on first use)
-from vllm_exl3.kernels import native  # noqa: E402
+from vllm_exl3.kernels.backends import native  # noqa: E402
 
 if native.unavailable_reason():
     if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":

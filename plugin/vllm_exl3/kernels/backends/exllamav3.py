@@ -18,7 +18,8 @@ import torch
 
 from ...format.constants import CODEBOOK_3INST, MARKER_VALUE
 from ...format.tensors import Exl3Weights
-from .. import Backend, LinearSpec, register_backend
+from ..backend import Backend, register_backend
+from ..specs import LinearSpec
 
 SUPPORTED_VERSIONS = ("1.6.",)  # the format and kernel behaviour this wrapper was checked against
 

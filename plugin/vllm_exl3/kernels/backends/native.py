@@ -22,7 +22,8 @@ import torch
 
 from ...format.constants import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK
 from ...format.tensors import Exl3Weights
-from .. import Backend, LinearSpec, register_backend
+from ..backend import Backend, register_backend
+from ..specs import LinearSpec
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
 (PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,

@@ -10,7 +10,8 @@ import torch
 
 from ...format.tensors import Exl3Weights
 from ...format.reference import decode_rotated, hadamard_rows
-from .. import Backend, ExpertStack, LinearSpec, MoESpec, register_backend
+from ..backend import Backend, register_backend
+from ..specs import ExpertStack, LinearSpec, MoESpec
 
 _ACTIVATION = {
     "silu": torch.nn.functional.silu,
