@@ -35,11 +35,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .settings import default
+
 HEALTHY, UNHEALTHY = 0, 1
 TCP_ESTABLISHED = "01"  # state column of /proc/net/tcp
 PROC = Path("/proc")
 PID_FILE = "vllm.pid"  # written by the launcher into $VLLM_EXL3_RUN_DIR; the pid stays vLLM's after exec
-DEFAULT_RUN_DIR = "/run/vllm-exl3"
+DEFAULT_RUN_DIR = default("VLLM_EXL3_RUN_DIR")
 WATCH_INTERVAL_S = 5.0
 STOP_TIMEOUT_S = 60.0  # SIGTERM, then SIGKILL: a worker stuck on a dead rendezvous may not honour SIGTERM
 
@@ -151,13 +153,13 @@ def check(mode: str, env) -> tuple[int, str]:
     if role == "worker":
         if mode == "liveness":
             return HEALTHY, f"worker: vLLM pid {pid} running"
-        head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", "29501"))
+        head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", default("VLLM_EXL3_MASTER_PORT")))
         if worker_connected(pid, head, port):
             return HEALTHY, f"worker: pid {pid} connected to the head's rendezvous {head}:{port}"
         return UNHEALTHY, f"worker: pid {pid} has no connection to {head}:{port} (head down or not yet joined)"
 
-    timeout = float(env.get("VLLM_EXL3_HEALTH_TIMEOUT", "5"))
-    base = f"http://{api_address(env.get('VLLM_EXL3_HOST', ''))}:{env.get('VLLM_EXL3_PORT', '8000')}"
+    timeout = float(env.get("VLLM_EXL3_HEALTH_TIMEOUT", default("VLLM_EXL3_HEALTH_TIMEOUT")))
+    base = f"http://{api_address(env.get('VLLM_EXL3_HOST', ''))}:{env.get('VLLM_EXL3_PORT', default('VLLM_EXL3_PORT'))}"
     status, _ = http_get(base + "/health", timeout)
     if mode == "liveness":
         if status is not None and status >= 500:
@@ -165,7 +167,7 @@ def check(mode: str, env) -> tuple[int, str]:
         return HEALTHY, f"{role}: vLLM pid {pid} running, /health " + (str(status) if status else "not up yet (booting)")
     if status != 200:
         return UNHEALTHY, f"{role}: /health " + (f"answers {status}" if status else "not answering (booting?)")
-    name = env.get("VLLM_EXL3_SERVED_NAME") or env.get("VLLM_EXL3_MODEL", "/model")
+    name = env.get("VLLM_EXL3_SERVED_NAME") or env.get("VLLM_EXL3_MODEL", default("VLLM_EXL3_MODEL"))
     status, body = http_get(base + "/v1/models", timeout, env.get("VLLM_API_KEY"))  # /v1 needs the key, if set
     try:
         served = [m.get("id") for m in json.loads(body).get("data", [])] if status == 200 else []
@@ -198,8 +200,8 @@ def watch(env, log=stderr_log) -> int:
     if env.get("VLLM_EXL3_ROLE") != "worker":
         log(f"watch: role {env.get('VLLM_EXL3_ROLE')}: no rendezvous to watch")
         return 0
-    head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", "29501"))
-    grace = float(env.get("VLLM_EXL3_RENDEZVOUS_GRACE", "30"))
+    head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", default("VLLM_EXL3_MASTER_PORT")))
+    grace = float(env.get("VLLM_EXL3_RENDEZVOUS_GRACE", default("VLLM_EXL3_RENDEZVOUS_GRACE")))
     interval = min(WATCH_INTERVAL_S, grace / 2)
     joined, lost_since = None, None  # the pid that has been connected; when it lost the connection
     while True:

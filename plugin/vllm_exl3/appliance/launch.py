@@ -25,6 +25,7 @@ from typing import Any
 from . import preflight
 from .health import PID_FILE
 from .memory_plan import MemoryFigures, PlanSettings, Request
+from .settings import default
 
 try:
     import tomllib
@@ -34,9 +35,9 @@ except ModuleNotFoundError:  # Python 3.10
 # Exit status when preflight refuses (sysexits' EX_CONFIG): the configuration, not the software, must change.
 EXIT_REFUSED = 78
 
-DEFAULT_MODEL_DIR = "/model"  # where compose mounts the pack, read-only
-DEFAULT_MASTER_PORT = 29501  # vLLM's own default for --master-port
-DEFAULT_HEAD_WAIT_S = 900.0
+DEFAULT_MODEL_DIR = default("VLLM_EXL3_MODEL")  # where compose mounts the pack, read-only
+DEFAULT_MASTER_PORT = int(default("VLLM_EXL3_MASTER_PORT"))  # vLLM's own default for --master-port
+DEFAULT_HEAD_WAIT_S = float(default("VLLM_EXL3_HEAD_WAIT"))
 IMAGE_PRESET_DIR = Path("/etc/vllm-exl3/presets")
 PACKAGE_PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: in the wheel and the source tree
 

@@ -190,7 +190,7 @@ def _info(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(a: argparse.Namespace) -> int:
-        from ..kernels.info import collect
+        from .info import collect
 
         info = collect()
         if a.json:

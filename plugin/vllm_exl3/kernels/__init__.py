@@ -7,6 +7,6 @@ in traced Python code are frozen at trace time.
 
 Modules: `choice` (what VLLM_EXL3_KERNEL may name, parsed once; torch-free), `specs` (what a layer asks of a
 backend), `backend` (the interface and registry), `selection` (which backend serves which layer, and why),
-`ops` (the torch custom ops), `backends/` (native, exllamav3, torch_ref), `info`. The CUDA extension is built
+`ops` (the torch custom ops), `backends/` (native, exllamav3, torch_ref). The CUDA extension is built
 as `vllm_exl3.kernels._C`. This package never imports vLLM, and importing it alone imports nothing else.
 """

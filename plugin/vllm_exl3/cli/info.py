@@ -32,11 +32,11 @@ class Info:
 
 
 def collect() -> Info:
-    from .backend import get_backend
-    from .choice import KERNEL_ENV, PREFERENCE
+    from ..kernels.backend import get_backend
+    from ..kernels.choice import KERNEL_ENV, PREFERENCE
 
     get_backend("torch")  # loads every backend module first (kernels._load_backends runs once, on first use)
-    from .backends import native
+    from ..kernels.backends import native
 
     devices = []
     if torch.cuda.is_available():
