@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .constants import (CODEBOOK_3INST, CODEBOOK_MCG, CODEBOOK_MUL1, EXL3_SUFFIXES, HADAMARD_BLOCK, HALF_INTEGER_BASES,
                         INTEGER_BITS, MARKER_VALUE, TILE)
@@ -24,8 +25,22 @@ def format_bits(bits: float) -> str:
     return f"{bits:g}"
 
 
+class TrellisGeometry:
+    """Padded (stored) features from a trellis [K/16, N/16, 16*bits]: shared by header records and loaded weights."""
+
+    trellis: Any
+
+    @property
+    def in_padded(self) -> int:
+        return self.trellis.shape[0] * TILE
+
+    @property
+    def out_padded(self) -> int:
+        return self.trellis.shape[1] * TILE
+
+
 @dataclass
-class Exl3Linear:
+class Exl3Linear(TrellisGeometry):
     """The stored tensors of one quantized linear, validated. Geometry is the padded (stored) one."""
 
     prefix: str
@@ -39,13 +54,6 @@ class Exl3Linear:
     bits: float
     codebook: str
 
-    @property
-    def in_padded(self) -> int:
-        return self.trellis.shape[0] * TILE
-
-    @property
-    def out_padded(self) -> int:
-        return self.trellis.shape[1] * TILE
 
     @property
     def records(self) -> list[TensorRecord]:
@@ -90,25 +98,20 @@ def build_linear(prefix: str, parts: dict[str, TensorRecord]) -> Exl3Linear:
                               str(words))
 
     suh, svh, su, sv = (parts.get(k) for k in ("suh", "svh", "su", "sv"))
-    k_pad, n_pad = kt * TILE, nt * TILE
-    if suh is not None:
-        _expect(suh.dtype == "F16", suh, "dtype F16", suh.dtype)
-        _expect(suh.shape == (k_pad,), suh, f"shape [{k_pad}] (16 x trellis dim 0)", str(list(suh.shape)))
-    elif su is not None:
-        _expect(su.dtype == "I16", su, "dtype I16 (legacy sign bitfield)", su.dtype)
-        _expect(su.shape == (kt,), su, f"shape [{kt}] (legacy sign bitfield)", str(list(su.shape)))
-    else:
-        raise Exl3FormatError(trellis.file, f"{prefix}.suh", "an input-side scale tensor (.suh or legacy .su)",
-                              "none (missing companion tensor)")
-    if svh is not None:
-        _expect(svh.dtype == "F16", svh, "dtype F16", svh.dtype)
-        _expect(svh.shape == (n_pad,), svh, f"shape [{n_pad}] (16 x trellis dim 1)", str(list(svh.shape)))
-    elif sv is not None:
-        _expect(sv.dtype == "I16", sv, "dtype I16 (legacy sign bitfield)", sv.dtype)
-        _expect(sv.shape == (nt,), sv, f"shape [{nt}] (legacy sign bitfield)", str(list(sv.shape)))
-    else:
-        raise Exl3FormatError(trellis.file, f"{prefix}.svh", "an output-side scale tensor (.svh or legacy .sv)",
-                              "none (missing companion tensor)")
+    n_pad = nt * TILE
+    for scale, signs, tiles, dim, side in ((suh, su, kt, 0, "input"), (svh, sv, nt, 1, "output")):
+        if scale is not None:
+            _expect(scale.dtype == "F16", scale, "dtype F16", scale.dtype)
+            _expect(scale.shape == (tiles * TILE,), scale, f"shape [{tiles * TILE}] (16 x trellis dim {dim})",
+                    str(list(scale.shape)))
+        elif signs is not None:
+            _expect(signs.dtype == "I16", signs, "dtype I16 (legacy sign bitfield)", signs.dtype)
+            _expect(signs.shape == (tiles,), signs, f"shape [{tiles}] (legacy sign bitfield)", str(list(signs.shape)))
+        else:
+            name = "suh" if dim == 0 else "svh"
+            raise Exl3FormatError(trellis.file, f"{prefix}.{name}",
+                                  f"an {side}-side scale tensor (.{name} or legacy .{name[:2]})",
+                                  "none (missing companion tensor)")
 
     mcg, mul1 = parts.get("mcg"), parts.get("mul1")
     if mcg is not None and mul1 is not None:

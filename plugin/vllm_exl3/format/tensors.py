@@ -7,7 +7,7 @@ from typing import Any
 
 from .constants import TILE
 from .headers import TensorRecord, read_bytes
-from .records import Exl3Linear
+from .records import Exl3Linear, TrellisGeometry
 
 
 def read_tensor(rec: TensorRecord):
@@ -41,7 +41,7 @@ TORCH_DTYPES = _TorchDtypes()
 
 
 @dataclass
-class Exl3Weights:
+class Exl3Weights(TrellisGeometry):
     """One linear's tensors in memory (legacy sign bitfields already expanded to suh/svh)."""
 
     trellis: Any  # int16 [K/16, N/16, 16*bits]
@@ -50,14 +50,6 @@ class Exl3Weights:
     codebook: str
     bits: float
     bias: Any = None
-
-    @property
-    def in_padded(self) -> int:
-        return self.trellis.shape[0] * TILE
-
-    @property
-    def out_padded(self) -> int:
-        return self.trellis.shape[1] * TILE
 
 
 def unpack_signs(words):
