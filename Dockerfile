@@ -54,7 +54,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && tools/build-exllamav3-ext /dist \
     && python3 -m zipfile -e /dist/vllm_exl3-*.whl /tmp/so/plugin \
     && python3 -m zipfile -e /dist/exllamav3_ext_prebuilt-*.whl /tmp/so/exllamav3 \
-    && for so in /tmp/so/plugin/vllm_exl3/_C*.so /tmp/so/exllamav3/exllamav3_ext*.so; do \
+    && for so in /tmp/so/plugin/vllm_exl3/kernels/_C*.so /tmp/so/exllamav3/exllamav3_ext*.so; do \
          echo "${archs}" | tr ';' '\n' | sed -E 's/^([0-9]+)\.([0-9]+)(.*)$/sm_\1\2\3/' \
            | xargs --verbose tools/check-cubins "${so}" || exit 1; \
        done \
@@ -99,7 +99,7 @@ assert s and s.origin.endswith('.so'), 'exllamav3 would JIT-compile: no prebuilt
 
 COPY deploy/supervisord.conf /etc/vllm-exl3/supervisord.conf
 COPY deploy/supervisor.d /etc/vllm-exl3/supervisor.d
-COPY deploy/presets /etc/vllm-exl3/presets
+COPY plugin/vllm_exl3/appliance/presets /etc/vllm-exl3/presets
 COPY healthchecks /opt/vllm-exl3/healthchecks
 
 # uid 2000 in group 0 with group-writable state: runs under the default user or an arbitrary uid alike.

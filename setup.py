@@ -1,4 +1,4 @@
-"""Build hook for the optional CUDA extension `vllm_exl3._C`; everything else is in pyproject.toml.
+"""Build hook for the optional CUDA extension `vllm_exl3.kernels._C`; everything else is in pyproject.toml.
 
 A plain `pip install .` (or `-e .`) builds no extension and needs no CUDA toolkit: the plugin then runs on its torch
 backend. The kernels are built only when asked:
@@ -43,7 +43,7 @@ def gencode_flags(arch_list: str) -> tuple[list[str], str]:
 
 
 def extension_args(arch_list: str | None = None) -> dict:
-    """Sources and flags of vllm_exl3._C (also used by bench/device_run.sh's JIT build)."""
+    """Sources and flags of vllm_exl3.kernels._C (also used by bench/device_run.sh's JIT build)."""
     gencode, names = gencode_flags(arch_list or os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS)
     # A bare token (no quotes or spaces to survive the build's shell); csrc/launch.cu turns it into a string.
     archs_define = "-DVLLM_EXL3_ARCHS=" + names.replace(" ", "__").replace("+", "_")
@@ -64,7 +64,7 @@ def cuda_extensions():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     a = extension_args()
-    ext = CUDAExtension(name="vllm_exl3._C", sources=a["sources"], include_dirs=a["include_dirs"],
+    ext = CUDAExtension(name="vllm_exl3.kernels._C", sources=a["sources"], include_dirs=a["include_dirs"],
                         libraries=a["libraries"], extra_compile_args={"cxx": a["cxx"], "nvcc": a["nvcc"]})
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one GPU-machine call does, in order: (optionally) start ExLlamaV3's JIT build in the background, build
-# vllm_exl3._C, check its SASS, run the correctness harness, benchmark. Logs and JSON go to $OUT; a short table
+# vllm_exl3.kernels._C, check its SASS, run the correctness harness, benchmark. Logs and JSON go to $OUT; a short table
 # comes last on stdout.
 #
 #   bash bench/device_run.sh [tests,bench,ncu | all] [extra bench args...]
@@ -37,7 +37,7 @@ if [ "${EXL:-0}" = 1 ]; then
 fi
 
 # Built through torch's JIT loader with setup.py's own sources and flags (independent of the image's setuptools);
-# the library lands where `import vllm_exl3._C` finds it. build DIR [extra nvcc flags...]
+# the library lands where `import vllm_exl3.kernels._C` finds it. build DIR [extra nvcc flags...]
 build() {
   local dir=$1 t0; shift
   t0=$(date +%s)
@@ -53,7 +53,7 @@ os.makedirs(d, exist_ok=True)
 load(name="_C", sources=a["sources"], extra_include_paths=a["include_dirs"], extra_cflags=a["cxx"],
      extra_cuda_cflags=a["nvcc"] + os.environ["EXTRA_NVCC"].split(), extra_ldflags=["-lcublas"], build_directory=d,
      is_python_module=True, verbose=True)
-shutil.copy(os.path.join(d, "_C.so"), "plugin/vllm_exl3/_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+shutil.copy(os.path.join(d, "_C.so"), "plugin/vllm_exl3/kernels/_C" + sysconfig.get_config_var("EXT_SUFFIX"))
 PY
   local rc=$?
   echo "build $dir ${*:-(default flags)}: rc=$rc in $(( $(date +%s) - t0 )) s"
@@ -62,7 +62,7 @@ PY
 # One build directory per set of extra flags: a variant with the default flags reuses the first build.
 build_dir() { echo "/tmp/vx-build-$(echo "$*" | md5sum | cut -c1-8)"; }
 build "$(build_dir)"
-SO=$(ls plugin/vllm_exl3/_C*.so)
+SO=$(ls plugin/vllm_exl3/kernels/_C*.so)
 python3 tools/check-cubins "$SO" "sm_${ARCH//./}" | tee -a "$OUT/build.log"
 python3 -m vllm_exl3.cli info 2>&1 | tail -12
 
@@ -70,7 +70,7 @@ if has tests; then
   t0=$(date +%s)
   # The exllamav3 backend test runs after its JIT build (below); here it would only wait on the build's lock.
   VLLM_EXL3_REQUIRE_NATIVE=1 VLLM_EXL3_TEST_REPORT="$OUT/test_bounds.json" PYTHONPATH="$PWD/plugin" \
-    timeout 420 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --timeout 300 -k "not exllamav3" \
+    timeout 420 python3 -m pytest -m gpu tests/kernels/gpu -q -p no:cacheprovider --timeout 300 -k "not exllamav3" \
     > "$OUT/tests.log" 2>&1
   echo "tests rc=$? in $(( $(date +%s) - t0 )) s"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
@@ -114,7 +114,7 @@ if has bench; then
   grep -v "^{" "$OUT/bench.log" | tail -70
   if [ "$EXL_OK" = 1 ]; then  # after the table, so a slow test cannot cost it
     PYTHONPATH="$PWD/plugin:$EXL_SITE" TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST_EXL timeout 120 \
-      python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+      python3 -m pytest -m gpu tests/kernels/gpu -q -p no:cacheprovider \
       -k exllamav3 > "$OUT/tests_exllamav3.log" 2>&1
     echo "exllamav3 backend test rc=$?"; tail -1 "$OUT/tests_exllamav3.log"
   fi

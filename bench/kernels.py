@@ -24,11 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 
-from vllm_exl3.format import CODEBOOKS, TILE, Exl3Weights  # noqa: E402
-from vllm_exl3.kernels import get_backend  # noqa: E402
+from vllm_exl3.format.constants import CODEBOOKS, TILE# noqa: E402
+from vllm_exl3.format.tensors import Exl3Weights
+from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 
 get_backend("torch")
-from vllm_exl3.kernels import native  # noqa: E402
+from vllm_exl3.kernels.backends import native  # noqa: E402
 
 DEV = "cuda"
 L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies until this many bytes are in play (H200 L2: 60 MB)
@@ -143,7 +144,7 @@ def profile_kernels(exllamav3: bool = False) -> list[dict]:
             torch.cuda.synchronize()
         record(prof, case, rows, "native" if path == native.PATH_AUTO else f"native path {path}")
         if exllamav3 and rows == 4096 and n <= 4096:
-            from vllm_exl3.kernels.exllamav3_backend import make_layer
+            from vllm_exl3.kernels.backends.exllamav3 import make_layer
             layers = [make_layer(w) for w in case.ws[:4]]
             for layer in layers:
                 layer.forward(x, {})
@@ -246,7 +247,7 @@ def main() -> int:
 
     exl_ok = False
     if args.exllamav3:
-        from vllm_exl3.kernels.exllamav3_backend import _import_error, make_layer
+        from vllm_exl3.kernels.backends.exllamav3 import _import_error, make_layer
         exl_ok = _import_error() is None
         result["exllamav3"] = "ok" if exl_ok else _import_error()
 

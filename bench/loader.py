@@ -26,10 +26,13 @@ import time
 from pathlib import Path
 
 import torch
-from vllm_exl3 import loadbench
-from vllm_exl3.format import TILE, Exl3Weights
-from vllm_exl3.loader import GB, ReaderOptions, read_tensors
-from vllm_exl3.testing import linear_tensors, random_weights, write_pack
+from vllm_exl3.loader import bench as loadbench
+from vllm_exl3.format.constants import TILE
+from vllm_exl3.format.tensors import Exl3Weights
+from vllm_exl3.format.units import GB
+from vllm_exl3.loader.options import ReaderOptions
+from vllm_exl3.loader.reader import read_tensors
+from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
 HIDDEN, MOE_INTERMEDIATE, EXPERTS, VOCAB, BITS = 2048, 768, 128, 151936, 4
 SHARD_TARGET_BYTES = 2 * 10**9

@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels import copy_bandwidth, time_calls  # noqa: E402  (bench/kernels.py)
-from vllm_exl3.format import TILE  # noqa: E402
-from vllm_exl3.kernels import ExpertStack, get_backend  # noqa: E402
+from vllm_exl3.format.constants import TILE  # noqa: E402
+from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.specs import ExpertStack  # noqa: E402
 
 DEV = "cuda"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)

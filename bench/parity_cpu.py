@@ -19,7 +19,7 @@ sys.path.insert(0, str(root / "tests"))
 
 from servers import vllm_server  # noqa: E402
 
-from vllm_exl3 import parity  # noqa: E402
+from vllm_exl3.dev import parity  # noqa: E402
 
 FIXTURES = root / "tests" / "fixtures" / "exl3"
 

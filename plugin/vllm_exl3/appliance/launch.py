@@ -1,0 +1,353 @@
+"""`vllm-exl3 launch`: a role, a preset and the environment become one `vllm serve` command, checked, then exec'd.
+
+The mapping is data plus pure functions (`load_preset`, `build_spec`, `apply_plan`), so tests check the exact
+argv for every role and preset without starting anything. `run` adds the side effects: preflight, the memory
+plan, the pid file the health checks read, and `exec` (the launcher *becomes* vLLM, so supervisord's signals and
+exit codes are vLLM's own).
+
+Precedence, lowest first: preset [vllm] table < environment (name, host, port, head address) < role topology
+(TP, --nnodes, --node-rank, --headless: not overridable, the two nodes must agree) < memory plan (fills in
+--gpu-memory-utilization, caps --max-model-len) < extra arguments (VLLM_EXL3_EXTRA_ARGS, then anything after
+`--`), which vLLM reads last and which the plan checks instead of overriding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from . import preflight
+from .health import PID_FILE
+from .memory_plan import MemoryFigures, PlanSettings, Request
+from .settings import default
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+# Exit status when preflight refuses (sysexits' EX_CONFIG): the configuration, not the software, must change.
+EXIT_REFUSED = 78
+
+DEFAULT_MODEL_DIR = default("VLLM_EXL3_MODEL")  # where compose mounts the pack, read-only
+DEFAULT_MASTER_PORT = int(default("VLLM_EXL3_MASTER_PORT"))  # vLLM's own default for --master-port
+DEFAULT_HEAD_WAIT_S = float(default("VLLM_EXL3_HEAD_WAIT"))
+IMAGE_PRESET_DIR = Path("/etc/vllm-exl3/presets")
+PACKAGE_PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: in the wheel and the source tree
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where this process sits in the deployment. Spark has one GPU, so TP size = number of nodes."""
+
+    name: str
+    nnodes: int
+    node_rank: int
+    headless: bool  # no API server: the worker only runs its TP rank
+    default_preset: str
+
+
+ROLES = {
+    "single": Role("single", 1, 0, False, "spark-1x"),
+    "head": Role("head", 2, 0, False, "spark-2x-tp2"),
+    "worker": Role("worker", 2, 1, True, "spark-2x-tp2"),
+}
+
+# Flags that belong to the role, never to a preset: both nodes must be started with the same topology.
+TOPOLOGY_FLAGS = {"tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size", "nnodes", "node-rank",
+                  "master-addr", "master-port", "headless", "distributed-executor-backend"}
+# Flags the launcher derives from the environment: (variable, flag, only for multi-node, only with an API server).
+ENV_FLAGS = (
+    ("VLLM_EXL3_SERVED_NAME", "served-model-name", False, True),
+    ("VLLM_EXL3_HOST", "host", False, True),
+    ("VLLM_EXL3_PORT", "port", False, True),
+    ("VLLM_EXL3_HEAD_ADDR", "master-addr", True, False),
+    ("VLLM_EXL3_MASTER_PORT", "master-port", True, False),
+)
+PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
+# The appliance's own variables, consumed by the launcher, supervisord and the health checks. They are taken out
+# of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
+# (VLLM_EXL3_KERNEL, ...) stay.
+APPLIANCE_VARIABLES = {var for var, *_ in ENV_FLAGS} | {
+    "VLLM_EXL3_ROLE", "VLLM_EXL3_PRESET", "VLLM_EXL3_PRESET_DIR", "VLLM_EXL3_MODEL", "VLLM_EXL3_EXTRA_ARGS",
+    "VLLM_EXL3_HEAD_WAIT", "VLLM_EXL3_RUN_DIR", "VLLM_EXL3_SUPERVISOR_D", "VLLM_EXL3_RENDEZVOUS_GRACE",
+    "VLLM_EXL3_HEALTH_TIMEOUT"}
+
+
+class LaunchError(ValueError):
+    """A role/preset/environment combination that cannot be launched; the message says what to change."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    path: Path
+    description: str
+    nodes: int | None  # the topology it is tuned for; None = any
+    vllm: dict[str, Any]
+    memory: PlanSettings
+
+
+def preset_dirs(env: Mapping[str, str]) -> list[Path]:
+    dirs = [Path(p) for p in env.get("VLLM_EXL3_PRESET_DIR", "").split(os.pathsep) if p]
+    return dirs + [PACKAGE_PRESET_DIR, IMAGE_PRESET_DIR]
+
+
+def available_presets(env: Mapping[str, str]) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in preset_dirs(env):
+        for p in sorted(d.glob("*.toml")) if d.is_dir() else []:
+            found.setdefault(p.stem, p)
+    return found
+
+
+def load_preset(name_or_path: str, env: Mapping[str, str]) -> Preset:
+    path = Path(name_or_path)
+    if not (path.suffix == ".toml" and path.is_file()):
+        presets = available_presets(env)
+        if name_or_path not in presets:
+            raise LaunchError(f"no preset {name_or_path!r}; available: {', '.join(sorted(presets)) or 'none'} "
+                              f"(searched {', '.join(map(str, preset_dirs(env)))})")
+        path = presets[name_or_path]
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise LaunchError(f"{path}: not valid TOML ({e})") from e
+    unknown = set(data) - PRESET_KEYS
+    if unknown:
+        raise LaunchError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PRESET_KEYS))}")
+    flags = {k.lstrip("-"): v for k, v in data.get("vllm", {}).items()}
+    owned = sorted(set(flags) & TOPOLOGY_FLAGS)
+    if owned:
+        raise LaunchError(f"{path}: {', '.join(owned)} come(s) from --role, not from a preset")
+    try:
+        memory = PlanSettings.from_table(data.get("memory", {}))
+    except (TypeError, ValueError) as e:
+        raise LaunchError(f"{path}: [memory]: {e}") from e
+    return Preset(path.stem, path, str(data.get("description", "")), data.get("nodes"), flags, memory)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------------
+def render_flags(flags: Mapping[str, Any]) -> list[str]:
+    argv: list[str] = []
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append(f"--{name}")
+        if value is not True:
+            argv.append(f"{value:g}" if isinstance(value, float) else str(value))
+    return argv
+
+
+def flag_value(args: list[str], name: str) -> str | bool | None:
+    """The value the last `--name V`, `--name=V` or bare `--name` in args gives (vLLM accepts `_` for `-`)."""
+    found: str | bool | None = None
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        key, eq, val = arg[2:].partition("=")
+        if key.replace("_", "-") != name:
+            continue
+        if eq:
+            found = val
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            found = args[i + 1]
+        else:
+            found = True
+    return found
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    role: Role
+    preset: Preset
+    model: str
+    flags: dict[str, Any]
+    extra_args: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        """The vLLM command line, as a person would type it."""
+        return ["vllm", "serve", self.model, *render_flags(self.flags), *self.extra_args]
+
+    def value(self, name: str) -> Any:
+        """The value vLLM will see for a flag: extra arguments win over the launcher's flags."""
+        v = flag_value(self.extra_args, name)
+        return self.flags.get(name) if v is None else v
+
+
+def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_args: list[str] = ()) -> LaunchSpec:
+    if role_name not in ROLES:
+        raise LaunchError(f"unknown role {role_name!r}; one of {', '.join(ROLES)}")
+    role = ROLES[role_name]
+    if preset.nodes is not None and preset.nodes != role.nnodes:
+        fitting = [r.name for r in ROLES.values() if r.nnodes == preset.nodes]
+        raise LaunchError(f"preset {preset.name} is for {preset.nodes} node(s); role {role.name} runs on "
+                          f"{role.nnodes}: use --role {'/'.join(fitting)} or another preset")
+    extra = list(extra_args) + shlex.split(env.get("VLLM_EXL3_EXTRA_ARGS", ""))
+    owned = sorted(n for n in TOPOLOGY_FLAGS if flag_value(extra, n) is not None)
+    if owned:
+        raise LaunchError(f"extra arguments set {', '.join('--' + n for n in owned)}: the role sets the topology")
+
+    flags: dict[str, Any] = dict(preset.vllm)
+    multi = role.nnodes > 1
+    for var, flag, multi_only, api_only in ENV_FLAGS:
+        if env.get(var) and (multi or not multi_only) and (not role.headless or not api_only):
+            flags[flag] = env[var]
+    flags["tensor-parallel-size"] = role.nnodes
+    if multi:
+        if not env.get("VLLM_EXL3_HEAD_ADDR"):
+            raise LaunchError(f"role {role.name} needs the head's address: set HEAD_ADDR in .env "
+                              "(VLLM_EXL3_HEAD_ADDR in the container), the head's IP on the fabric link")
+        flags.setdefault("master-port", DEFAULT_MASTER_PORT)
+        flags.update({"distributed-executor-backend": "mp", "nnodes": role.nnodes, "node-rank": role.node_rank,
+                      "headless": role.headless})
+    return LaunchSpec(role, preset, env.get("VLLM_EXL3_MODEL") or DEFAULT_MODEL_DIR, flags, extra)
+
+
+def plan_request(spec: LaunchSpec) -> Request:
+    """What the memory plan is asked: the preset's wishes, or the user's explicit values to check."""
+    user_len = flag_value(spec.extra_args, "max-model-len")
+    user_util = flag_value(spec.extra_args, "gpu-memory-utilization")
+    length = spec.value("max-model-len")
+    return Request(
+        tp=spec.role.nnodes,
+        max_model_len=int(length) if length not in (None, True) else None,
+        max_model_len_pinned=user_len not in (None, True),
+        gpu_memory_utilization=float(user_util) if user_util not in (None, True) else None,
+        kv_cache_dtype=str(spec.value("kv-cache-dtype") or "auto"),
+        max_num_batched_tokens=int(spec.value("max-num-batched-tokens") or Request.max_num_batched_tokens),
+        max_num_seqs=int(spec.value("max-num-seqs") or Request.max_num_seqs),
+    )
+
+
+def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: float | None = None) -> LaunchSpec:
+    """Put the planned figures into the command (explicit extra arguments still come last and win).
+
+    The long-prefill threshold must not exceed the context (vLLM refuses that), so it follows a smaller context.
+    """
+    flags = dict(spec.flags)
+    flags["max-model-len"] = max_model_len
+    if gpu_memory_utilization is not None:
+        flags["gpu-memory-utilization"] = gpu_memory_utilization
+    pinned = flag_value(spec.extra_args, "max-model-len")
+    length = int(pinned) if pinned not in (None, True) else max_model_len
+    threshold = flags.get("long-prefill-token-threshold")
+    if isinstance(threshold, int) and threshold > length:
+        flags["long-prefill-token-threshold"] = length
+    return replace(spec, flags=flags)
+
+
+def exec_argv(argv: list[str]) -> list[str]:
+    """The process to exec for a `vllm ...` command line (see vllm_cli: one invocation on GPU and CPU builds)."""
+    return [sys.executable, "-m", "vllm_exl3.integration.vllm_cli", *argv[1:]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Preflight + exec
+# ---------------------------------------------------------------------------------------------------------------
+def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None, head_wait_s: float,
+                  root: Path = Path("/")) -> tuple[preflight.Report, LaunchSpec]:
+    report = preflight.Report()
+    log = preflight.log_stderr
+    pack_check, pack = preflight.check_pack(spec.model)
+    report.checks.append(pack_check)
+    if (kernel := preflight.check_kernel(env)) is not None:
+        report.checks.append(kernel)
+    report.checks += preflight.check_network(env, root)
+    if spec.role.nnodes > 1:
+        head = str(spec.flags["master-addr"])
+        port = int(spec.flags["master-port"])
+        if spec.role.headless:
+            report.checks += preflight.check_head_reachable(head, port, env.get("VLLM_HOST_IP"), head_wait_s, log)
+        else:
+            report.checks.append(preflight.check_head_is_local(head))
+    if pack is None:
+        return report, spec
+    if meminfo is None and not preflight.gpu_present(root):
+        # vLLM's CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE, not from a memory fraction.
+        report.notes.append("no NVIDIA GPU visible: unified-memory plan not enforced; context capped to the "
+                            "model's maximum")
+        model_max = preflight.pack_max_len(pack)
+        wanted = [v for v in (plan_request(spec).max_model_len, model_max) if v]
+        return report, apply_plan(spec, min(wanted)) if wanted else spec
+    mem = MemoryFigures.from_meminfo(meminfo or root / "proc/meminfo")
+    report.plan = preflight.memory_plan(pack, plan_request(spec), spec.preset.memory, mem)
+    if not report.plan.fits:
+        return report, spec
+    return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization)
+
+
+def write_pid_file(env: Mapping[str, str]) -> None:
+    run_dir = env.get("VLLM_EXL3_RUN_DIR")
+    if run_dir:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / PID_FILE).write_text(f"{os.getpid()}\n")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", choices=sorted(ROLES), default=os.environ.get("VLLM_EXL3_ROLE"),
+                   help="single (one Spark), head or worker (two Sparks); default $VLLM_EXL3_ROLE")
+    p.add_argument("--preset", default=os.environ.get("VLLM_EXL3_PRESET"),
+                   help="preset name or .toml file; default $VLLM_EXL3_PRESET, else the role's "
+                        "(single: spark-1x, head/worker: spark-2x-tp2)")
+    p.add_argument("--dry-run", action="store_true", help="run the preflight, print the command, do not start it")
+    p.add_argument("--list-presets", action="store_true", help="list the presets found and exit")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="skip pack/network checks and the memory plan (the preset's flags go to vLLM as they are)")
+    p.add_argument("--meminfo", metavar="FILE",
+                   help="plan against this meminfo file instead of /proc/meminfo, and enforce the plan "
+                        "even without a GPU (what-if planning, tests)")
+    p.add_argument("--head-wait", type=float, metavar="SECONDS",
+                   default=float(os.environ.get("VLLM_EXL3_HEAD_WAIT", DEFAULT_HEAD_WAIT_S)),
+                   help="worker: how long to wait for the head's rendezvous port (default %(default)s)")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER,
+                   help="after --: extra `vllm serve` arguments (appended last; they win)")
+
+
+def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    env = dict(os.environ if env is None else env)
+    out = preflight.log_stderr
+    if args.list_presets:
+        for name, path in available_presets(env).items():
+            print(f"{name:16} {load_preset(str(path), env).description}")
+        return 0
+    if not args.role:
+        out("vllm-exl3 launch: --role (or VLLM_EXL3_ROLE) is required: single, head or worker")
+        return 2
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    try:
+        preset = load_preset(args.preset or ROLES[args.role].default_preset, env)
+        spec = build_spec(args.role, preset, env, extra)
+    except LaunchError as e:
+        out(f"vllm-exl3 launch: {e}")
+        return 2
+    out(f"vllm-exl3 launch: role {spec.role.name}, preset {preset.name} ({preset.path})")
+    refused = False
+    if not args.no_preflight:
+        report, spec = run_preflight(spec, env, args.meminfo, 0.0 if args.dry_run else args.head_wait)
+        for line in report.lines():
+            out(line)
+        refused = not report.ok
+    argv = spec.argv()
+    print(shlex.join(argv), flush=True)
+    if refused:
+        out("vllm-exl3 launch: refused before starting vLLM; fix the FAIL/REFUSED lines above "
+            "(or pass --no-preflight to start anyway)")
+        return EXIT_REFUSED
+    if args.dry_run:
+        return 0
+    write_pid_file(env)
+    target = exec_argv(argv)
+    os.execvpe(target[0], target, {k: v for k, v in env.items() if k not in APPLIANCE_VARIABLES})
+    return 0  # not reached

@@ -1,0 +1,273 @@
+"""Checks that run before a long boot, so a bad setup fails in seconds with a message that says what to change.
+
+- the pack verifies (format.verify_pack: every file and tensor header, codebook markers);
+- the kernel backend named in VLLM_EXL3_KERNEL is usable here (built for this GPU, installed);
+- the network names exist: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME interfaces, NCCL_IB_HCA devices, and
+  VLLM_HOST_IP is an address of this machine on the interface NCCL was told to use;
+- two nodes: on the head, the head address is its own; on the worker, traffic to the head leaves through that
+  interface and the head's rendezvous port answers (waiting for it while the head boots);
+- the unified-memory plan (memory_plan.py) against the memory that is free right now.
+
+Every function takes the environment and the filesystem root as arguments, so tests run them for real against
+fixture packs, the machine's own loopback interface and fake sysfs trees or meminfo files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..format.pack import Pack, verify_pack
+from ..kernels.choice import KERNEL_ENV, parse_kernel
+from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib, model_max_len
+from .memory_plan import plan as make_plan
+
+# A refusal should fit on a screen: the first problems of a broken pack say enough.
+MAX_PACK_PROBLEMS = 8
+HEAD_PROBE_INTERVAL_S = 2.0
+HEAD_PROGRESS_EVERY_S = 30.0
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    plan: Plan | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks) and (self.plan is None or self.plan.fits)
+
+    def lines(self) -> list[str]:
+        out = [f"preflight: {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" for c in self.checks]
+        out += [f"preflight: note {n}" for n in self.notes]
+        if self.plan is not None:
+            out += [f"memory plan: {line}" for line in self.plan.lines]
+            out += [f"memory plan: REFUSED: {p}" for p in self.plan.problems]
+            out += [f"memory plan: to fix: {a}" for a in self.plan.advice]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pack
+# ---------------------------------------------------------------------------------------------------------------
+def check_pack(model_dir: str | os.PathLike) -> tuple[Check, Pack | None]:
+    pack, problems = verify_pack(model_dir)
+    if problems:
+        shown = "; ".join(str(p) for p in problems[:MAX_PACK_PROBLEMS])
+        more = f" (+{len(problems) - MAX_PACK_PROBLEMS} more)" if len(problems) > MAX_PACK_PROBLEMS else ""
+        return Check("pack", False, f"{len(problems)} problem(s): {shown}{more}; "
+                                    f"run `vllm-exl3 verify {model_dir}` for all"), None
+    assert pack is not None
+    size = sum(f.size for f in pack.files)
+    return Check("pack", True, f"{model_dir}: {pack.architecture}, {len(pack.linears())} EXL3 linears, "
+                               f"{len(pack.files)} file(s), {gib(size)}"), pack
+
+
+def model_shape(pack: Pack) -> ModelShape:
+    from ..format.summary import summarize
+
+    summary = summarize(pack)
+    largest = max((lin.in_padded * lin.out_padded for lin in pack.linears().values()), default=0)
+    return ModelShape.from_config(pack.text_config, summary.total_bytes, largest_linear_bytes=2 * largest,
+                                  max_len=pack_max_len(pack))
+
+
+def pack_max_len(pack: Pack) -> int | None:
+    """The model's maximum context, from its config and its tokenizer's (the pack ships both)."""
+    tokenizer_config = pack.root / "tokenizer_config.json"
+    try:
+        tok = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else None
+    except (OSError, ValueError):
+        tok = None
+    return model_max_len(pack.text_config, tok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel backend
+# ---------------------------------------------------------------------------------------------------------------
+def check_kernel(env: Mapping[str, str]) -> Check | None:
+    """A backend named in VLLM_EXL3_KERNEL must be usable here: the plugin refuses it at load time otherwise,
+    minutes into the boot (`auto` always finds one, down to the torch reference)."""
+    try:
+        name = parse_kernel(env.get(KERNEL_ENV))
+    except ValueError as e:
+        return Check("kernel backend", False, str(e))
+    if name == "auto":
+        return None  # without importing torch: the launcher stays quick when nothing needs checking
+    from ..kernels.backend import get_backend
+
+    try:
+        reason = get_backend(name).unavailable_reason()
+    except KeyError:
+        reason = "not installed"
+    return Check("kernel backend", reason is None, f"{name}: {reason or 'available'}"
+                 + ("; use the image's build for this GPU, or another KERNEL" if reason else ""))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Network names and addresses
+# ---------------------------------------------------------------------------------------------------------------
+def interface_addresses() -> dict[str, set[str]]:
+    """IPv4/IPv6 addresses by interface name, as the kernel reports them now."""
+    import psutil  # a vLLM dependency, so present wherever the launcher runs
+
+    return {name: {a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)}
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def _list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def nccl_interfaces(spec: str, existing: list[str]) -> tuple[list[str], list[str]]:
+    """Resolve an NCCL_SOCKET_IFNAME value (NCCL's syntax: prefixes, `=` exact, `^` exclude) -> (matched, unmatched)."""
+    if spec.startswith("^"):
+        return [n for n in existing if not any(n.startswith(p) for p in _list(spec[1:]))], []
+    exact = spec.startswith("=")
+    matched, unmatched = [], []
+    for item in _list(spec.lstrip("=")):
+        hits = [n for n in existing if (n == item if exact else n.startswith(item))]
+        (matched.extend(hits) if hits else unmatched.append(item))
+    return matched, unmatched
+
+
+def ib_devices(spec: str) -> list[str]:
+    """Device names in an NCCL_IB_HCA value: `[^][=]dev[:port],...`."""
+    if spec.startswith("^"):
+        return []  # an exclusion list names nothing that must exist
+    return [item.split(":")[0] for item in _list(spec.lstrip("="))]
+
+
+def check_network(env: Mapping[str, str], root: Path = Path("/"),
+                  addresses: Callable[[], dict[str, set[str]]] = interface_addresses) -> list[Check]:
+    """Interfaces and RDMA devices named in the environment exist; VLLM_HOST_IP is ours, on NCCL's interface."""
+    net = root / "sys/class/net"
+    existing = sorted(p.name for p in net.iterdir()) if net.is_dir() else []
+    checks: list[Check] = []
+    nccl_ifaces: list[str] = []
+    if env.get("NCCL_SOCKET_IFNAME"):
+        nccl_ifaces, missing = nccl_interfaces(env["NCCL_SOCKET_IFNAME"], existing)
+        checks.append(Check("NCCL_SOCKET_IFNAME", not missing and bool(nccl_ifaces),
+                            f"{env['NCCL_SOCKET_IFNAME']} -> {', '.join(nccl_ifaces) or 'nothing'}"
+                            + (f"; no interface {', '.join(missing)} (have: {', '.join(existing)})" if missing else "")))
+    if env.get("GLOO_SOCKET_IFNAME"):
+        missing = [n for n in _list(env["GLOO_SOCKET_IFNAME"]) if n not in existing]
+        checks.append(Check("GLOO_SOCKET_IFNAME", not missing,
+                            env["GLOO_SOCKET_IFNAME"]
+                            + (f": no interface {', '.join(missing)} (have: {', '.join(existing)})" if missing else "")))
+    if env.get("NCCL_IB_HCA"):
+        ib = root / "sys/class/infiniband"
+        have = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+        missing = [d for d in ib_devices(env["NCCL_IB_HCA"]) if not any(h.startswith(d) for h in have)]
+        checks.append(Check("NCCL_IB_HCA", not missing,
+                            env["NCCL_IB_HCA"] + (f": no RDMA device {', '.join(missing)} (have: "
+                                                  f"{', '.join(have) or 'none; is /dev/infiniband passed in?'}; "
+                                                  "`ibdev2netdev` lists them)" if missing else "")))
+    host_ip = env.get("VLLM_HOST_IP")
+    if host_ip:
+        by_iface = addresses()
+        owners = sorted(n for n, addrs in by_iface.items() if host_ip in addrs)
+        if not owners:
+            checks.append(Check("VLLM_HOST_IP", False, f"{host_ip} is not an address of this machine "
+                                f"(`ip -4 addr show {nccl_ifaces[0] if nccl_ifaces else '<nic>'}` shows the right one)"))
+        elif nccl_ifaces and not set(owners) & set(nccl_ifaces):
+            checks.append(Check("VLLM_HOST_IP", False, f"{host_ip} is on {', '.join(owners)}, not on the NCCL "
+                                f"interface {', '.join(nccl_ifaces)}: the two must name the same link"))
+        else:
+            checks.append(Check("VLLM_HOST_IP", True, f"{host_ip} on {', '.join(owners)}"))
+    return checks
+
+
+def route_source(addr: str, port: int) -> str | None:
+    """The local address the kernel would send from to reach addr (a UDP connect sends no packet)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def check_head_is_local(head_addr: str, addresses: Callable[[], dict[str, set[str]]] = interface_addresses) -> Check:
+    owners = sorted(n for n, addrs in addresses().items() if head_addr in addrs)
+    if owners:
+        return Check("head address", True, f"{head_addr} is this machine's ({', '.join(owners)})")
+    return Check("head address", False, f"{head_addr} is not an address of this machine: on the head, HEAD_ADDR "
+                                        "must be this Spark's own address on the fabric link")
+
+
+def wait_for_port(addr: str, port: int, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep, log: Callable[[str], None] = print) -> float | None:
+    """Seconds until addr:port accepted a TCP connection, or None after timeout_s (0 = one attempt)."""
+    start = clock()
+    last_log = start
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=HEAD_PROBE_INTERVAL_S):
+                return clock() - start
+        except OSError:
+            pass
+        now = clock()
+        if now - start >= timeout_s:
+            return None
+        if now - last_log >= HEAD_PROGRESS_EVERY_S:
+            log(f"preflight: still waiting for the head at {addr}:{port} ({now - start:.0f}s of {timeout_s:.0f}s)")
+            last_log = now
+        sleep(HEAD_PROBE_INTERVAL_S)
+
+
+def check_head_reachable(head_addr: str, port: int, host_ip: str | None, wait_s: float,
+                         log: Callable[[str], None] = print) -> list[Check]:
+    checks = []
+    source = route_source(head_addr, port)
+    if source is None:
+        return [Check("route to head", False, f"no route to {head_addr}: check HEAD_ADDR and the link "
+                                              "(`ip route get HEAD_ADDR`)")]
+    if host_ip and source != host_ip:
+        checks.append(Check("route to head", False, f"traffic to {head_addr} would leave from {source}, not from "
+                                                    f"VLLM_HOST_IP {host_ip}: the fabric link is not the route "
+                                                    "(wrong NIC, or both ports in one subnet)"))
+        return checks
+    checks.append(Check("route to head", True, f"{head_addr} via {source}"))
+    waited = wait_for_port(head_addr, port, wait_s, log=log)
+    if waited is None:
+        checks.append(Check("head rendezvous", False,
+                            f"nothing answers at {head_addr}:{port} after {wait_s:.0f}s: start the head first "
+                            "(`docker compose --profile head up -d` on the other Spark), check HEAD_ADDR, "
+                            "MASTER_PORT and the firewall"))
+    else:
+        checks.append(Check("head rendezvous", True, f"{head_addr}:{port} answered after {waited:.0f}s"))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------------
+def gpu_present(root: Path = Path("/")) -> bool:
+    """An NVIDIA GPU is visible (the memory plan is enforced only then: vLLM's CPU build sizes KV otherwise)."""
+    gpus = root / "proc/driver/nvidia/gpus"
+    return (gpus.is_dir() and any(gpus.iterdir())) or (root / "dev/nvidiactl").exists()
+
+
+def memory_plan(pack: Pack, request: Request, settings: PlanSettings, mem: MemoryFigures) -> Plan:
+    return make_plan(mem, model_shape(pack), request, settings)
+
+
+def log_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+

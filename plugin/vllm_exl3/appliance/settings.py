@@ -1,0 +1,88 @@
+"""Every `VLLM_EXL3_*` environment variable: its default and meaning, in one table (standard library only).
+
+The appliance reads its defaults from here (`default()`); the plugin's own readers (kernel choice, loader options,
+the C++ limits in csrc/env.h) name the same variables and a test checks each one is listed. `docs/settings.md` is
+generated from this table (`python -m vllm_exl3.appliance.settings > docs/settings.md`; a test keeps it in sync).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str  # as the environment would hold it; "" = unset
+    meaning: str
+    area: str  # plugin | loader | kernels | appliance | tests | build
+
+
+# area | variable | default ("-" = unset) | meaning; one row each, grouped by area
+_TABLE = """
+plugin    | VLLM_EXL3_KERNEL               | auto           | kernel backend: auto | native | exllamav3 | torch (auto: the first available that serves the layer)
+plugin    | VLLM_EXL3_KERNEL_STRICT        | 0              | 1: a named backend that cannot serve a layer is an error, not a fallback
+plugin    | VLLM_EXL3_LOGGING_LEVEL        | -              | log level of the vllm_exl3 logger (default: VLLM_LOGGING_LEVEL, else INFO)
+loader    | VLLM_EXL3_LOAD_WORKERS         | 8              | reader threads
+loader    | VLLM_EXL3_LOAD_CHUNK_MIB       | 16             | size of one read and of each worker's bounce buffer (pinned on CUDA)
+loader    | VLLM_EXL3_LOAD_RING_MIB        | 512            | read-ahead bound: tensors read but not yet handed to vLLM
+loader    | VLLM_EXL3_LOAD_DIRECT_IO       | true           | O_DIRECT reads (buffered where the filesystem refuses)
+loader    | VLLM_EXL3_LOAD_DROP_PAGE_CACHE | true           | buffered reads only: drop each chunk from the page cache once copied
+kernels   | VLLM_EXL3_SKINNY_MAX_ROWS      | -              | rows up to which the skinny kernel runs (default per GPU: 8 when the layer fits in L2, else 16)
+kernels   | VLLM_EXL3_PANEL_MAX_ROWS       | -              | rows up to which the panel kernel runs (default per GPU: 256 on sm_12x, 16 or 64 elsewhere); above it, reconstruct + cuBLAS
+kernels   | VLLM_EXL3_ORIGINAL_MIN_ROWS    | -              | rows from which reconstruct works in the original basis (default: a quarter of the active output columns)
+kernels   | VLLM_EXL3_RECON_FIRST          | 1              | 0: run the input transform before the reconstruct (A/B only)
+kernels   | VLLM_EXL3_SKINNY_DUP           | 1              | 0: the skinny kernel without duplicated-activation codewords (A/B only)
+kernels   | VLLM_EXL3_PDL                  | 1              | 0: launch without programmatic dependent launch (A/B only)
+kernels   | VLLM_EXL3_SKINNY_GRID          | 0              | bench: override the skinny kernel's block count (0 = the planner's)
+kernels   | VLLM_EXL3_SKINNY_TRACE         | 0              | bench: 1 records per-warp timestamps of each skinny launch
+appliance | VLLM_EXL3_ROLE                 | -              | single | head | worker
+appliance | VLLM_EXL3_MODEL                | /model         | the pack directory (compose mounts it read-only)
+appliance | VLLM_EXL3_PRESET               | -              | preset name or .toml file (default: the role's)
+appliance | VLLM_EXL3_PRESET_DIR           | -              | extra preset directories (os.pathsep-separated), searched before the packaged ones
+appliance | VLLM_EXL3_EXTRA_ARGS           | -              | extra `vllm serve` arguments (shell words)
+appliance | VLLM_EXL3_SERVED_NAME          | -              | --served-model-name (default: the model path)
+appliance | VLLM_EXL3_HOST                 | -              | API bind address (empty: all)
+appliance | VLLM_EXL3_PORT                 | 8000           | API port
+appliance | VLLM_EXL3_HEAD_ADDR            | -              | worker: the head's IP on the fabric link
+appliance | VLLM_EXL3_MASTER_PORT          | 29501          | the head's rendezvous port (vLLM's --master-port default)
+appliance | VLLM_EXL3_HEAD_WAIT            | 900            | worker: seconds to wait for the head's rendezvous before giving up
+appliance | VLLM_EXL3_RENDEZVOUS_GRACE     | 30             | worker: seconds without the head before the watchdog stops vLLM
+appliance | VLLM_EXL3_HEALTH_TIMEOUT       | 5              | seconds per health-check request
+appliance | VLLM_EXL3_RUN_DIR              | /run/vllm-exl3 | the launcher's pid file and supervisord's socket
+appliance | VLLM_EXL3_SUPERVISOR_D         | -              | directory of extra supervisord programs (*.conf)
+tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
+tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GPU tests write their observed error bounds to
+build     | VLLM_EXL3_BUILD_CUDA           | 0              | 1: `pip install` builds the CUDA extension vllm_exl3.kernels._C
+"""
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(name, "" if value == "-" else value, meaning, area)
+    for area, name, value, meaning in (tuple(c.strip() for c in row.split(" | ", 3)) for row in _TABLE.strip().splitlines()))
+BY_NAME = {s.name: s for s in SETTINGS}
+# Not environment variables although they share the prefix: a compile-time define (setup.py -> csrc/launch.cu).
+NOT_VARIABLES = ("VLLM_EXL3_ARCHS",)
+
+
+def default(name: str) -> str:
+    """The default of one variable (KeyError for a name not in the table: add it there first)."""
+    return BY_NAME[name].default
+
+
+def markdown_table() -> str:
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for area in dict.fromkeys(s.area for s in SETTINGS):
+        rows.append(f"| **{area}** | | |")
+        rows += [f"| `{s.name}` | {f'`{s.default}`' if s.default else '–'} | {s.meaning} |"
+                 for s in SETTINGS if s.area == area]
+    return "\n".join(rows) + "\n"
+
+
+def document() -> str:
+    return ("# Settings\n\nEvery `VLLM_EXL3_*` environment variable, generated from "
+            "`plugin/vllm_exl3/appliance/settings.py` (edit the table there, then run\n"
+            "`python -m vllm_exl3.appliance.settings > docs/settings.md`).\n\n" + markdown_table())
+
+
+if __name__ == "__main__":
+    sys.stdout.write(document())

@@ -1,0 +1,55 @@
+"""`vllm-exl3 info`: what this install can run — kernel backends (available or why not), the native build, devices."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .. import __version__
+
+
+@dataclass
+class BackendInfo:
+    name: str
+    available: bool
+    reason: str | None
+
+
+@dataclass
+class Info:
+    version: str
+    torch: str
+    torch_cuda: str | None
+    devices: list[str]
+    kernel_env: str
+    backends: list[BackendInfo] = field(default_factory=list)
+    native_build: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def collect() -> Info:
+    from ..kernels.backend import get_backend
+    from ..kernels.choice import KERNEL_ENV, PREFERENCE
+
+    get_backend("torch")  # loads every backend module first (kernels._load_backends runs once, on first use)
+    from ..kernels.backends import native
+
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            devices.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+                           f"{p.total_memory / 2**30:.0f} GiB)")
+    info = Info(__version__, torch.__version__, torch.version.cuda, devices, os.environ.get(KERNEL_ENV, "auto"))
+    for name in PREFERENCE:
+        try:
+            reason = get_backend(name).unavailable_reason()
+        except KeyError:
+            reason = "backend module not importable"
+        info.backends.append(BackendInfo(name, reason is None, reason))
+    info.native_build = native.build_info()
+    return info

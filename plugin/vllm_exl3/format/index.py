@@ -1,0 +1,86 @@
+"""What a pack holds, by module prefix: each EXL3 linear's `LinearMeta` (bits, codebook, padded geometry) and the
+shapes of the plain weights, read from safetensors headers (local or on the Hub). Header-only: no torch.
+
+Checkpoint names; the vLLM integration renames them with `PackIndex.renamed(apply_vllm_mapper's mapper)`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import Exl3FormatError
+from .headers import TensorRecord
+from .pack import Pack
+from .records import Exl3Linear, build_linear, group_exl3_tensors
+
+
+@dataclass(frozen=True)
+class LinearMeta:
+    bits: float
+    codebook: str
+    in_padded: int
+    out_padded: int
+    legacy_signs: bool = False
+    has_marker: bool = False
+
+    @classmethod
+    def of(cls, lin: Exl3Linear) -> "LinearMeta":
+        return cls(lin.bits, lin.codebook, lin.in_padded, lin.out_padded, lin.legacy_signs, lin.marker is not None)
+
+
+@dataclass
+class PackIndex:
+    exl3: dict[str, LinearMeta] = field(default_factory=dict)  # EXL3 linears
+    plain: dict[str, tuple[int, ...]] = field(default_factory=dict)  # `<prefix>.weight` shapes of the rest
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, TensorRecord]) -> "PackIndex":
+        index = cls()
+        for prefix, parts in group_exl3_tensors(tensors).items():
+            index.exl3[prefix] = LinearMeta.of(build_linear(prefix, parts))
+        for name, rec in tensors.items():
+            if name.endswith(".weight"):
+                index.plain[name[: -len(".weight")]] = rec.shape
+        return index
+
+    def renamed(self, mapper) -> "PackIndex":
+        def rename(d):
+            out = {}
+            for k, v in d.items():
+                new = mapper.map_name(k)
+                if new is not None:
+                    out[new] = v
+            return out
+
+        return PackIndex(rename(self.exl3), rename(self.plain))
+
+
+def _remote_tensors(repo: str, revision: str | None) -> dict[str, TensorRecord]:
+    """Header records of a Hub repository without downloading weights (HTTP range reads of the headers)."""
+    from huggingface_hub import get_safetensors_metadata
+
+    meta = get_safetensors_metadata(repo, revision=revision)
+    records = {}
+    for fname, fmeta in meta.files_metadata.items():
+        for name, info in fmeta.tensors.items():
+            begin, end = info.data_offsets
+            records[name] = TensorRecord(name, info.dtype, tuple(info.shape), Path(fname), begin, end - begin)
+    return records
+
+
+def index_model(model: str, revision: str | None = None) -> PackIndex:
+    """Read and validate the pack behind `model` (a local directory or a Hub id), headers only."""
+    if os.path.isdir(model):
+        pack = Pack.open(model)
+        if pack.index_problems:
+            raise pack.index_problems[0]
+        pack.check_markers()
+        return PackIndex.from_tensors(pack.tensors)
+    try:
+        tensors = _remote_tensors(model, revision)
+    except Exception as e:  # noqa: BLE001 - any Hub failure is reported as "cannot index"
+        raise Exl3FormatError(model, None, "a local pack directory or a Hub repository with safetensors",
+                              f"{type(e).__name__}: {e}") from e
+    return PackIndex.from_tensors(tensors)

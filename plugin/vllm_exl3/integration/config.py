@@ -1,0 +1,151 @@
+"""`Exl3Config`: the `quantization_config` contract and the per-layer decision (EXL3 / plain / delegated).
+
+Native ExLlamaV3 packs need nothing but `quant_method: exl3`: which linears are EXL3, and each one's bits,
+codebook and padded geometry, are read from the pack's safetensors headers (`maybe_update_config`), never from
+config keys. The extended contract other EXL3 tools write (prior-art.md) is honoured on top:
+
+- `codebook`, `layer_bits` ({layer index: bits} for routed experts), `non_routed_exl3` (which dense linears are
+  EXL3, long form by vLLM module prefix with `bits` / `bf16_shards`, short form by suffix): declarations that
+  are *checked* against the tensors; a contradiction is an error, never a silent re-interpretation.
+- `non_routed_quantization`: a vLLM quantization config serving the layers that carry no EXL3 tensors
+  (e.g. block-FP8 dense layers of a DeepSeek pack).
+- `non_routed_dtype_policy: "bf16_as_stored"`: dense layers without EXL3 tensors stay plain (unquantized) even
+  when a `non_routed_quantization` delegate exists (it then serves only expert layers without EXL3 tensors).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..format.constants import SIDECAR_FILE
+from ..format.contract import POLICY_BF16_AS_STORED, Contract, Exl3ConfigError
+from ..format.errors import Exl3FormatError
+from ..format.index import PackIndex, index_model
+from . import compat
+
+logger = logging.getLogger("vllm_exl3")
+
+
+
+
+class Exl3Config(compat.QuantizationConfig):
+    """`quant_method: exl3`. Registered by `vllm_exl3.register()`; vLLM picks it from config.json."""
+
+    def __init__(self, raw: dict[str, Any] | None = None):
+        super().__init__()
+        self.raw = dict(raw or {})
+        self.contract = Contract.parse(self.raw)
+        self.index: PackIndex | None = None
+        self._delegate = None
+
+    # -- vLLM's QuantizationConfig surface ------------------------------------------------------------------
+    def get_name(self) -> str:
+        return "exl3"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # mma.sync m16n8k16, cp.async (Ampere and newer; GB10 is 121)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return [SIDECAR_FILE]  # only consulted when config.json carries no quantization_config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Exl3Config":
+        return cls(config)
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        """Read the pack's headers: which linears are EXL3 and their bits/codebook/geometry.
+
+        Runs while vLLM builds its config, before any weight is loaded: a broken pack stops the start here with
+        our error naming the file and tensor."""
+        try:
+            self.index = index_model(model_name, revision)
+            self.contract.check_codebooks(self.index)
+        except (Exl3FormatError, Exl3ConfigError) as e:
+            logger.error("EXL3 pack %s cannot be served: %s", model_name, e)
+            raise
+        n_experts = sum(1 for k in self.index.exl3 if ".experts." in k)
+        logger.info("EXL3 pack %s: %d EXL3 linears (%d routed-expert projections)", model_name,
+                    len(self.index.exl3), n_experts)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.index is not None:
+            self.index = self.index.renamed(hf_to_vllm_mapper)
+
+    # -- per-layer decision ---------------------------------------------------------------------------------
+    @property
+    def delegate(self):
+        if self._delegate is None and self.contract.non_routed_quantization is not None:
+            cfg = dict(self.contract.non_routed_quantization)
+            cls = compat.get_quantization_config(str(cfg["quant_method"]).lower())
+            self._delegate = cls.from_config(cfg)
+            self._delegate.packed_modules_mapping = self.packed_modules_mapping
+        return self._delegate
+
+    def _require_index(self, prefix: str) -> PackIndex:
+        if self.index is None:
+            raise Exl3ConfigError(f"{prefix}: the EXL3 pack was never indexed (maybe_update_config did not run)")
+        return self.index
+
+    def _shards(self, prefix: str) -> tuple[list[str], list]:
+        """Checkpoint prefixes and vLLM shard ids of the linears fused into vLLM module `prefix`."""
+        head, _, proj = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(proj)
+        if not parts:
+            return [prefix], [None]
+        names = [f"{head}.{p}" if head else p for p in parts]
+        ids = ["q", "k", "v"] if proj == "qkv_proj" and len(parts) == 3 else list(range(len(parts)))
+        return names, ids
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from .linear import Exl3LinearMethod
+        from .moe import Exl3MoEMethod
+
+        if isinstance(layer, compat.RoutedExperts):
+            index = self._require_index(prefix)
+            names = {(e, p): f"{prefix}.{e}.{ckpt}" for e in range(layer.global_num_experts)
+                     for p, ckpt in enumerate((layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
+                                               layer.ckpt_down_proj_name))}
+            metas = {k: index.exl3.get(n) for k, n in names.items()}
+            present = [k for k, m in metas.items() if m is not None]
+            if not present:
+                return self.delegate.get_quant_method(layer, prefix) if self.delegate else None
+            if len(present) != len(metas):
+                missing = [names[k] for k, m in metas.items() if m is None]
+                raise Exl3FormatError(None, missing[0], f"EXL3 tensors for every expert projection of {prefix}",
+                                      f"{len(missing)} projections without them (e.g. {', '.join(missing[:3])})")
+            self.contract.check_expert_bits(prefix, [(names[k], metas[k]) for k in present])
+            return Exl3MoEMethod(layer.moe_config, prefix, names, metas)
+
+        if isinstance(layer, (compat.LinearBase, compat.ParallelLMHead)):
+            index = self._require_index(prefix)
+            names, ids = self._shards(prefix)
+            metas = [index.exl3.get(n) for n in names]
+            self.contract.check_dense(prefix, list(zip(names, metas)))
+            if any(m is not None for m in metas):
+                return Exl3LinearMethod(prefix, names, ids, metas, [index.plain.get(n) for n in names])
+            if compat.is_lm_head(layer):
+                return self._plain_head(layer, index.plain.get(prefix))
+            if self.contract.non_routed_dtype_policy != POLICY_BF16_AS_STORED and self.delegate is not None:
+                return self.delegate.get_quant_method(layer, prefix)
+            return compat.UnquantizedLinearMethod()
+
+        if self.delegate is not None and compat.is_attention(layer):
+            return self.delegate.get_quant_method(layer, prefix)
+        return None
+
+    @staticmethod
+    def _plain_head(layer, stored_shape):
+        """An unquantized head keeps ExLlamaV3's padded input columns (exl3-format.md §E.2): drop them."""
+        if stored_shape is None or len(stored_shape) != 2 or stored_shape[1] == layer.embedding_dim:
+            return None  # vLLM's own unquantized embedding method
+        from .lm_head import PaddedHeadMethod
+
+        return PaddedHeadMethod(layer.embedding_dim, stored_shape[1])

@@ -1,0 +1,270 @@
+"""Dense EXL3 linears in vLLM: column/row/merged/QKV/replicated layers and the LM head.
+
+A vLLM layer can fuse several checkpoint linears (q/k/v, gate/up). Each keeps its own suh/svh, so each is
+computed separately and the outputs are concatenated (there is no single fused GEMM across shards). A shard
+may also be a plain (BF16) weight in a mixed layer (`non_routed_exl3.bf16_shards`).
+
+Storage per layer: one flat parameter per checkpoint suffix (`trellis`, `suh`, `svh`, …) holding every shard's
+block range back to back, so the names vLLM's loaders look up (`<module>.<suffix>`) always exist; each
+parameter's own `weight_loader` slices the full checkpoint tensor for this rank (see geometry.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import compat
+from ..format.index import LinearMeta
+from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
+from ..format.errors import Exl3FormatError
+from ..format.tensors import Exl3Weights, unpack_signs
+from ..format.geometry import Span, check_padding
+from ..kernels.choice import PREFERENCE
+from ..kernels.selection import choose_linear_backend
+from ..kernels.specs import LinearSpec
+
+logger = logging.getLogger("vllm_exl3")
+
+
+@dataclass
+class Shard:
+    """One checkpoint linear inside a vLLM layer, as this rank stores it."""
+
+    name: str  # checkpoint module prefix (after vLLM's rename mapper)
+    shard_id: str | int | None  # the id vLLM's loaders pass for it (q/k/v, 0/1, None)
+    meta: LinearMeta | None  # None: a plain weight
+    rows: Span  # input features (stored block range around this rank's slice)
+    cols: Span  # output features
+    offsets: dict[str, int] = field(default_factory=dict)  # start of this shard in each flat parameter
+    loaded: set[str] = field(default_factory=set)
+
+    @property
+    def words(self) -> int:
+        return round(self.meta.bits * TILE) if self.meta else 0
+
+    @property
+    def trellis_shape(self) -> tuple[int, int, int]:
+        return self.rows.block_size // TILE, self.cols.block_size // TILE, self.words
+
+    def expected(self) -> set[str]:
+        if self.meta is None:
+            return {"weight"}
+        need = {"trellis", "su" if self.meta.legacy_signs else "suh", "sv" if self.meta.legacy_signs else "svh"}
+        if self.meta.has_marker:
+            need.add(self.meta.codebook)
+        return need
+
+
+def _output_ranges(layer: torch.nn.Module, shard_ids: list) -> list[tuple[int, int, int]]:
+    """(start, stop, checkpoint out_features) of each shard's outputs on this rank."""
+    rank = layer.tp_rank
+    if compat.is_lm_head(layer):
+        si = layer.shard_indices
+        return [(si.org_vocab_start_index, si.org_vocab_end_index, layer.org_vocab_size)]
+    if compat.is_qkv(layer):
+        heads = {"q": (layer.total_num_heads, layer.head_size), "k": (layer.total_num_kv_heads, layer.head_size),
+                 "v": (layer.total_num_kv_heads, layer.v_head_size)}
+        out = []
+        for sid, part in zip(shard_ids, layer.output_partition_sizes):
+            owner = rank if sid == "q" else rank // layer.num_kv_head_replicas  # K/V heads may be replicated
+            n_heads, head_size = heads[sid]
+            out.append((owner * part, owner * part + part, n_heads * head_size))
+        return out
+    if compat.is_column_parallel(layer):
+        totals = getattr(layer, "output_sizes", [layer.output_size])
+        return [(rank * part, rank * part + part, total) for part, total in zip(layer.output_partition_sizes, totals)]
+    return [(0, layer.output_size, layer.output_size)]
+
+
+def plan_shards(layer: torch.nn.Module, names: list[str], shard_ids: list, metas: list[LinearMeta | None],
+                plain_shapes: list[tuple[int, ...] | None]) -> list[Shard]:
+    in_total = layer.input_size
+    if compat.is_row_parallel(layer):
+        i0 = layer.tp_rank * layer.input_size_per_partition
+        in_range = (i0, i0 + layer.input_size_per_partition)
+    else:
+        in_range = (0, in_total)
+    shards = []
+    for name, sid, meta, shape, (o0, o1, out_total) in zip(names, shard_ids, metas, plain_shapes,
+                                                           _output_ranges(layer, shard_ids)):
+        if meta is not None:
+            check_padding(f"'{name}' in_features", in_total, meta.in_padded)
+            check_padding(f"'{name}' out_features", out_total, meta.out_padded)
+            if shape is not None and tuple(shape) != (out_total, in_total):
+                raise Exl3FormatError(None, f"{name}.weight", f"a stale plain copy of shape [{out_total}, {in_total}] "
+                                      "next to the EXL3 tensors (it is dropped)", str(list(shape)))
+            rows, cols = Span.around(*in_range, meta.in_padded), Span.around(o0, o1, meta.out_padded)
+            for what, span, total in (("input", rows, in_total), ("output", cols, out_total)):
+                if span.splits_a_block(total):
+                    logger.info("EXL3 %s: tensor-parallel %s slice [%d, %d) of %d is not 128-aligned; this rank "
+                                "keeps the enclosing blocks [%d, %d) (exact, %d extra features)", name, what,
+                                span.start, span.stop, total, span.block_start, span.block_stop,
+                                span.block_size - span.size)
+        else:
+            if shape is None or tuple(shape) != (out_total, in_total):
+                raise Exl3FormatError(None, f"{name}.weight", f"a plain weight of shape [{out_total}, {in_total}] "
+                                      "(no EXL3 tensors were found for this linear)",
+                                      "nothing" if shape is None else str(list(shape)))
+            rows, cols = Span(*in_range, *in_range), Span(o0, o1, o0, o1)
+        shards.append(Shard(name, sid, meta, rows, cols))
+    return shards
+
+
+class Exl3LinearMethod(compat.LinearMethodBase):
+    """LinearMethodBase for layers with at least one EXL3 shard (one instance per layer)."""
+
+    def __init__(self, prefix: str, names: list[str], shard_ids: list, metas: list[LinearMeta | None],
+                 plain_shapes: list[tuple[int, ...] | None]):
+        self.prefix = prefix
+        self.names, self.shard_ids, self.metas, self.plain_shapes = names, shard_ids, metas, plain_shapes
+        self.shards: list[Shard] = []
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        self.layer = layer
+        self.shards = plan_shards(layer, self.names, self.shard_ids, self.metas, self.plain_shapes)
+        totals = {"trellis": 0, "suh": 0, "svh": 0, "weight": 0}
+        for s in self.shards:
+            if s.meta is None:
+                s.offsets["weight"] = totals["weight"]
+                totals["weight"] += s.cols.size
+                continue
+            for key, n in (("trellis", s.rows.block_size * s.cols.block_size * s.words // (TILE * TILE)),
+                           ("suh", s.rows.block_size), ("svh", s.cols.block_size)):
+                s.offsets[key] = totals[key]
+                totals[key] += n
+        self._param(layer, "trellis", torch.empty(totals["trellis"], dtype=torch.int16), self._load_trellis)
+        self._param(layer, "suh", torch.empty(totals["suh"], dtype=torch.float16), self._load_scale)
+        self._param(layer, "svh", torch.empty(totals["svh"], dtype=torch.float16), self._load_scale)
+        metas = [s.meta for s in self.shards if s.meta]
+        if any(m.legacy_signs for m in metas):  # legacy sign bitfields unpack straight into suh/svh
+            self._param(layer, "su", torch.empty(0, dtype=torch.int16), self._load_scale)
+            self._param(layer, "sv", torch.empty(0, dtype=torch.int16), self._load_scale)
+        for cb in sorted({m.codebook for m in metas if m.has_marker}):
+            self._param(layer, cb, torch.empty(0, dtype=torch.int32), self._load_marker)
+        if any(shape is not None for shape in self.plain_shapes):  # plain shards, or stale copies to drop
+            k = self.shards[0].rows.size
+            self._param(layer, "weight", torch.empty(totals["weight"], k, dtype=params_dtype), self._load_plain)
+        layer.exl3_method_shards = self.shards
+
+    @staticmethod
+    def _param(layer, name: str, data: torch.Tensor, loader) -> None:
+        p = torch.nn.Parameter(data, requires_grad=False)
+        p.exl3_suffix = name
+        p.weight_loader = loader  # our own loader: vLLM's default silently skips unknown names
+        layer.register_parameter(name, p)
+
+    def _shard(self, shard_id, suffix: str) -> Shard:
+        matches = [s for s in self.shards if s.shard_id == shard_id] if shard_id is not None else self.shards
+        if len(matches) != 1:
+            raise ValueError(f"{self.prefix}: cannot place checkpoint tensor '.{suffix}' for shard {shard_id!r} "
+                             f"(shards: {[s.shard_id for s in self.shards]})")
+        return matches[0]
+
+    def _check(self, s: Shard, suffix: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype | None) -> None:
+        if tuple(tensor.shape) != tuple(shape) or (dtype is not None and tensor.dtype != dtype):
+            raise Exl3FormatError(None, f"{s.name}.{suffix}", f"{dtype or ''}{list(shape)} as the pack header said",
+                                  f"{tensor.dtype}{list(tensor.shape)}")
+        if suffix in s.loaded:
+            raise Exl3FormatError(None, f"{s.name}.{suffix}", "each tensor once", "a second copy")
+        s.loaded.add(suffix)
+
+    def _load_trellis(self, param, loaded_weight, shard_id=None):
+        s = self._shard(shard_id, "trellis")
+        kt, nt = s.meta.in_padded // TILE, s.meta.out_padded // TILE
+        self._check(s, "trellis", loaded_weight, (kt, nt, s.words), torch.int16)
+        piece = loaded_weight[s.rows.tiles, s.cols.tiles]
+        n = piece.numel()
+        param.data[s.offsets["trellis"]:s.offsets["trellis"] + n].view(piece.shape).copy_(piece)
+
+    def _load_scale(self, param, loaded_weight, shard_id=None):
+        suffix = param.exl3_suffix
+        s = self._shard(shard_id, suffix)
+        side = "suh" if suffix in ("suh", "su") else "svh"
+        span = s.rows if side == "suh" else s.cols
+        padded = s.meta.in_padded if side == "suh" else s.meta.out_padded
+        if suffix in ("su", "sv"):
+            self._check(s, suffix, loaded_weight, (padded // TILE,), torch.int16)
+            loaded_weight = unpack_signs(loaded_weight.cpu())
+        else:
+            self._check(s, suffix, loaded_weight, (padded,), torch.float16)
+        dst = getattr(self.layer, side)  # legacy `.su`/`.sv` land in the suh/svh storage
+        dst.data[s.offsets[side]:s.offsets[side] + span.block_size].copy_(loaded_weight[span.elements])
+
+    def _load_marker(self, param, loaded_weight, shard_id=None):
+        codebook = param.exl3_suffix
+        s = self._shard(shard_id, codebook)
+        self._check(s, codebook, loaded_weight.reshape(()), (), torch.int32)
+        value = int(loaded_weight.reshape(()).item()) & 0xFFFFFFFF
+        if value != MARKER_VALUE[codebook]:
+            raise Exl3FormatError(None, f"{s.name}.{codebook}", f"the locked marker value 0x{MARKER_VALUE[codebook]:08X}",
+                                  f"0x{value:08X}")
+
+    def _load_plain(self, param, loaded_weight, shard_id=None):
+        s = self._shard(shard_id, "weight")
+        self._check(s, "weight", loaded_weight, tuple(self.plain_shapes[self.shards.index(s)]), None)
+        if s.meta is not None:  # a stale BF16 copy next to EXL3 tensors (shape checked in plan_shards): dropped
+            return
+        rows = loaded_weight[s.cols.start:s.cols.stop, s.rows.start:s.rows.stop]
+        param.data[s.offsets["weight"]:s.offsets["weight"] + s.cols.size].copy_(rows)
+
+    # -- after loading --------------------------------------------------------------------------------------
+    def process_weights_after_loading(self, layer) -> None:
+        for s in self.shards:
+            missing = s.expected() - s.loaded
+            if missing:
+                raise Exl3FormatError(None, ", ".join(f"{s.name}.{m}" for m in sorted(missing)),
+                                      "every tensor of this linear to be loaded",
+                                      "never delivered by the checkpoint (a shard file missing from "
+                                      "model.safetensors.index.json?)")
+        layer.exl3_shards = []
+        for i, s in enumerate(self.shards):
+            if s.meta is None:
+                w = layer.weight.data[s.offsets["weight"]:s.offsets["weight"] + s.cols.size]
+                layer.register_buffer(f"exl3_plain_{i}", w, persistent=False)
+                layer.exl3_shards.append(("plain", i, None))
+                continue
+            kt, nt, words = s.trellis_shape
+            t0, n = s.offsets["trellis"], kt * nt * words
+            w = Exl3Weights(layer.trellis.data[t0:t0 + n].view(kt, nt, words),
+                            layer.suh.data[s.offsets["suh"]:s.offsets["suh"] + s.rows.block_size],
+                            layer.svh.data[s.offsets["svh"]:s.offsets["svh"] + s.cols.block_size],
+                            s.meta.codebook, s.meta.bits)
+            backend = choose_linear_backend(LinearSpec(s.meta.codebook, s.meta.bits, s.rows.block_size,
+                                                       s.cols.block_size, layer.params_dtype, w.trellis.device.type))
+            for part, tensor in (("trellis", w.trellis), ("suh", w.suh), ("svh", w.svh),
+                                 ("prepared", backend.prepare_linear(w))):
+                layer.register_buffer(f"exl3_{part}_{i}", tensor, persistent=False)
+            call = (CODEBOOKS.index(s.meta.codebook), PREFERENCE.index(backend.name), s.rows.offset,
+                    s.cols.offset, s.cols.size)
+            layer.exl3_shards.append(("exl3", i, call))
+        layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
+                              if compat.is_lm_head(layer) else 0)
+
+    def tie_weights(self, layer, embed_tokens):
+        # ExLlamaV3 always writes its own lm_head (exl3-format.md §4.1): keep it even if the config says tied.
+        logger.info("EXL3 %s: keeping the pack's own lm_head instead of tying it to the embeddings", self.prefix)
+        return layer
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        outs = []
+        for kind, i, call in layer.exl3_shards:
+            if kind == "plain":
+                outs.append(F.linear(x2, getattr(layer, f"exl3_plain_{i}")))
+            else:
+                outs.append(torch.ops.vllm_exl3.linear(
+                    x2, getattr(layer, f"exl3_trellis_{i}"), getattr(layer, f"exl3_suh_{i}"),
+                    getattr(layer, f"exl3_svh_{i}"), getattr(layer, f"exl3_prepared_{i}"), *call))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if layer.exl3_out_pad:  # vocab padding columns of this rank (sliced off by the logits processor)
+            y = F.pad(y, (0, layer.exl3_out_pad))
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,183 @@
+"""Routed experts (vLLM `RoutedExperts`) stored in EXL3.
+
+ExLlamaV3 stores every expert's gate/up/down as its own linear (`experts.<e>.gate_proj.trellis`, …); vLLM maps
+those names to `w13_<suffix>` (gate = shard w1, up = w3) and `w2_<suffix>` (down). We stack them into packed
+buffers with our own weight loader (vLLM's default one silently skips names it does not know), keep only this
+rank's experts (expert parallelism) and this rank's block range of the intermediate dim (tensor parallelism, see
+geometry.py), and hand the whole expert loop to one custom op. vLLM does the routing before `apply` and the
+TP/EP all-reduce of the partial sum after it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import compat
+from ..format.index import LinearMeta
+from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
+from ..format.errors import Exl3FormatError
+from ..format.tensors import unpack_signs
+from ..format.geometry import Span, check_padding
+from ..kernels.choice import PREFERENCE
+from ..kernels.selection import choose_moe_backend
+from ..kernels.specs import ACTIVATIONS, PROJECTIONS, ExpertStack, MoESpec
+
+logger = logging.getLogger("vllm_exl3")
+
+SHARD_PROJECTION = {"w1": 0, "w3": 1, "w2": 2}
+
+
+class Exl3MoEMethod(compat.FusedMoEMethodBase):
+    """One instance per RoutedExperts layer. `metas[(global expert, projection)]` come from the pack headers."""
+
+    def __init__(self, moe: compat.FusedMoEConfig, prefix: str, names: dict[tuple[int, int], str],
+                 metas: dict[tuple[int, int], LinearMeta]):
+        super().__init__(moe)
+        self.prefix, self.names, self.metas = prefix, names, metas
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        self.layer = layer
+        tp_rank, tp_size = compat.moe_parallel(layer)
+        inter_total = intermediate_size_per_partition * tp_size
+        hidden = extra_weight_attrs.get("unpadded_hidden_size") or hidden_size
+        self.local_to_global: list[int] = [-1] * num_experts
+        for g in range(layer.global_num_experts):
+            local = compat.local_expert_id(layer, g)
+            if local != -1:
+                self.local_to_global[local] = g
+        if -1 in self.local_to_global:
+            raise ValueError(f"{self.prefix}: the expert map leaves local experts without a global expert: "
+                             f"{self.local_to_global}")
+        local_metas = [(g, p, self.metas[(g, p)]) for g in self.local_to_global for p in range(3)]
+        for g, p, m in local_metas:
+            name = self.names[(g, p)]
+            in_total, out_total = (hidden, inter_total) if p < 2 else (inter_total, hidden)
+            check_padding(f"'{name}' in_features", in_total, m.in_padded)
+            check_padding(f"'{name}' out_features", out_total, m.out_padded)
+        i0 = tp_rank * intermediate_size_per_partition
+        first = self.metas[(self.local_to_global[0], 0)]
+        self.hidden_span = Span.around(0, hidden, first.in_padded)
+        self.inter_span = Span.around(i0, i0 + intermediate_size_per_partition, first.out_padded)
+        if self.inter_span.splits_a_block(inter_total):
+            logger.info("EXL3 %s: tensor-parallel intermediate slice [%d, %d) of %d is not 128-aligned; this "
+                        "rank keeps the enclosing blocks [%d, %d) of every expert (exact)", self.prefix,
+                        self.inter_span.start, self.inter_span.stop, inter_total, self.inter_span.block_start,
+                        self.inter_span.block_stop)
+        self.words = [[round(self.metas[(g, p)].bits * TILE) for p in range(3)] for g in self.local_to_global]
+        w13, w2 = max(max(w[:2]) for w in self.words), max(w[2] for w in self.words)
+        h, i = self.hidden_span.block_size, self.inter_span.block_size
+        e = num_experts
+        self._param(layer, "w13_trellis", torch.zeros(e, 2, h // TILE, i // TILE, w13, dtype=torch.int16))
+        self._param(layer, "w13_suh", torch.empty(e, 2, h, dtype=torch.float16))
+        self._param(layer, "w13_svh", torch.empty(e, 2, i, dtype=torch.float16))
+        self._param(layer, "w2_trellis", torch.zeros(e, i // TILE, h // TILE, w2, dtype=torch.int16))
+        self._param(layer, "w2_suh", torch.empty(e, i, dtype=torch.float16))
+        self._param(layer, "w2_svh", torch.empty(e, h, dtype=torch.float16))
+        metas = [m for _, _, m in local_metas]
+        extras = {m.codebook for m in metas if m.has_marker} | ({"su", "sv"} if any(m.legacy_signs for m in metas)
+                                                              else set())
+        for suffix in sorted(extras):  # markers are checked, legacy signs unpack into suh/svh: no storage
+            for stem in ("w13", "w2"):
+                self._param(layer, f"{stem}_{suffix}", torch.empty(0, dtype=torch.int32))
+        self.loaded: set[tuple[int, int, str]] = set()
+
+    def _param(self, layer, name: str, data: torch.Tensor) -> None:
+        p = torch.nn.Parameter(data, requires_grad=False)
+        p.exl3_suffix = name.split("_", 1)[1]
+        p.weight_loader = self._load
+        layer.register_parameter(name, p)
+
+    def _load(self, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        local = compat.local_expert_id(self.layer, expert_id)
+        if local == -1:
+            return False  # another expert-parallel rank holds this expert
+        proj, suffix = SHARD_PROJECTION[shard_id], param.exl3_suffix
+        meta, name = self.metas[(expert_id, proj)], f"{self.names[(expert_id, proj)]}.{suffix}"
+        rows, cols = (self.hidden_span, self.inter_span) if proj < 2 else (self.inter_span, self.hidden_span)
+        if suffix == "trellis":
+            shape, dtype = (meta.in_padded // TILE, meta.out_padded // TILE, self.words[local][proj]), torch.int16
+        elif suffix in ("suh", "svh"):
+            shape, dtype = ((meta.in_padded if suffix == "suh" else meta.out_padded),), torch.float16
+        elif suffix in ("su", "sv"):
+            shape, dtype = ((meta.in_padded if suffix == "su" else meta.out_padded) // TILE,), torch.int16
+        else:  # codebook marker
+            shape, dtype, loaded_weight = (), torch.int32, loaded_weight.reshape(())
+        if tuple(loaded_weight.shape) != shape or loaded_weight.dtype != dtype:
+            raise Exl3FormatError(None, name, f"{dtype}{list(shape)} as the pack header said",
+                                  f"{loaded_weight.dtype}{list(loaded_weight.shape)}")
+        key = (local, proj, suffix)
+        if key in self.loaded:
+            raise Exl3FormatError(None, name, "each tensor once", "a second copy")
+        self.loaded.add(key)
+        stem = "w13" if proj < 2 else "w2"
+        dst = (lambda t: t[local, proj]) if proj < 2 else (lambda t: t[local])
+        if suffix == "trellis":
+            piece = loaded_weight[rows.tiles, cols.tiles]
+            dst(getattr(self.layer, f"{stem}_trellis").data)[..., : piece.shape[-1]].copy_(piece)
+        elif suffix in ("suh", "svh", "su", "sv"):
+            side = "suh" if suffix in ("suh", "su") else "svh"
+            values = unpack_signs(loaded_weight.cpu()) if suffix in ("su", "sv") else loaded_weight
+            span = rows if side == "suh" else cols
+            dst(getattr(self.layer, f"{stem}_{side}").data).copy_(values[span.elements])
+        else:
+            value = int(loaded_weight.item()) & 0xFFFFFFFF
+            if value != MARKER_VALUE[suffix]:
+                raise Exl3FormatError(None, name, f"the locked marker value 0x{MARKER_VALUE[suffix]:08X}",
+                                      f"0x{value:08X}")
+        return True
+
+    def get_fused_moe_quant_config(self, layer):
+        return None  # we run our own kernels, not vLLM's modular ones
+
+    # -- after loading --------------------------------------------------------------------------------------
+    def process_weights_after_loading(self, layer) -> None:
+        missing = []
+        for local, g in enumerate(self.local_to_global):
+            for p in range(3):
+                m = self.metas[(g, p)]
+                need = {"trellis", "su" if m.legacy_signs else "suh", "sv" if m.legacy_signs else "svh"}
+                if m.has_marker:
+                    need.add(m.codebook)
+                missing += [f"{self.names[(g, p)]}.{s}" for s in sorted(need) if (local, p, s) not in self.loaded]
+        if missing:
+            raise Exl3FormatError(None, ", ".join(missing[:6]) + (" …" if len(missing) > 6 else ""),
+                                  f"every expert tensor of {self.prefix} to be loaded",
+                                  f"{len(missing)} never delivered by the checkpoint (a shard file missing from "
+                                  "model.safetensors.index.json?)")
+        codebooks = tuple(self.metas[(g, p)].codebook for g in self.local_to_global for p in range(3))
+        self.stack = ExpertStack(layer.w13_trellis.data, layer.w13_suh.data, layer.w13_svh.data,
+                                 layer.w2_trellis.data, layer.w2_suh.data, layer.w2_svh.data,
+                                 tuple(w for ws in self.words for w in ws[:2]), tuple(ws[2] for ws in self.words),
+                                 codebooks, self.inter_span.offset, self.inter_span.size)
+        activation = layer.activation.value if hasattr(layer.activation, "value") else str(layer.activation)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{self.prefix}: EXL3 experts support the gated activations {ACTIVATIONS}, "
+                             f"this model uses {activation!r}")
+        bits = tuple(self.metas[(g, p)].bits for g in self.local_to_global for p in range(3))
+        backend = choose_moe_backend(MoESpec(codebooks, bits, self.hidden_span.block_size,
+                                             self.inter_span.block_size, len(self.local_to_global), activation,
+                                             layer.params_dtype, layer.w13_trellis.device.type))
+        prepared = backend.prepare_moe(self.stack, getattr(self.moe, "experts_per_token", None),
+                                       getattr(self.moe, "max_num_tokens", None))
+        for k, t in enumerate(prepared):
+            layer.register_buffer(f"exl3_prepared_{k}", t, persistent=False)
+        self.call = (list(self.stack.w13_words), list(self.stack.w2_words),
+                     [CODEBOOKS.index(c) for c in codebooks], ACTIVATIONS.index(activation),
+                     bool(layer.apply_router_weight_on_input), PREFERENCE.index(backend.name),
+                     self.stack.inter_offset, self.stack.inter_size)
+        self.num_prepared = len(prepared)
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        del shared_experts, shared_experts_input  # the runner computes shared experts itself
+        expert_map = layer.expert_map
+        if expert_map is None:
+            expert_map = torch.empty(0, dtype=torch.int32, device=x.device)
+        prepared = [getattr(layer, f"exl3_prepared_{k}") for k in range(self.num_prepared)]
+        return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, expert_map, layer.w13_trellis, layer.w13_suh,
+                                       layer.w13_svh, layer.w2_trellis, layer.w2_suh, layer.w2_svh, prepared,
+                                       *self.call)

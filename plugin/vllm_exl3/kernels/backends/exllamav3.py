@@ -1,0 +1,99 @@
+"""The `exllamav3` backend: ExLlamaV3's own kernels (the `exllamav3` package, MIT), as a baseline and fallback.
+
+Wraps one `exllamav3.modules.quant.exl3.LinearEXL3` per layer, which picks its own GEMV/GEMM/reconstruct path by
+row count. Its kernels take fp16 activations only (bf16 is cast in and out here), the padded input width and
+produce the padded output, so the tensor-parallel offsets are handled by zero-extension and narrowing. Imports
+fine without the package; `unavailable_reason()` says why it cannot run.
+
+Not CUDA-graph safe in general (ExLlamaV3 allocates per call and some of its kernels use grid-wide barriers);
+`auto` prefers the native backend wherever that is available.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from ...format.constants import CODEBOOK_3INST, MARKER_VALUE
+from ...format.tensors import Exl3Weights
+from ..backend import Backend, register_backend
+from ..specs import LinearSpec
+
+SUPPORTED_VERSIONS = ("1.6.",)  # the format and kernel behaviour this wrapper was checked against
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> str | None:
+    try:
+        import exllamav3  # noqa: F401
+        from exllamav3.version import __version__ as version
+    except ImportError as e:
+        return f"exllamav3 not installed ({e})"
+    if not version.startswith(SUPPORTED_VERSIONS):
+        return f"exllamav3 {version} not supported (need {' or '.join(v + 'x' for v in SUPPORTED_VERSIONS)})"
+    return None
+
+
+def _marker(codebook: str, device) -> torch.Tensor:
+    value = MARKER_VALUE[codebook]
+    return torch.tensor(value - (1 << 32) if value >= 1 << 31 else value, dtype=torch.int32, device=device)
+
+
+def make_layer(w: Exl3Weights):
+    """ExLlamaV3's LinearEXL3 over the stored (padded) tensors; building it loads/compiles exllamav3_ext."""
+    from exllamav3.modules.quant.exl3 import LinearEXL3
+
+    markers = {"mcg": None, "mul1": None}
+    if w.codebook != CODEBOOK_3INST:
+        markers[w.codebook] = _marker(w.codebook, w.trellis.device)
+    return LinearEXL3(None, w.in_padded, w.out_padded, suh=w.suh.contiguous(), svh=w.svh.contiguous(),
+                      trellis=w.trellis.contiguous(), mcg=markers["mcg"], mul1=markers["mul1"])
+
+
+class ExLlamaV3Backend(Backend):
+    name = "exllamav3"
+
+    def __init__(self) -> None:
+        self._layers: dict[tuple[int, int, int], object] = {}
+        self._lock = threading.Lock()
+
+    def unavailable_reason(self) -> str | None:
+        if (err := _import_error()) is not None:
+            return err
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return None
+
+    def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
+        if spec.device_type != "cuda":
+            return f"needs a CUDA device (layer on {spec.device_type})"
+        if spec.act_dtype not in (torch.float16, torch.bfloat16):
+            return f"activations must be fp16 or bf16, not {spec.act_dtype}"
+        return None
+
+    def _layer(self, w: Exl3Weights):
+        key = (w.trellis.data_ptr(), w.suh.data_ptr(), w.svh.data_ptr())
+        with self._lock:
+            layer = self._layers.get(key)
+            if layer is None:
+                layer = self._layers[key] = make_layer(w)
+        return layer
+
+    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
+        self._layer(w)  # build (and JIT-load the extension) at load time, not in the first forward
+        return torch.empty(0, device=w.trellis.device)
+
+    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
+        layer = self._layer(w)
+        x16 = x.to(torch.float16)
+        if in_offset != 0 or x.shape[1] != w.in_padded:
+            full = x16.new_zeros((x.shape[0], w.in_padded))
+            full[:, in_offset:in_offset + x.shape[1]] = x16
+            x16 = full
+        y = layer.forward(x16.contiguous(), {})
+        return y[:, out_offset:out_offset + out_features].to(x.dtype)
+
+
+register_backend(ExLlamaV3Backend())

@@ -1,0 +1,145 @@
+"""The `native` backend: our CUDA kernels (`vllm_exl3.kernels._C`, built from csrc/ when VLLM_EXL3_BUILD_CUDA=1).
+
+Imports fine without the extension (CPU installs); `unavailable_reason()` then says why it cannot run. The C++ ops
+live in the `vllm_exl3` namespace next to the Python-defined ones; their fake (shape-only) implementations are
+registered here, so torch.compile traces through them.
+
+Per call, the C++ side picks the kernel by row count and layer size: up to VLLM_EXL3_SKINNY_MAX_ROWS rows the
+skinny tensor-core kernel that decodes tiles in registers once per 16 rows, up to VLLM_EXL3_PANEL_MAX_ROWS the panel
+kernel that decodes them once per 64 rows, above that the weight with its output-side Hadamard and svh applied
+(W' = Ŵ H diag(svh), Hadamard on tensor cores) times the transformed input in one cuBLAS GEMM, and from
+VLLM_EXL3_ORIGINAL_MIN_ROWS rows (default: a quarter of the active output columns) the weight in its original basis
+times x itself, with no input transform. Defaults (measured crossovers in bench/NOTES.md): 16 / 64 rows, 8 / 16 when the
+layer's fp16 W' fits in the L2 (the GEMM then reads it back from there), 16 / 256 on sm_12x (an unmeasured
+estimate). All are CUDA-graph safe: no host syncs, workspace sized by shape, current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...format.constants import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK
+from ...format.tensors import Exl3Weights
+from ..backend import Backend, register_backend
+from ..specs import LinearSpec, MoESpec
+from . import native_moe
+
+# `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
+(PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
+ PATH_PANEL, PATH_RECON_ORIGINAL) = range(8)
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def extension_error() -> str | None:
+    """Load vllm_exl3.kernels._C (registering its ops); None when loaded, else why not."""
+    try:
+        from .. import _C  # noqa: F401
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) or "cannot import name '_C'" in str(e):
+            return "vllm_exl3.kernels._C not built (install with VLLM_EXL3_BUILD_CUDA=1)"
+        return f"vllm_exl3.kernels._C failed to load: {e}"
+    _register_fakes()
+    native_moe.register_fakes()
+    return None
+
+
+def _register_fakes() -> None:
+    def linear_fake(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path=PATH_AUTO):
+        return x.new_empty((x.shape[0], out_features))
+
+    def reconstruct_fake(trellis, codebook, suh=None, svh=None, bf16=False):
+        return trellis.new_empty((trellis.shape[0] * 16, trellis.shape[1] * 16),
+                                 dtype=torch.bfloat16 if bf16 else torch.float16)
+
+    for name, fn in (("vllm_exl3::native_linear", linear_fake), ("vllm_exl3::reconstruct", reconstruct_fake)):
+        try:
+            torch.library.register_fake(name)(fn)
+        except RuntimeError as e:  # already registered (module reloaded)
+            if "already" not in str(e):
+                raise
+
+
+def build_info() -> str | None:
+    return None if extension_error() else torch.ops.vllm_exl3.build_info()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason(device_index: int) -> str | None:
+    with torch.cuda.device(device_index):
+        return torch.ops.vllm_exl3.device_check() or None
+
+
+def unavailable_reason() -> str | None:
+    if (err := extension_error()) is not None:
+        return err
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return _device_reason(torch.cuda.current_device())
+
+
+def codebook_index(codebook: str) -> int:
+    return CODEBOOKS.index(codebook)
+
+
+def reconstruct(w: Exl3Weights, original_basis: bool = False, bf16: bool = False) -> torch.Tensor:
+    """Ŵ (rotated basis, bit-exact with reference.decode_rotated) or, with original_basis, W = diag(suh) H Ŵ H
+    diag(svh) (the input side in fp32, rounded to fp16; then the output side as the W' kernel does it, with fp16
+    butterfly sums; rounded once more at the end); (in, out) padded geometry."""
+    cb = codebook_index(w.codebook)
+    if original_basis:
+        return torch.ops.vllm_exl3.reconstruct(w.trellis, cb, w.suh, w.svh, bf16)
+    return torch.ops.vllm_exl3.reconstruct(w.trellis, cb, None, None, bf16)
+
+
+def linear(x: torch.Tensor, w: Exl3Weights, in_offset: int = 0, out_offset: int = 0,
+           out_features: int | None = None, path: int = PATH_AUTO) -> torch.Tensor:
+    out_features = w.out_padded - out_offset if out_features is None else out_features
+    return torch.ops.vllm_exl3.native_linear(x, w.trellis, w.suh, w.svh, codebook_index(w.codebook), in_offset,
+                                             out_offset, out_features, path)
+
+
+class NativeBackend(Backend):
+    name = "native"
+
+    def unavailable_reason(self) -> str | None:
+        return unavailable_reason()
+
+    def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
+        if spec.device_type != "cuda":
+            return f"needs a CUDA device (layer on {spec.device_type})"
+        if spec.act_dtype not in ACT_DTYPES:
+            return f"activations must be fp16 or bf16, not {spec.act_dtype}"
+        if spec.codebook not in CODEBOOKS:
+            return f"unknown codebook {spec.codebook!r}"
+        if spec.bits != int(spec.bits) and (spec.codebook != CODEBOOK_MUL1 or spec.bits > 3.5):
+            return f"{spec.bits:g} bits needs the mul1 codebook"
+        if not 1 <= spec.bits <= 8:
+            return f"{spec.bits:g} bits outside 1..8"
+        if spec.in_padded % HADAMARD_BLOCK or spec.out_padded % HADAMARD_BLOCK:
+            return "stored dims must be multiples of 128"
+        return None
+
+    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
+        # The kernels read the stored layout as is: no repacked copy, no extra memory.
+        return torch.empty(0, device=w.trellis.device)
+
+    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
+        return linear(x, w, in_offset, out_offset, out_features)
+
+    def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
+        return native_moe.unsupported_reason(spec)
+
+    def prepare_moe(self, experts, top_k=None, max_tokens=None):
+        if (err := extension_error()) is not None:
+            raise RuntimeError(err)
+        return native_moe.prepare(experts, top_k, max_tokens)
+
+    def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+        return native_moe.moe(x, topk_weights, topk_ids, expert_map, experts, prepared, activation,
+                              router_weight_on_input)
+
+
+register_backend(NativeBackend())

@@ -1,0 +1,96 @@
+"""Routed experts on the native kernels (csrc/moe.h): the op `torch.ops.vllm_exl3.native_moe` and what the native
+backend keeps per layer.
+
+The packed trellis is read as stored (no 16-bit copy of any expert). Per layer the backend keeps two tiny int32
+tensors (the kernel key of each expert's gate/up and down weight, for layers that mix bit widths or codebooks); per
+device one workspace serves every MoE layer, sized for at most 1024 tokens (longer calls run in chunks inside the
+op), and reserved at load so that CUDA-graph capture allocates nothing. Routing, row-chunk sizes and kernel choice
+happen inside the op from shapes and device-side counts: no host sync, so every token count captures.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ...format.constants import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK
+from ..specs import ACTIVATIONS, ExpertStack, MoESpec
+
+logger = logging.getLogger("vllm_exl3.kernels")
+
+MAX_LOCAL_EXPERTS = 1024  # csrc/moe.h kMoeMaxExperts
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def register_fakes() -> None:
+    def moe_fake(x, topk_weights, topk_ids, expert_map, w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh,
+                 w13_keys, w2_keys, w13_words, w2_words, codebooks, activation, router_weight_on_input, inter_offset,
+                 inter_size):
+        return x.new_empty((x.shape[0], x.shape[1]))
+
+    try:
+        torch.library.register_fake("vllm_exl3::native_moe")(moe_fake)
+    except RuntimeError as e:  # already registered (module reloaded)
+        if "already" not in str(e):
+            raise
+
+
+def unsupported_reason(spec: MoESpec) -> str | None:
+    if spec.device_type != "cuda":
+        return f"needs a CUDA device (layer on {spec.device_type})"
+    if spec.act_dtype not in ACT_DTYPES:
+        return f"activations must be fp16 or bf16, not {spec.act_dtype}"
+    if spec.activation not in ACTIVATIONS:
+        return f"activation {spec.activation!r} not one of {ACTIVATIONS}"
+    if not 1 <= spec.num_local_experts <= MAX_LOCAL_EXPERTS:
+        return f"{spec.num_local_experts} local experts (the routing kernel takes 1..{MAX_LOCAL_EXPERTS})"
+    if spec.hidden_padded % HADAMARD_BLOCK or spec.intermediate_padded % HADAMARD_BLOCK:
+        return "stored dims must be multiples of 128"
+    for cb, bits in zip(spec.codebooks, spec.bits):
+        if cb not in CODEBOOKS:
+            return f"unknown codebook {cb!r}"
+        if bits != int(bits) and (cb != CODEBOOK_MUL1 or bits > 3.5):
+            return f"{bits:g} bits needs the mul1 codebook"
+        if not 1 <= bits <= 8:
+            return f"{bits:g} bits outside 1..8"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _empty_map(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int32, device=device)
+
+
+def prepare(experts: ExpertStack, top_k: int | None, max_tokens: int | None) -> list[torch.Tensor]:
+    """Per layer: the key tensors, the kernels' shared-memory limits raised, the shared workspace reserved."""
+    device = experts.w13_trellis.device
+    cb = [CODEBOOKS.index(c) for c in experts.codebooks]
+    gate_up_cb = [cb[3 * e + p] for e in range(experts.num_experts) for p in (0, 1)]
+    down_cb = [cb[3 * e + 2] for e in range(experts.num_experts)]
+    for words, codebook in set(zip(experts.w13_words, gate_up_cb)) | set(zip(experts.w2_words, down_cb)):
+        torch.ops.vllm_exl3.moe_prepare(words, codebook)
+    keys13 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w13_words), gate_up_cb).to(device)
+    keys2 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w2_words), down_cb).to(device)
+    if top_k:
+        held = torch.ops.vllm_exl3.moe_reserve(device, max_tokens or 1024, top_k, experts.num_experts,
+                                               experts.w13_trellis.shape[2] * 16, experts.w13_trellis.shape[3] * 16)
+        logger.debug("EXL3 native MoE workspace on %s: %.1f MiB (shared by every MoE layer)", device, held / 2**20)
+    return [keys13, keys2]
+
+
+def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+        experts: ExpertStack, prepared: list[torch.Tensor], activation: str,
+        router_weight_on_input: bool) -> torch.Tensor:
+    keys13, keys2 = prepared
+    if expert_map is None:
+        expert_map = _empty_map(x.device)
+    elif expert_map.dtype != torch.int32:
+        expert_map = expert_map.to(torch.int32)
+    return torch.ops.vllm_exl3.native_moe(
+        x, topk_weights, topk_ids, expert_map, experts.w13_trellis, experts.w13_suh, experts.w13_svh,
+        experts.w2_trellis, experts.w2_suh, experts.w2_svh, keys13, keys2, list(experts.w13_words),
+        list(experts.w2_words), [CODEBOOKS.index(c) for c in experts.codebooks], activation,
+        router_weight_on_input, experts.inter_offset, experts.inter_size)
+

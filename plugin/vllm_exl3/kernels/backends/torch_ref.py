@@ -1,0 +1,141 @@
+"""The `torch` backend: the reference math with Ŵ decoded by the reference decoder.
+
+Always available (CPU and CUDA) and the oracle every other backend is checked against. Dense linears cache Ŵ at
+load: 16 bits per weight on CUDA (fp16 Ŵ, matmul on tensor cores with fp32 accumulation) and 32 on CPU (fp32 Ŵ,
+exact). Routed experts cache Ŵ on CPU only (the tests' tiny models); on CUDA a layer's experts would take ~5x
+their packed bytes, so there they are decoded per call, one expert at a time (bounded memory, very slow: a
+correctness fallback that says so once per process).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...format.tensors import Exl3Weights
+from ...format.reference import decode_rotated, hadamard_rows
+from ..backend import Backend, register_backend
+from ..specs import ExpertStack, LinearSpec, MoESpec
+
+logger = logging.getLogger("vllm_exl3.kernels")
+
+_ACTIVATION = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+}
+
+
+def cached_w_hat(w: Exl3Weights) -> torch.Tensor:
+    w_hat = decode_rotated(w.trellis, w.codebook)
+    return w_hat if w_hat.is_cuda else w_hat.float()
+
+
+def rotated_linear(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, w_hat: torch.Tensor, in_offset: int,
+                   out_offset: int, out_features: int) -> torch.Tensor:
+    """x·W through a cached Ŵ; x [M, in] sits at in_offset of the stored input width (see Backend.linear)."""
+    k = w_hat.shape[0]
+    xs = x.new_zeros((x.shape[0], k), dtype=torch.float32)
+    xs[:, in_offset:in_offset + x.shape[1]] = x
+    xh = hadamard_rows(xs * suh.float())
+    z = (xh.to(w_hat.dtype) @ w_hat).float()
+    y = hadamard_rows(z) * svh.float()
+    return y[:, out_offset:out_offset + out_features].to(x.dtype)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
+        return None
+
+    def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
+        return None
+
+    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
+        return cached_w_hat(w)
+
+    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
+        return rotated_linear(x, w.suh, w.svh, prepared, in_offset, out_offset, out_features)
+
+    def prepare_moe(self, experts: ExpertStack, top_k=None, max_tokens=None) -> list[torch.Tensor]:
+        """CPU: decoded Ŵ of every (expert, projection), [E, 2, H, I_blk] and [E, I_blk, H]. CUDA: nothing."""
+        if experts.w13_trellis.is_cuda:
+            return []
+        e = experts.num_experts
+        w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in (0, 1)]) for i in range(e)])
+        w2 = torch.stack([cached_w_hat(experts.weights(i, 2)) for i in range(e)])
+        return [w13, w2]
+
+    def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+        # CUDA graphs forbid data-dependent shapes, so on CUDA every expert sees every token (weighted 0 when
+        # not routed there); elsewhere only the routed tokens are gathered.
+        run = moe_all_tokens if x.is_cuda else moe_routed_tokens
+        return run(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input)
+
+
+_warned_slow = False
+
+
+def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: str, hidden: int):
+    global _warned_slow
+    act = _ACTIVATION[activation]
+    io, isz = experts.inter_offset, experts.inter_size
+    if prepared:
+        w13_hat, w2_hat = prepared
+
+        def w_hat(e: int, proj: int) -> torch.Tensor:
+            return w13_hat[e, proj] if proj < 2 else w2_hat[e]
+    else:
+        if not _warned_slow:
+            _warned_slow = True
+            logger.warning("EXL3 routed experts on the torch backend on CUDA: every expert is decoded on every call "
+                           "(a correctness fallback, orders of magnitude slower than the native kernels)")
+
+        def w_hat(e: int, proj: int) -> torch.Tensor:
+            return cached_w_hat(experts.weights(e, proj))
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        gate = rotated_linear(xe, experts.w13_suh[e, 0], experts.w13_svh[e, 0], w_hat(e, 0), 0, io, isz)
+        up = rotated_linear(xe, experts.w13_suh[e, 1], experts.w13_svh[e, 1], w_hat(e, 1), 0, io, isz)
+        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w_hat(e, 2), io, 0, hidden)
+
+    return expert
+
+
+def _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input):
+    ids = topk_ids.reshape(-1).long()
+    local = expert_map[ids].long() if expert_map is not None else ids
+    src = x.float() * topk_weights.float() if router_weight_on_input else x.float()
+    return local, topk_weights.reshape(-1).float(), src
+
+
+def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+    m, hidden = x.shape
+    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
+    token = torch.arange(m, device=x.device).repeat_interleave(topk_ids.shape[1])
+    expert = _expert_fn(experts, prepared, activation, hidden)
+    out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
+    for e in range(experts.num_experts):
+        sel = (local == e).nonzero().squeeze(1)
+        if sel.numel():
+            y = expert(e, src[token[sel]])
+            out.index_add_(0, token[sel], y if router_weight_on_input else y * weight[sel, None])
+    return out.to(x.dtype)
+
+
+def moe_all_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+    m, hidden = x.shape
+    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
+    expert = _expert_fn(experts, prepared, activation, hidden)
+    out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
+    for e in range(experts.num_experts):
+        routed = (local == e).view(m, -1)
+        scale = (routed.any(1, keepdim=True).float() if router_weight_on_input
+                 else (routed * weight.view(m, -1)).sum(1, keepdim=True))
+        out += expert(e, src) * scale
+    return out.to(x.dtype)
+
+
+register_backend(TorchBackend())

@@ -1,0 +1,78 @@
+"""What a layer asks of a backend: `LinearSpec`, `MoESpec`, and a routed-experts layer's weights (`ExpertStack`).
+Names, not indices, cross this boundary: codebooks and activations are strings, projections are `PROJECTIONS`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..format.tensors import Exl3Weights
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """What a backend needs to know to accept or refuse a dense EXL3 linear."""
+
+    codebook: str
+    bits: float
+    in_padded: int  # K of the stored (block-aligned) slice
+    out_padded: int  # N of the stored slice
+    act_dtype: torch.dtype
+    device_type: str
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What a backend needs to know to accept or refuse a routed-experts layer."""
+
+    codebooks: tuple[str, ...]
+    bits: tuple[float, ...]
+    hidden_padded: int
+    intermediate_padded: int
+    num_local_experts: int
+    activation: str
+    act_dtype: torch.dtype
+    device_type: str
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # gated: act(gate) * up
+PROJECTIONS = ("gate", "up", "down")  # of one expert; gate/up share the input and are stacked as w13
+
+
+@dataclass
+class ExpertStack:
+    """A routed-experts layer's EXL3 weights as one rank stores them.
+
+    gate/up share the input (hidden) and are stacked on dim 1; every tile record is padded to the widest bit
+    width in the stack (`*_words` say how many int16 words each (expert, projection) really uses). Intermediate
+    features follow the same block-range rule as dense layers (geometry.py): gate/up outputs are computed for
+    the stored block range and narrowed at `inter_offset`; the down projection's input is zero-filled there.
+    """
+
+    w13_trellis: torch.Tensor  # int16 [E, 2, H/16, I_blk/16, W13]
+    w13_suh: torch.Tensor  # fp16 [E, 2, H]
+    w13_svh: torch.Tensor  # fp16 [E, 2, I_blk]
+    w2_trellis: torch.Tensor  # int16 [E, I_blk/16, H/16, W2]
+    w2_suh: torch.Tensor  # fp16 [E, I_blk]
+    w2_svh: torch.Tensor  # fp16 [E, H]
+    w13_words: tuple[int, ...]  # [E * 2]
+    w2_words: tuple[int, ...]  # [E]
+    codebooks: tuple[str, ...]  # [E * 3]: gate, up, down of each expert
+    inter_offset: int
+    inter_size: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_trellis.shape[0]
+
+    def weights(self, expert: int, proj: int) -> Exl3Weights:
+        """Views of one projection (0 gate, 1 up, 2 down) of one local expert."""
+        from ..format.records import bits_from_trellis_dim
+
+        if proj < 2:
+            words = self.w13_words[2 * expert + proj]
+            t, suh, svh = self.w13_trellis[expert, proj], self.w13_suh[expert, proj], self.w13_svh[expert, proj]
+        else:
+            words = self.w2_words[expert]
+            t, suh, svh = self.w2_trellis[expert], self.w2_suh[expert], self.w2_svh[expert]
+        return Exl3Weights(t[..., :words], suh, svh, self.codebooks[3 * expert + proj], bits_from_trellis_dim(words))

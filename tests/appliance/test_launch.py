@@ -1,0 +1,184 @@
+"""The launcher's mapping role + preset + environment -> `vllm serve` argv, checked directly and against the real
+vLLM (CPU build) argument parser; the CLI's dry run and refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from vllm_exl3 import demo
+from vllm_exl3.appliance.launch import (EXIT_REFUSED, ROLES, TOPOLOGY_FLAGS, LaunchError, apply_plan, available_presets,
+                              build_spec, exec_argv, flag_value, load_preset)
+
+SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency")
+TWO_NODE_ENV = {"VLLM_EXL3_HEAD_ADDR": "192.168.100.10", "VLLM_EXL3_SERVED_NAME": "glm", "VLLM_EXL3_PORT": "8000",
+                "VLLM_EXL3_HOST": "0.0.0.0", "VLLM_EXL3_MODEL": "/model"}
+
+
+def preset_role_pairs():
+    for name in SPARK_PRESETS:
+        nodes = load_preset(name, {}).nodes
+        for role in ROLES.values():
+            if nodes in (None, role.nnodes):
+                yield name, role.name
+
+
+def pairs(argv: list[str]) -> dict[str, str | bool]:
+    """`--flag value` / bare `--flag` -> dict (flags appear once in the launcher's output)."""
+    out = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out[a[2:]] = nxt if nxt is not None and not nxt.startswith("--") else True
+    return out
+
+
+def test_presets_are_found_and_complete():
+    assert set(SPARK_PRESETS) <= set(available_presets({}))
+    for name in SPARK_PRESETS:
+        p = load_preset(name, {})
+        assert p.description
+        assert p.vllm["long-prefill-token-threshold"] == 1024  # long prefills must not starve decode
+        assert p.vllm["load-format"] == "exl3_parallel"  # no mmap of the model on unified memory
+        assert p.vllm["max-num-batched-tokens"] >= p.vllm["max-num-seqs"]
+        assert not set(p.vllm) & TOPOLOGY_FLAGS
+        assert 0 < p.memory.max_gpu_memory_utilization <= 0.9
+
+
+def test_single_spark_command():
+    spec = build_spec("single", load_preset("spark-1x", {}), TWO_NODE_ENV | {"VLLM_EXL3_HEAD_ADDR": ""})
+    argv = spec.argv()
+    assert argv[:3] == ["vllm", "serve", "/model"]
+    f = pairs(argv)
+    assert f["tensor-parallel-size"] == "1" and f["served-model-name"] == "glm" and f["port"] == "8000"
+    assert f["long-prefill-token-threshold"] == "1024" and f["enable-chunked-prefill"] is True
+    assert not {"nnodes", "node-rank", "master-addr", "headless", "distributed-executor-backend"} & set(f)
+
+
+def test_head_and_worker_commands_agree_on_topology():
+    preset = load_preset("spark-2x-tp2", {})
+    head = pairs(build_spec("head", preset, TWO_NODE_ENV).argv())
+    worker = pairs(build_spec("worker", preset, TWO_NODE_ENV).argv())
+    for f in (head, worker):
+        assert f["tensor-parallel-size"] == "2" and f["nnodes"] == "2" and f["master-addr"] == "192.168.100.10"
+        assert f["master-port"] == "29501" and f["distributed-executor-backend"] == "mp"
+    assert head["node-rank"] == "0" and "headless" not in head and head["served-model-name"] == "glm"
+    assert worker["node-rank"] == "1" and worker["headless"] is True
+    assert not {"served-model-name", "port", "host"} & set(worker)  # no API server on the worker
+    same = {k for k in head if k not in ("node-rank", "served-model-name", "port", "host")}
+    assert {k: head[k] for k in same} == {k: worker[k] for k in same}  # everything else identical
+
+
+def test_environment_and_extra_arguments():
+    env = TWO_NODE_ENV | {"VLLM_EXL3_MASTER_PORT": "31000", "VLLM_EXL3_EXTRA_ARGS": "--max-model-len 32768 --quiet"}
+    spec = build_spec("head", load_preset("low-latency", {}), env, ["--max-num-seqs", "2"])
+    argv = spec.argv()
+    assert argv[-5:] == ["--max-num-seqs", "2", "--max-model-len", "32768", "--quiet"]  # last: they win
+    assert pairs(argv)["master-port"] == "31000"
+    assert spec.value("max-num-seqs") == "2" and spec.value("max-model-len") == "32768"
+
+
+@pytest.mark.parametrize("role,preset,env,extra,message", [
+    ("head", "spark-2x-tp2", {}, [], "HEAD_ADDR"),
+    ("single", "spark-2x-tp2", {}, [], "--role head/worker"),
+    ("worker", "spark-1x", TWO_NODE_ENV, [], "--role single"),
+    ("single", "spark-1x", {}, ["--tensor-parallel-size", "2"], "the role sets the topology"),
+    ("single", "spark-1x", {"VLLM_EXL3_EXTRA_ARGS": "--headless"}, [], "the role sets the topology"),
+    ("leader", "spark-1x", {}, [], "unknown role"),
+])
+def test_impossible_launches_say_what_to_change(role, preset, env, extra, message):
+    with pytest.raises(LaunchError, match=message.replace("/", ".")):
+        build_spec(role, load_preset(preset, {}), env, extra)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[vllm]\ntensor-parallel-size = 2\n', "come.* from --role"),
+    ('[vllm]\nmax-model-len = 4096\n[serve]\n', "unknown key"),
+    ('[memory]\nheadroom = 3\n', "unknown \\[memory\\] key"),
+    ('[vllm\n', "not valid TOML"),
+])
+def test_bad_preset_files_are_refused(tmp_path, text, message):
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    with pytest.raises(LaunchError, match=message):
+        load_preset(str(path), {})
+    with pytest.raises(LaunchError, match="no preset 'nope'"):
+        load_preset("nope", {})
+
+
+def test_preset_search_path_prefers_the_environment(tmp_path):
+    (tmp_path / "spark-1x.toml").write_text('description = "mine"\n[vllm]\nmax-num-seqs = 1\n')
+    assert load_preset("spark-1x", {"VLLM_EXL3_PRESET_DIR": str(tmp_path)}).description == "mine"
+
+
+def test_flag_value_forms():
+    args = ["--max_model_len", "100", "--enforce-eager", "--max-model-len=200", "--x", "--kv-cache-dtype", "fp8"]
+    assert flag_value(args, "max-model-len") == "200"
+    assert flag_value(args, "enforce-eager") is True
+    assert flag_value(args, "kv-cache-dtype") == "fp8"
+    assert flag_value(args, "port") is None
+
+
+def test_plan_figures_and_threshold_follow_the_context():
+    spec = build_spec("single", load_preset("spark-1x", {}), {})
+    small = pairs(apply_plan(spec, 512, 0.61).argv())
+    assert small["max-model-len"] == "512" and small["gpu-memory-utilization"] == "0.61"
+    assert small["long-prefill-token-threshold"] == "512"  # vLLM refuses a threshold above the context
+    assert pairs(apply_plan(spec, 65536).argv())["long-prefill-token-threshold"] == "1024"
+    assert "gpu-memory-utilization" not in pairs(apply_plan(spec, 65536).argv())
+
+
+def test_exec_goes_through_the_cli_shim():
+    assert exec_argv(["vllm", "serve", "/m", "--headless"]) == [sys.executable, "-m", "vllm_exl3.integration.vllm_cli",
+                                                                 "serve", "/m", "--headless"]
+
+
+@pytest.mark.parametrize("preset,role", list(preset_role_pairs()))
+def test_every_command_parses_with_vllms_own_serve_parser(preset, role):
+    """The argv the launcher builds is accepted by vLLM's `serve` parser, flag by flag and value by value."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    spec = apply_plan(build_spec(role, load_preset(preset, {}), TWO_NODE_ENV), 4096, 0.8)
+    parser = FlexibleArgumentParser()
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(spec.argv()[1:])
+    assert args.model_tag == "/model"
+    assert args.tensor_parallel_size == ROLES[role].nnodes and args.nnodes == ROLES[role].nnodes
+    assert args.headless == ROLES[role].headless and args.long_prefill_token_threshold == 1024
+    assert args.max_model_len == 4096 and args.gpu_memory_utilization == 0.8
+
+
+# --- the CLI ---------------------------------------------------------------------------------------------------
+def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {"PATH": "/usr/bin:/bin", "VLLM_EXL3_MODEL": str(demo.PACK)}
+    return subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "launch", *args], capture_output=True, text=True,
+                          env=base | (env or {}), timeout=120)
+
+
+def test_dry_run_prints_the_checked_command():
+    r = launch("--role", "single", "--dry-run", env={"VLLM_EXL3_SERVED_NAME": "demo"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") == 1  # stdout is exactly the command
+    assert r.stdout.startswith(f"vllm serve {demo.PACK} ") and "--served-model-name demo" in r.stdout
+    assert "--max-model-len 1024" in r.stdout  # the demo model's own maximum caps the preset's 65536
+    assert "preflight: ok   pack" in r.stderr and "57 EXL3 linears" in r.stderr
+
+
+def test_dry_run_with_a_memory_figure_that_cannot_boot_is_refused(tmp_path):
+    meminfo = tmp_path / "meminfo"  # a Spark with almost everything in use, much of it page cache
+    meminfo.write_text("MemTotal:       125000000 kB\nMemFree:          6000000 kB\nMemAvailable:    60000000 kB\n")
+    r = launch("--role", "single", "--dry-run", "--meminfo", str(meminfo))
+    assert r.returncode == EXIT_REFUSED
+    assert "memory plan: REFUSED" in r.stderr and "drop_caches" in r.stderr
+    assert "refused before starting vLLM" in r.stderr
+
+
+def test_cli_usage_errors():
+    assert launch("--dry-run").returncode == 2
+    r = launch("--role", "head", "--dry-run")
+    assert r.returncode == 2 and "HEAD_ADDR" in r.stderr
+    r = launch("--list-presets")
+    assert r.returncode == 0 and all(name in r.stdout for name in SPARK_PRESETS)

@@ -1,0 +1,144 @@
+"""The unified-memory plan, from the fixture packs' real configs and byte counts and from fake memory figures.
+
+Spark-sized cases scale the weights to a large MoE's size (the fixtures are tiny) but keep the plan's own
+arithmetic, so each expected figure below is worked out by hand next to its assertion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from conftest import pack_dir
+from vllm_exl3 import demo
+from vllm_exl3.format.pack import Pack
+from vllm_exl3.appliance.memory_plan import GIB, MemoryFigures, ModelShape, PlanSettings, Request, model_max_len, plan
+from vllm_exl3.appliance.preflight import model_shape
+
+# What a DGX Spark reports: ~119.7 GiB of 128 GB visible to the OS.
+SPARK_TOTAL = int(119.7 * GIB)
+NO_SLACK = PlanSettings(max_gpu_memory_utilization=0.9, headroom_gib=0, runtime_overhead_gib=0, min_context=1)
+
+
+def spark(free_gib: float, available_gib: float | None = None) -> MemoryFigures:
+    return MemoryFigures(SPARK_TOTAL, int(free_gib * GIB), int((available_gib or free_gib) * GIB))
+
+
+def test_meminfo_parsing(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       125515892 kB\nMemFree:        98765432 kB\nMemAvailable:   110000000 kB\n"
+                 "Cached:          9000000 kB\n")
+    m = MemoryFigures.from_meminfo(f)
+    assert (m.total, m.free, m.available) == (125515892 * 1024, 98765432 * 1024, 110000000 * 1024)
+    assert m.reclaimable == (110000000 - 98765432) * 1024
+    f.write_text("MemTotal: 1 kB\n")
+    with pytest.raises(ValueError, match="MemFree, MemAvailable"):
+        MemoryFigures.from_meminfo(f)
+
+
+def test_kv_per_token_from_fixture_configs():
+    qwen = model_shape(Pack.open(demo.PACK))  # 2 layers, 2 KV heads of 64, bf16
+    assert qwen.kv_bytes_per_token(tp=1) == 2 * 2 * 2 * 64 * 2 == 1024
+    assert qwen.kv_bytes_per_token(tp=2) == 512  # KV heads split across the two Sparks
+    assert qwen.kv_bytes_per_token(tp=1, kv_dtype="fp8") == 512
+    assert qwen.kv_bytes_per_token(tp=4) == 512  # fewer heads than ranks: replicated, not split further
+    glm = model_shape(Pack.open(pack_dir("glm4moe-a-exl3-mcg-b4")))  # 3 layers; the MTP layer holds no KV
+    assert glm.kv_bytes_per_token(tp=1) == 3 * 2 * 2 * 64 * 2
+    with pytest.raises(ValueError, match="unknown --kv-cache-dtype"):
+        glm.kv_bytes_per_token(tp=1, kv_dtype="int3")
+
+
+def test_kv_per_token_mla():
+    shape = ModelShape.from_config({"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+                                    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "vocab_size": 129280}, 0)
+    assert shape.kv_bytes_per_token(tp=2) == 61 * (512 + 64) * 2  # one latent per token, on every rank
+
+
+def test_weights_come_from_the_pack():
+    pack = Pack.open(demo.PACK)
+    shape = model_shape(pack)
+    assert shape.weight_bytes == sum(r.nbytes for r in pack.tensors.values())  # every tensor, nothing else
+    assert shape.largest_linear_bytes == 2 * 2048 * 256  # the bf16 lm_head, 2048 x 256 (padded geometry)
+
+
+def test_fixture_pack_on_an_idle_spark_gets_the_cap_and_the_models_context():
+    p = plan(spark(115), model_shape(Pack.open(demo.PACK)), Request(max_model_len=65536), PlanSettings())
+    assert p.fits and p.gpu_memory_utilization == 0.88  # (115 - 6) / 119.7 = 0.91, above the preset's cap
+    assert p.max_model_len == 1024  # the model's max_position_embeddings
+
+
+def test_utilization_follows_free_memory():
+    shape = model_shape(Pack.open(demo.PACK))
+    p = plan(spark(60), shape, Request(max_model_len=1024), PlanSettings())
+    assert p.fits and p.gpu_memory_utilization == 0.45  # floor((60 - 6) / 119.7, 2)
+    assert p.gpu_memory_utilization * SPARK_TOTAL <= 60 * GIB  # vLLM's start check: u * total <= free
+
+
+def large_moe(weight_gib: float) -> ModelShape:
+    """The GLM fixture's config scaled to a large MoE's weight bytes (KV per token: 3*2*2*64*2 = 1536 B)."""
+    return replace(model_shape(Pack.open(pack_dir("glm4moe-a-exl3-mcg-b4"))),
+                   weight_bytes=int(weight_gib * GIB), max_position_embeddings=131072)
+
+
+def test_context_is_capped_by_kv_memory():
+    # 100 GiB free, no headroom/overhead: u = 0.83 -> 99.35 GiB; weights 90 GiB -> ~9.35 GiB KV = ~6.5M tokens
+    # at 1536 B/token, far above 131072: the context is the model's. With 99 GiB of weights it is KV-bound.
+    p = plan(spark(100), large_moe(90), Request(max_model_len=131072), NO_SLACK)
+    assert p.fits and p.max_model_len == 131072
+    tight = plan(spark(100), large_moe(99.3), Request(max_model_len=131072), NO_SLACK)
+    kv = int(0.83 * SPARK_TOTAL) - int(99.3 * GIB) - tight_activations()
+    assert tight.fits and tight.max_model_len == (kv // 1536 // 16 * 16) // 256 * 256 < 131072
+
+
+def tight_activations() -> int:
+    return large_moe(0).activation_bytes(1, Request().max_num_batched_tokens, Request().max_num_seqs)
+
+
+def test_too_big_for_one_spark_is_refused_with_advice_and_fits_on_two():
+    settings = PlanSettings()  # 0.88 cap, 6 GiB headroom, 4 GiB runtime overhead
+    one = plan(spark(112, 118), large_moe(110), Request(max_model_len=131072), settings)
+    assert not one.fits
+    assert "exceed" in one.problems[0]
+    assert any("drop_caches" in a for a in one.advice)  # 6 GiB of page cache is reclaimable
+    assert any("two Sparks" in a for a in one.advice)
+    assert not any("fp8" in a for a in one.advice)  # weights alone do not fit: KV settings would not help
+    two = plan(spark(112), large_moe(110), Request(tp=2, max_model_len=131072), settings)
+    assert two.fits and two.max_model_len == 131072  # 55 GiB per node
+
+
+def test_explicit_values_are_checked_not_replaced():
+    shape = large_moe(40)
+    too_much = plan(spark(50), shape, Request(gpu_memory_utilization=0.9), NO_SLACK)
+    assert not too_much.fits and "vLLM refuses at start" in too_much.problems[0]  # 0.9 * 119.7 > 50
+    assert "lower --gpu-memory-utilization to 0.41 or less" in too_much.advice[0]  # floor(50 / 119.7, 2)
+    pinned = plan(spark(50), shape, Request(max_model_len=10_000_000, max_model_len_pinned=True), NO_SLACK)
+    assert not pinned.fits and "--max-model-len 10000000" in pinned.problems[0]
+    assert any("lower --max-model-len" in a for a in pinned.advice)
+    assert any("--kv-cache-dtype fp8" in a for a in pinned.advice)
+
+
+def test_below_the_minimum_context_is_refused():
+    settings = PlanSettings(max_gpu_memory_utilization=0.9, headroom_gib=0, runtime_overhead_gib=0,
+                            min_context=100_000)
+    p = plan(spark(100), large_moe(99.3), Request(max_model_len=131072), settings)
+    assert not p.fits and "below the preset's minimum of 100000" in p.problems[0]
+
+
+def test_plan_settings_from_preset_table():
+    s = PlanSettings.from_table({"max-gpu-memory-utilization": 0.8, "min-context": 2048})
+    assert s.max_gpu_memory_utilization == 0.8 and s.min_context == 2048 and s.headroom_gib == 6.0
+    with pytest.raises(ValueError, match="unknown \\[memory\\] key"):
+        PlanSettings.from_table({"headroom": 1})
+
+
+def test_model_max_len_as_vllm_derives_it():
+    assert model_max_len({"max_position_embeddings": 40960}) == 40960
+    assert model_max_len({"max_position_embeddings": 40960, "seq_length": 8192}) == 8192  # the smallest key
+    linear = {"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    assert model_max_len(linear) == 16384
+    yarn = {"max_position_embeddings": 131072, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
+    assert model_max_len(yarn) == 131072  # YaRN configs already carry the scaled length
+    assert model_max_len({"max_position_embeddings": 40960}, {"model_max_length": 32768}) == 32768
+    assert model_max_len({}) is None
+    assert model_shape(Pack.open(demo.PACK)).max_position_embeddings == 1024

@@ -1,0 +1,97 @@
+"""The appliance for real, without Docker: supervisord with deploy/supervisord.conf runs the launcher, which runs
+vLLM's CPU build on the bundled EXL3 demo pack; the health checks judge it; crashes are recovered.
+
+Two "Sparks" on loopback: two supervisord trees (head, worker) started by the same config, vLLM's multi-node
+engine with `--nnodes 2` over gloo/TCP (TP 2, one rank per "node", each bound to its own core).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import requests
+
+from support.appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
+from support.servers import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def supervisord():
+    return required("supervisord (PyPI supervisor)", tool("supervisord"))
+
+
+def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
+    port, key = free_port(), "appliance-test-key"
+    env = appliance_env("single", tmp_path / "run", VLLM_EXL3_PORT=str(port), VLLM_API_KEY=key)
+    with supervised(env, tmp_path / "supervisord.log") as box:
+        assert not box.healthy()  # nothing answers before vLLM is up
+        box.wait_healthy()  # with the key: vLLM guards /v1/models with it
+        with pytest.raises(requests.HTTPError, match="401"):
+            completion(port)
+        text = completion(port, api_key=key)["choices"][0]["text"]
+        assert text
+        first = box.vllm_pid
+        assert health(env, "liveness").returncode == 0
+
+        kill_group(first, signal.SIGKILL)  # vLLM crashes: API server, engine core, all of it
+        wait_until("vLLM down", lambda: not alive(first), 30)
+        assert not box.healthy()
+        wait_until("a new vLLM", lambda: box.vllm_pid not in (None, first), 60, box.proc, box.log)
+        box.wait_healthy()
+        assert completion(port, api_key=key)["choices"][0]["text"] == text  # same pack, greedy: same tokens
+        log = box.log.read_text()
+        assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
+        assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
+
+
+def test_fatal_program_ends_supervisord(tmp_path):
+    """A launch that cannot succeed (no pack) is retried with backoff, goes FATAL, and the listener stops
+    supervisord so that Docker's restart policy and status take over."""
+    env = appliance_env("single", tmp_path / "run", VLLM_EXL3_MODEL=str(tmp_path / "missing"),
+                        VLLM_EXL3_PORT=str(free_port()))
+    with supervised(env, tmp_path / "supervisord.log") as box:
+        wait_until("supervisord to exit", lambda: box.proc.poll() is not None, 90, log=box.log)
+        log = box.log.read_text()
+    assert log.count("exit status 78") == 4  # startretries=3: the first start and three retries, all refused
+    assert "gave up: vllm entered FATAL state" in log
+    assert "program vllm is FATAL" in log  # our listener's line
+    assert "FAIL pack" in log and str(tmp_path / "missing") in log  # the refusal says what is wrong
+
+
+def two_node_env(role: str, tmp_path, master_port: int, api_port: int) -> dict[str, str]:
+    return appliance_env(
+        role, tmp_path / role,
+        VLLM_EXL3_HEAD_ADDR="127.0.0.1", VLLM_EXL3_MASTER_PORT=str(master_port), VLLM_EXL3_PORT=str(api_port),
+        VLLM_HOST_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo", VLLM_EXL3_HEAD_WAIT="240",
+        VLLM_EXL3_RENDEZVOUS_GRACE="5",
+        # one core per "node": both nodes' rank 0 would otherwise bind the same core
+        VLLM_CPU_OMP_THREADS_BIND="0" if role == "head" else "1")
+
+
+def test_two_nodes_tp2_serve_and_rejoin_after_head_crash(tmp_path):
+    master, api = free_port(), free_port()
+    head_env = two_node_env("head", tmp_path, master, api)
+    worker_env = two_node_env("worker", tmp_path, master, api)
+    with supervised(head_env, tmp_path / "head.log") as head, \
+            supervised(worker_env, tmp_path / "worker.log") as worker:
+        head.wait_healthy()
+        worker.wait_healthy(30)
+        reply = completion(api)
+        assert reply["usage"]["completion_tokens"] == 8
+        assert "-tp2-" in reply["system_fingerprint"]  # vLLM's own record that this engine runs TP 2
+        wlog = worker.log.read_text()
+        assert "--nnodes 2 --node-rank 1 --headless" in wlog and "head rendezvous: 127.0.0.1" in wlog
+        assert "--nnodes 2 --node-rank 0" in head.log.read_text()
+
+        head_vllm, worker_vllm = head.vllm_pid, worker.vllm_pid
+        kill_group(head_vllm, signal.SIGKILL)  # the head box's vLLM dies
+        # The worker notices the lost rendezvous, the watchdog restarts it, and it waits for the new head.
+        wait_until("the worker's vLLM restarted", lambda: worker.vllm_pid not in (None, worker_vllm), 120,
+                   worker.proc, worker.log)
+        head.wait_healthy()
+        worker.wait_healthy(60)
+        assert completion(api)["choices"][0]["text"] == reply["choices"][0]["text"]
+        assert f"vLLM pid {worker_vllm} lost the head" in worker.log.read_text(), tail(worker.log)

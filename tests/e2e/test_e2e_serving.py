@@ -1,0 +1,164 @@
+"""End to end on vLLM's CPU build: EXL3 packs served by the real OpenAI server through the plugin."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import requests
+from safetensors.torch import load_file, save_file
+
+from conftest import PACKS, pack_dir
+from vllm_exl3 import demo
+from vllm_exl3.dev import parity
+from support.servers import cpu_env, free_port, server_argv, vllm_server
+
+pytestmark = pytest.mark.e2e
+
+EAGER_FP32 = ("--dtype", "float32", "--enforce-eager")
+PROMPTS = ["def fibonacci(n):", "The history of the city begins"]
+
+
+def logprob_report(server, golden) -> tuple[float, float]:
+    report = parity.compare(server.base_url, server.model, golden["input_ids"], golden["logits"])
+    return report.top1_agreement, report.median_abs_logprob_delta
+
+
+@pytest.mark.parametrize("pack", PACKS)
+def test_prompt_logprobs_match_exllamav3(pack, tmp_path):
+    golden = load_file(pack_dir(pack) / "golden" / "logits.safetensors")
+    with vllm_server(pack_dir(pack), tmp_path, *EAGER_FP32) as server:
+        agree, median = logprob_report(server, golden)
+    assert agree >= 0.97, agree
+    assert median <= 0.05, median
+
+
+def greedy(server, n=16) -> list[list[int]]:
+    out = []
+    for p in PROMPTS:
+        r = server.post("/v1/completions", prompt=p, max_tokens=n, temperature=0, logprobs=0,
+                        return_tokens_as_token_ids=True)
+        out.append([int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]])
+    assert all(len(t) == n for t in out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def glm_tp1_tokens(tmp_path_factory):
+    with vllm_server(pack_dir("glm4moe-a-exl3-mcg-b4"), tmp_path_factory.mktemp("tp1"), *EAGER_FP32) as server:
+        return greedy(server)
+
+
+@pytest.mark.parametrize("parallel", [("-tp", "2"), ("-tp", "2", "--enable-expert-parallel")],
+                         ids=["tensor-parallel", "expert-parallel"])
+def test_parallel_matches_single_rank(parallel, glm_tp1_tokens, tmp_path):
+    """GLM-4-MoE (dense first layer, shared expert, router bias) at TP=2: k/v and the expert intermediate
+    split inside 128-blocks (64 features per rank), exercising the block-halo path; EP holds 4 experts per rank."""
+    with vllm_server(pack_dir("glm4moe-a-exl3-mcg-b4"), tmp_path, *EAGER_FP32, *parallel) as server:
+        assert greedy(server) == glm_tp1_tokens
+
+
+def test_half_integer_pack_tensor_parallel(tmp_path):
+    pack = pack_dir("qwen3moe-a-exl3-mul1-b2.5")
+    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
+        single = greedy(server)
+    with vllm_server(pack, tmp_path, *EAGER_FP32, "-tp", "2") as server:
+        assert greedy(server) == single
+
+
+def test_compiled_cpu_graph_matches_eager(tmp_path):
+    """Without --enforce-eager vLLM's CPU build traces the model (and our MoE apply) with torch.compile;
+    our custom ops with fake implementations must keep the graph whole and the tokens identical."""
+    pack = pack_dir("qwen3moe-a-exl3-mcg-b3")
+    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
+        eager = greedy(server)
+    with vllm_server(pack, tmp_path, "--dtype", "float32") as server:
+        assert greedy(server) == eager
+
+
+def test_completions_chat_and_streaming(tmp_path):
+    with vllm_server(demo.PACK, tmp_path, "--chat-template", str(demo.CHAT_TEMPLATE)) as s:
+        comp = s.post("/v1/completions", prompt="Hello", max_tokens=8, temperature=0)
+        assert comp["usage"]["completion_tokens"] == 8 and comp["choices"][0]["text"]
+        chat = s.post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                      temperature=0)
+        assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] > 0
+        with requests.post(f"{s.base_url}/v1/completions", stream=True, timeout=60,
+                           json={"model": s.model, "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+                                 "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == comp["choices"][0]["text"]
+        models = requests.get(f"{s.base_url}/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == s.model
+
+
+def test_broken_pack_fails_startup_with_our_error(tmp_path):
+    pack = tmp_path / "broken"
+    shutil.copytree(pack_dir("qwen3moe-a-exl3-mul1-b4"), pack, ignore=shutil.ignore_patterns("golden"))
+    tensors = load_file(pack / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.3.up_proj.svh"]
+    save_file(tensors, str(pack / "model.safetensors"), metadata={"format": "pt"})
+    proc = subprocess.run(server_argv(pack, free_port(), *EAGER_FP32), env=cpu_env(), capture_output=True,
+                          text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "model.layers.1.mlp.experts.3.up_proj.svh" in out and "missing companion" in out
+    assert "cannot be served" in out  # our own log line, before vLLM wraps the error
+    assert "Loading weights" not in out  # refused while building the config, before any weight was read
+
+
+def test_cli_serve_demo_answers(tmp_path):
+    """README's main job: `vllm-exl3 serve --demo --once` serves the bundled pack and answers."""
+    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--once", "--port",
+                           str(free_port())], env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "healthy after" in proc.stdout and "completion (" in proc.stdout and "chat (" in proc.stdout
+
+
+def test_cli_serve_refuses_a_broken_pack_before_starting_vllm(tmp_path):
+    pack = tmp_path / "broken"
+    shutil.copytree(demo.PACK, pack)
+    (pack / "model.safetensors").write_bytes((pack / "model.safetensors").read_bytes()[:-4096])
+    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", str(pack)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "refusing to serve" in proc.stderr and "past end-of-file" in proc.stderr
+    assert "starting vLLM" not in proc.stdout
+
+
+def test_extended_contract_routed_experts_only_pack(tmp_path):
+    """A pack in the extended contract other EXL3 tools write: routed experts (and the head) in EXL3, the
+    attention of layer 1 as plain BF16 (`non_routed_dtype_policy: bf16_as_stored`), layer 0's q in EXL3 with
+    k/v as BF16 shards of the same fused module (`non_routed_exl3` long form), `layer_bits` declared."""
+    from vllm_exl3.format import dequant
+    from vllm_exl3.format.pack import Pack
+
+    src = pack_dir("qwen3moe-a-exl3-mul1-b4")
+    pack = tmp_path / "experts-only"
+    shutil.copytree(src, pack, ignore=shutil.ignore_patterns("golden", "quantization_config.json"))
+    tensors = load_file(pack / "model.safetensors")
+    plain = ["model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"] + [
+        f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    items = [i for i in dequant.plan(Pack.open(src), None, rotated=False, padded=False)
+             if i.linear.prefix in plain]
+    dequant.write(items, tmp_path / "plain.safetensors", rotated=False)
+    for name, w in load_file(tmp_path / "plain.safetensors").items():
+        prefix = name.removesuffix(".weight")
+        for suffix in ("trellis", "suh", "svh", "mul1"):
+            del tensors[f"{prefix}.{suffix}"]
+        tensors[name] = w.bfloat16()
+    save_file(tensors, str(pack / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((pack / "config.json").read_text())
+    config["quantization_config"].update({
+        "codebook": "mul1", "layer_bits": {"0": 4, "1": 4}, "non_routed_dtype_policy": "bf16_as_stored",
+        "non_routed_exl3": {"layers": {"model.layers.0.self_attn.qkv_proj": {"bits": 4, "bf16_shards": [1, 2]}}}})
+    (pack / "config.json").write_text(json.dumps(config))
+    golden = load_file(src / "golden" / "logits.safetensors")
+    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
+        agree, median = logprob_report(server, golden)
+    assert agree >= 0.97, agree
+    assert median <= 0.05, median

@@ -1,0 +1,287 @@
+"""The plugin's vLLM layers built in-process (real vLLM classes, CPU), loaded through their own weight loaders
+exactly as vLLM's model loader calls them, against the torch reference.
+
+Tensor parallelism is simulated rank by rank: vLLM's layers read the rank and world size from
+`get_tensor_model_parallel_rank/_world_size` in `vllm.model_executor.layers.linear`, which we set per rank; the
+per-rank outputs must concatenate (column splits) or sum (row splits) to the single-rank result, including
+splits that fall inside a 128-block.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+import vllm_exl3  # noqa: E402
+from vllm_exl3.format import reference as R  # noqa: E402
+from vllm_exl3.format.errors import Exl3FormatError# noqa: E402
+from vllm_exl3.format.tensors import Exl3Weights
+from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack  # noqa: E402
+
+vllm_exl3.register()
+
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.model_executor.layers import linear as vllm_linear  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  # noqa: E402
+
+from vllm_exl3.integration.config import Exl3Config, Exl3ConfigError  # noqa: E402
+
+from conftest import pack_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_context():
+    mc = ModelConfig(model=str(pack_dir("qwen3moe-a-exl3-mul1-b4")), dtype="float32")
+    with set_current_vllm_config(VllmConfig(model_config=mc)):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp()}")
+        initialize_model_parallel(1, 1)
+        yield
+
+
+@pytest.fixture
+def rank(monkeypatch):
+    """rank(r, n): make vLLM's layers believe they are tensor-parallel rank r of n."""
+
+    def set_rank(r: int, n: int):
+        monkeypatch.setattr(vllm_linear, "get_tensor_model_parallel_rank", lambda: r)
+        monkeypatch.setattr(vllm_linear, "get_tensor_model_parallel_world_size", lambda: n)
+
+    return set_rank
+
+
+def make_config(tmp_path, linears: dict[str, Exl3Weights], plain: dict[str, torch.Tensor] | None = None,
+                raw: dict | None = None, packed: dict | None = None) -> tuple[Exl3Config, dict[str, torch.Tensor]]:
+    tensors = {}
+    for prefix, w in linears.items():
+        tensors.update(linear_tensors(prefix, w))
+    tensors.update(plain or {})
+    root = write_pack(tmp_path / "pack", tensors)
+    cfg = Exl3Config({"quant_method": "exl3", **(raw or {})})
+    cfg.maybe_update_config(str(root))
+    cfg.packed_modules_mapping = dict(packed or {})
+    return cfg, tensors
+
+
+def load(layer, tensors: dict[str, torch.Tensor], shards: dict[str, object] | None = None) -> None:
+    """Hand every checkpoint tensor of the layer to its parameter's loader, as vLLM's loaders do."""
+    shards = shards or {layer.prefix: None}
+    for ckpt_prefix, shard_id in shards.items():
+        for name, t in tensors.items():
+            if name.rpartition(".")[0] != ckpt_prefix:
+                continue
+            param = getattr(layer, name.rpartition(".")[2])
+            if shard_id is None:
+                param.weight_loader(param, t)
+            else:
+                param.weight_loader(param, t, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def reference(x: torch.Tensor, w: Exl3Weights, in_features: int, out_features: int) -> torch.Tensor:
+    return x.double() @ R.full_weight(w).double()[:in_features, :out_features]
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_column_parallel_splits_concatenate(tmp_path, rank, tp):
+    """out 384 = 3 blocks: tp 2 and 4 split blocks (halo), tp 3 is aligned."""
+    w = random_weights(256, 384, 3, "mcg", seed=1)
+    cfg, tensors = make_config(tmp_path, {"l.up": w})
+    x = torch.randn(5, 256)
+    outs = []
+    for r in range(tp):
+        rank(r, tp)
+        layer = vllm_linear.ColumnParallelLinear(256, 384, bias=False, quant_config=cfg, prefix="l.up",
+                                                 return_bias=False)
+        load(layer, tensors)
+        outs.append(layer(x))
+    assert rel(torch.cat(outs, -1), reference(x, w, 256, 384)) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_row_parallel_splits_sum(tmp_path, rank, tp):
+    w = random_weights(384, 256, 4, "mul1", seed=2)
+    cfg, tensors = make_config(tmp_path, {"l.down": w})
+    x = torch.randn(5, 384)
+    total = 0
+    for r in range(tp):
+        rank(r, tp)
+        layer = vllm_linear.RowParallelLinear(384, 256, bias=False, quant_config=cfg, prefix="l.down",
+                                              reduce_results=False, return_bias=False)
+        load(layer, tensors)
+        k = 384 // tp
+        total = total + layer(x[:, r * k:(r + 1) * k])
+    assert rel(total, reference(x, w, 384, 256)) < 1e-5
+
+
+def test_padded_geometry_zero_extends_input(tmp_path, rank):
+    """Logical 320 -> 200 stored as 384 x 256: the padded input rows of W are not zero."""
+    rank(0, 1)
+    w = random_weights(320, 200, 2.5, "mul1", seed=3)
+    cfg, tensors = make_config(tmp_path, {"l.proj": w})
+    layer = vllm_linear.ReplicatedLinear(320, 200, bias=False, quant_config=cfg, prefix="l.proj", return_bias=False)
+    load(layer, tensors)
+    x = torch.randn(3, 320)
+    assert rel(layer(x), reference(x, w, 320, 200)) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qkv_shards_keep_their_own_scales(tmp_path, rank, tp):
+    """q/k/v with different bits and codebooks; at tp=2 each rank has one 64-wide K/V head (mid-block)."""
+    ws = {"a.q_proj": random_weights(256, 256, 4, "mul1", 4), "a.k_proj": random_weights(256, 128, 3, "mcg", 5),
+          "a.v_proj": random_weights(256, 128, 2, "3inst", 6)}
+    cfg, tensors = make_config(tmp_path, ws, packed={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    x = torch.randn(4, 256)
+    per_rank = []
+    for r in range(tp):
+        rank(r, tp)
+        layer = vllm_linear.QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=cfg, prefix="a.qkv_proj",
+                                              return_bias=False)
+        load(layer, tensors, {"a.q_proj": "q", "a.k_proj": "k", "a.v_proj": "v"})
+        per_rank.append(layer(x).split([256 // tp, 128 // tp, 128 // tp], -1))
+    for i, (name, n) in enumerate([("a.q_proj", 256), ("a.k_proj", 128), ("a.v_proj", 128)]):
+        got = torch.cat([p[i] for p in per_rank], -1)
+        assert rel(got, reference(x, ws[name], 256, n)) < 1e-5, name
+
+
+def test_mixed_layer_with_plain_shards(tmp_path, rank):
+    """`non_routed_exl3` long form: gate in EXL3, up kept BF16 (bf16_shards [1])."""
+    rank(0, 1)
+    gate = random_weights(256, 256, 4, "mcg", 7)
+    up = torch.randn(256, 256).bfloat16()
+    raw = {"non_routed_exl3": {"layers": {"m.gate_up_proj": {"bits": 4, "bf16_shards": [1]}}}}
+    cfg, tensors = make_config(tmp_path, {"m.gate_proj": gate}, {"m.up_proj.weight": up}, raw,
+                               packed={"gate_up_proj": ["gate_proj", "up_proj"]})
+    layer = vllm_linear.MergedColumnParallelLinear(256, [256, 256], bias=False, quant_config=cfg,
+                                                   prefix="m.gate_up_proj", return_bias=False)
+    load(layer, tensors, {"m.gate_proj": 0, "m.up_proj": 1})
+    x = torch.randn(3, 256)
+    y = layer(x)
+    assert rel(y[:, :256], reference(x, gate, 256, 256)) < 1e-5
+    assert rel(y[:, 256:], x.double() @ up.double().T) < 1e-5
+
+
+def test_declared_bf16_shard_that_is_exl3_is_an_error(tmp_path, rank):
+    rank(0, 1)
+    raw = {"non_routed_exl3": {"layers": {"m.gate_up_proj": {"bf16_shards": [1]}}}}
+    cfg, _ = make_config(tmp_path, {"m.gate_proj": random_weights(256, 256, 4, "mcg", 7),
+                                    "m.up_proj": random_weights(256, 256, 4, "mcg", 8)}, raw=raw,
+                         packed={"gate_up_proj": ["gate_proj", "up_proj"]})
+    with pytest.raises(Exl3ConfigError, match="lists shard 1 of 'm.gate_up_proj' as BF16"):
+        vllm_linear.MergedColumnParallelLinear(256, [256, 256], bias=False, quant_config=cfg, prefix="m.gate_up_proj")
+
+
+def test_declared_bits_mismatch_is_an_error(tmp_path, rank):
+    rank(0, 1)
+    raw = {"non_routed_exl3": {"modules": ["o_proj"], "bits": 3}}
+    cfg, _ = make_config(tmp_path, {"a.o_proj": random_weights(256, 256, 4, "mcg", 9)}, raw=raw)
+    with pytest.raises(Exl3ConfigError, match="declares 3 bits for 'a.o_proj' but 'a.o_proj' is stored at 4"):
+        vllm_linear.RowParallelLinear(256, 256, bias=False, quant_config=cfg, prefix="a.o_proj")
+
+
+def test_stale_plain_copy_is_checked_then_dropped(tmp_path, rank):
+    rank(0, 1)
+    w = random_weights(256, 128, 4, "mcg", 10)
+    cfg, tensors = make_config(tmp_path, {"l.p": w}, {"l.p.weight": torch.randn(128, 256).bfloat16()})
+    layer = vllm_linear.ReplicatedLinear(256, 128, bias=False, quant_config=cfg, prefix="l.p", return_bias=False)
+    load(layer, tensors)
+    x = torch.randn(2, 256)
+    assert rel(layer(x), reference(x, w, 256, 128)) < 1e-5
+    bad_cfg, _ = make_config(tmp_path / "bad", {"l.p": w}, {"l.p.weight": torch.randn(64, 256).bfloat16()})
+    with pytest.raises(Exl3FormatError, match="stale plain copy"):
+        vllm_linear.ReplicatedLinear(256, 128, bias=False, quant_config=bad_cfg, prefix="l.p")
+
+
+def test_missing_tensor_is_named_after_loading(tmp_path, rank):
+    rank(0, 1)
+    w = random_weights(256, 128, 4, "mcg", 11)
+    cfg, tensors = make_config(tmp_path, {"l.p": w})
+    layer = vllm_linear.ReplicatedLinear(256, 128, bias=False, quant_config=cfg, prefix="l.p")
+    del tensors["l.p.svh"]  # as if its shard file were never read
+    with pytest.raises(Exl3FormatError, match=r"l\.p\.svh.*never delivered"):
+        load(layer, tensors)
+
+
+def test_wrong_model_geometry_is_refused(tmp_path, rank):
+    rank(0, 1)
+    cfg, _ = make_config(tmp_path, {"l.p": random_weights(256, 128, 4, "mcg", 12)})
+    with pytest.raises(ValueError, match="stores 256 padded features but the model config gives 512"):
+        vllm_linear.ReplicatedLinear(512, 128, bias=False, quant_config=cfg, prefix="l.p")
+
+
+def test_layers_without_exl3_tensors_go_plain_or_to_the_delegate(tmp_path, rank):
+    rank(0, 1)
+    delegate = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    for raw, expected in [({}, "UnquantizedLinearMethod"),
+                          ({"non_routed_quantization": delegate}, "Fp8LinearMethod"),
+                          ({"non_routed_quantization": delegate, "non_routed_dtype_policy": "bf16_as_stored"},
+                           "UnquantizedLinearMethod")]:
+        cfg, _ = make_config(tmp_path / str(len(raw)) / expected, {"l.exl3": random_weights(256, 128, 4, "mcg", 1)},
+                             raw=raw)
+        layer = vllm_linear.ReplicatedLinear(256, 128, bias=False, quant_config=cfg, prefix="l.plain")
+        assert type(layer.quant_method).__name__ == expected, raw
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_exl3_lm_head_with_vocab_padding(tmp_path, rank, tp, monkeypatch):
+    """vocab 2000 (pack pads to 2048, vLLM pads each rank's share to 64): logits of real tokens match."""
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    w = random_weights(256, 2000, 6, "mul1", 13)
+    cfg, tensors = make_config(tmp_path, {"lm_head": w})
+    x = torch.randn(3, 256)
+    outs = []
+    for r in range(tp):
+        monkeypatch.setattr(vpe, "get_tensor_model_parallel_rank", lambda r=r: r)
+        monkeypatch.setattr(vpe, "get_tensor_model_parallel_world_size", lambda: tp)
+        head = ParallelLMHead(2000, 256, quant_config=cfg, prefix="lm_head")
+        load(head, tensors)
+        y = head.quant_method.apply(head, x)
+        assert y.shape == (3, head.num_embeddings_per_partition)
+        si = head.shard_indices
+        outs.append(y[:, : si.org_vocab_end_index - si.org_vocab_start_index])
+        assert y[:, si.org_vocab_end_index - si.org_vocab_start_index:].abs().sum() == 0
+    assert rel(torch.cat(outs, -1), reference(x, w, 256, 2000)) < 1e-5
+
+
+def test_codebook_declaration_contradicting_markers(tmp_path):
+    with pytest.raises(Exl3ConfigError, match="codebook is 'mul1' but 'l.p' is stored with the mcg codebook"):
+        make_config(tmp_path, {"l.p": random_weights(256, 128, 4, "mcg", 1)}, raw={"codebook": "mul1"})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"codebook": "fp4"}, "codebook must be one of"),
+    ({"non_routed_dtype_policy": "bf8"}, "non_routed_dtype_policy must be one of"),
+    ({"non_routed_quantization": {"bits": 8}}, "non_routed_quantization must be a quantization_config"),
+    ({"non_routed_quantization": {"quant_method": "exl3"}}, "cannot itself be exl3"),
+    ({"non_routed_dtype_policy": "official_source_native"}, "needs non_routed_quantization"),
+    ({"layer_bits": {"three": 3}}, "layer_bits must map layer indices"),
+    ({"non_routed_exl3": {"layers": {"x.o_proj": {"bf16_shards": ["v"]}}}}, "bf16_shards must list shard indices"),
+])
+def test_contract_errors(raw, message):
+    with pytest.raises(Exl3ConfigError, match=message):
+        Exl3Config({"quant_method": "exl3", **raw})
+
+
+@pytest.mark.parametrize("layer", [0, 7])
+def test_layer_bits_declaration_is_checked_for_every_layer(layer):
+    """`layer_bits` keys are layer indices; layer 0 is a key like any other."""
+    from vllm_exl3.format.contract import Contract
+    from vllm_exl3.format.index import LinearMeta
+
+    contract = Contract.parse({"layer_bits": {str(layer): 3}})
+    prefix = f"model.layers.{layer}.mlp.experts"
+    contract.check_expert_bits(prefix, [(f"{prefix}.0.gate_proj", LinearMeta(3.0, "mcg", 256, 128))])
+    with pytest.raises(Exl3ConfigError, match=f"declares 3 bits for layer {layer} but"):
+        contract.check_expert_bits(prefix, [(f"{prefix}.0.gate_proj", LinearMeta(4.0, "mcg", 256, 128))])
+    contract.check_expert_bits("model.layers.99.mlp.experts", [("x", LinearMeta(4.0, "mcg", 256, 128))])

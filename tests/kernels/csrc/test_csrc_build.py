@@ -1,0 +1,167 @@
+"""CI without a GPU: every csrc/*.cu compiles for sm_90a and sm_121a and the objects hold SASS for both; the kernels'
+lane decoder, compiled for the host, is bit-exact with the Python reference; tools/check-cubins behaves.
+
+Skips when nvcc/cuobjdump are missing, unless VLLM_EXL3_REQUIRE_TOOLS=1 (CI sets it). cuobjdump comes from the
+CUDA toolkit or `pip install nvidia-cuda-cuobjdump` (the `test` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_exl3.format import reference as R
+from vllm_exl3.format.constants import CODEBOOKS
+
+ROOT = Path(__file__).resolve().parents[3]
+CSRC = ROOT / "csrc"
+CHECK_CUBINS = ROOT / "tools" / "check-cubins"
+ARCHS = ("sm_90a", "sm_121a")
+NVCC_FLAGS = ["-std=c++17", "-O3", f"-I{CSRC}"]
+
+
+def _tool(name: str) -> str | None:
+    if found := shutil.which(name):
+        return found
+    for root in filter(None, (os.environ.get("CUDA_HOME"), "/usr/local/cuda")):
+        if (p := Path(root) / "bin" / name).is_file():
+            return str(p)
+    try:
+        import nvidia
+
+        for base in map(Path, nvidia.__path__):
+            for p in sorted(base.glob(f"*/bin/{name}")):
+                return str(p)
+    except ImportError:
+        pass
+    return None
+
+
+def _require(name: str) -> str:
+    path = _tool(name)
+    if path is None:
+        if os.environ.get("VLLM_EXL3_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"{name} not found (VLLM_EXL3_REQUIRE_TOOLS=1)")
+        pytest.skip(f"{name} not found")
+    return path
+
+
+@pytest.fixture(scope="module")
+def objects(tmp_path_factory) -> dict[str, Path]:
+    """Every csrc/*.cu compiled to an object with SASS for both targets (in parallel: this is the slow part)."""
+    nvcc = _require("nvcc")
+    out = tmp_path_factory.mktemp("cu")
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in ARCHS]
+
+    def compile_one(src: Path) -> tuple[str, Path]:
+        obj = out / (src.stem + ".o")
+        r = subprocess.run([nvcc, *NVCC_FLAGS, *gencode, "-c", str(src), "-o", str(obj)], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, f"nvcc failed on {src.name}:\n{r.stderr[-4000:]}"
+        return src.name, obj
+
+    sources = sorted(CSRC.glob("*.cu"))
+    assert sources, "no CUDA sources"
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(pool.map(compile_one, sources))
+
+
+def test_every_kernel_file_builds_sass_for_hopper_and_spark(objects):
+    cuobjdump = _require("cuobjdump")
+    for name, obj in objects.items():
+        listing = subprocess.run([cuobjdump, "--list-elf", str(obj)], capture_output=True, text=True, check=True).stdout
+        for arch in ARCHS:
+            assert f".{arch}.cubin" in listing, f"{name}: no {arch} SASS in\n{listing}"
+
+
+def test_check_cubins_script(objects):
+    _require("cuobjdump")
+    obj = str(next(iter(objects.values())))
+    env = dict(os.environ, PATH=os.pathsep.join(filter(None, [str(Path(_tool("cuobjdump")).parent),
+                                                                os.environ.get("PATH")])))
+    ok = subprocess.run([sys.executable, str(CHECK_CUBINS), obj, "sm_121a", "sm_90a"], capture_output=True, text=True,
+                        env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    missing = subprocess.run([sys.executable, str(CHECK_CUBINS), obj, "sm_100a"], capture_output=True, text=True,
+                             env=env)
+    assert missing.returncode == 1 and "sm_121a" in missing.stdout and "sm_90a" in missing.stdout, missing.stdout
+    usage = subprocess.run([sys.executable, str(CHECK_CUBINS), obj, "121a"], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2
+
+
+@pytest.fixture(scope="module")
+def decode_host(tmp_path_factory) -> Path:
+    """tests/kernels/csrc/decode_host.cpp: the kernels' decode header compiled for the CPU."""
+    nvcc = _require("nvcc")
+    exe = tmp_path_factory.mktemp("host") / "decode_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "decode_host.cpp"), "-o",
+                        str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return exe
+
+
+WIDTHS = [(cb, bits2) for cb in CODEBOOKS for bits2 in (2, 4, 6, 8, 10, 12, 14, 16)] + [
+    ("mul1", 3), ("mul1", 5), ("mul1", 7)]
+
+
+@pytest.mark.parametrize("codebook,bits2", WIDTHS, ids=[f"{c}-{b / 2:g}b" for c, b in WIDTHS])
+def test_lane_decoder_matches_reference(decode_host, codebook, bits2):
+    """Every lane's 8 states (§1.4/§1.5 windows) and codewords (§2) against reference.trellis_states / the LUT."""
+    tiles = 16
+    g = torch.Generator().manual_seed(1000 + bits2 * 3 + CODEBOOKS.index(codebook))
+    trellis = torch.randint(-(2**15), 2**15, (1, tiles, 8 * bits2), dtype=torch.int16, generator=g)
+    inp = struct.pack("3i", bits2, CODEBOOKS.index(codebook), tiles) + trellis.numpy().tobytes()
+    out = subprocess.run([str(decode_host)], input=inp, capture_output=True, check=True).stdout
+    got = np.frombuffer(out, dtype=np.uint32).reshape(tiles, 32, 8, 2)
+
+    positions = [R.tile_position(t) for t in range(256)]
+    rows = torch.tensor([p[0] for p in positions]).view(32, 8)
+    cols = torch.tensor([p[1] for p in positions]).view(32, 8)
+    ref_states = R.trellis_states(trellis)[0][:, rows, cols]  # [tiles, lane, j]
+    states = torch.from_numpy(got[..., 0].astype(np.int64))
+    assert torch.equal(states, ref_states), f"{int((states != ref_states).sum())} states differ"
+
+    cw = got[..., 1]
+    lut = R.codebook_lut(codebook).float()[ref_states]
+    if codebook == "mul1":  # fp16(1024 + bytesum) in the low half, 0 above; the value is one affine step away
+        assert (cw >> 16 == 0).all()
+        v = (torch.from_numpy((cw & 0xFFFF).astype(np.int64)) - 0x6400 + R.MUL1_BYTE_SUM_BASE).float()
+        value = (v * R.MUL1_INV_SCALE + R.MUL1_BIAS).half().float()
+    else:  # two fp16 halves whose sum, rounded once, is the value
+        lo = torch.from_numpy((cw & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32))
+        hi = torch.from_numpy((cw >> 16).astype(np.uint16).view(np.float16).astype(np.float32))
+        value = (lo + hi).half().float()
+    assert torch.equal(value, lut)
+
+
+def test_fast_division_matches_integer_division(tmp_path):
+    """exl3::FastDiv (skinny kernel bookkeeping) equals n / d and n % d for n < 2^31, divisors 1 .. 2^31 - 1."""
+    nvcc = _require("nvcc")
+    exe = tmp_path / "fast_div_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "fast_div_host.cpp"), "-o",
+                        str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ok "), out.stdout + out.stderr
+    assert int(out.stdout.split()[1]) > 10_000_000
+
+
+def test_stream_k_bookkeeping_matches_integer_forms(tmp_path):
+    """The skinny kernel's division-free block ranges and group-to-block mapping equal the host's exact forms."""
+    nvcc = _require("nvcc")
+    exe = tmp_path / "stream_k_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, str(ROOT / "tests" / "kernels" / "csrc" / "stream_k_host.cu"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ok "), out.stdout + out.stderr
+    assert int(out.stdout.split()[1]) > 100_000

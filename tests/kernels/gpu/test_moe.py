@@ -1,0 +1,297 @@
+"""Routed experts on the native kernels against the fp32 torch reference, on a GPU (`pytest -m gpu tests/gpu`).
+
+Fresh random weights and inputs for every case, the output poisoned before each call: every codebook x bit width
+(at the three row-chunk sizes the op picks by rows per expert), mixed widths and codebooks in one layer, E in {8, 16,
+128}, top-k in {1, 2, 4, 8}, 1..4096 tokens (past the op's 1024-token chunk), skewed routing, expert parallelism
+with -1 entries, tensor-parallel slices inside a 128-block, the three activations, router weight on the input,
+fp16 / bf16, int32 / int64 ids; CUDA-graph replay bitwise equal to eager; two runs bitwise equal; no 16-bit copy
+of any expert.
+
+Bounds (relative L2 against the fp32 forward of the same Ŵ): the op rounds the transformed inputs of both
+projections to fp16, the gate/up outputs and the result to the activation dtype: about 4 roundings of ~3e-4
+(fp16) or ~2.3e-3 (bf16, two of them in bf16), so fp16 must stay under 3e-3 and bf16 under 1e-2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_exl3.dev.synthetic import expert_stack, random_weights
+from vllm_exl3.format import reference as R
+from vllm_exl3.format.constants import CODEBOOKS
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from vllm_exl3.kernels import ops  # noqa: E402, F401  (registers torch.ops.vllm_exl3.*)
+from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.choice import PREFERENCE  # noqa: E402
+from vllm_exl3.kernels.specs import ACTIVATIONS  # noqa: E402
+
+get_backend("torch")
+from vllm_exl3.kernels.backends import native  # noqa: E402
+
+if native.unavailable_reason():
+    if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":
+        raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
+    pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
+
+DEV = "cuda"
+BOUND = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
+WIDTHS = [(cb, float(b)) for cb in CODEBOOKS for b in range(1, 9)] + [("mul1", 1.5), ("mul1", 2.5), ("mul1", 3.5)]
+_observed: dict[str, float] = defaultdict(float)
+BACKEND = get_backend("native")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if path := os.environ.get("VLLM_EXL3_TEST_REPORT_MOE"):
+        Path(path).write_text(json.dumps(dict(sorted(_observed.items())), indent=1))
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def poison(shape, dtype) -> None:
+    held = [torch.full(shape, float("nan"), dtype=dtype, device=DEV) for _ in range(4)]
+    del held
+
+
+def make_weights(hidden, inter, experts, widths, seed):
+    """weights[e] = [gate, up, down] on the GPU; widths[e] = (codebook, bits) of that expert (all three)."""
+    def one(k, n, e, p):
+        codebook, bits = widths[e % len(widths)]
+        return random_weights(k, n, bits, codebook, seed=seed * 1000 + 3 * e + p, device=DEV)
+
+    return [[one(hidden, inter, e, 0), one(hidden, inter, e, 1), one(inter, hidden, e, 2)] for e in range(experts)]
+
+
+def _act(name, t):
+    if name == "silu":
+        return torch.nn.functional.silu(t)
+    return torch.nn.functional.gelu(t, approximate="tanh" if name == "gelu_tanh" else "none")
+
+
+def reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi):
+    """fp32 forward of the same stack: per routed (token, k), w * down(act(gate(x)) * up(x))."""
+    hidden = x.shape[1]
+    io, isz = stack.inter_offset, stack.inter_size
+    out = torch.zeros(x.shape, dtype=torch.float32, device=DEV)
+    ids = topk_ids.long()
+    local = expert_map[ids].long() if expert_map is not None else ids
+    w_hat = {}
+
+    def lin(xs, e, p, in_off, out_off, n_out):
+        w = stack.weights(e, p)
+        if (e, p) not in w_hat:
+            w_hat[e, p] = R.decode_rotated(w.trellis, w.codebook).float()
+        k = w_hat[e, p].shape[0]
+        xp = torch.zeros(xs.shape[0], k, device=DEV)
+        xp[:, in_off:in_off + xs.shape[1]] = xs
+        y = R.hadamard_rows(R.hadamard_rows(xp * w.suh.float()) @ w_hat[e, p]) * w.svh.float()
+        return y[:, out_off:out_off + n_out]
+
+    for e in range(stack.num_experts):
+        tok, kk = (local == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        src = x[tok].float()
+        wt = topk_weights[tok, kk].float()[:, None]
+        if rwoi:
+            src = src * wt
+        h = _act(activation, lin(src, e, 0, 0, io, isz)) * lin(src, e, 1, 0, io, isz)
+        y = lin(h, e, 2, io, 0, hidden)
+        out.index_add_(0, tok, y if rwoi else y * wt)
+    return out
+
+
+def routing(tokens, experts, top_k, seed, skew=None):
+    g = torch.Generator().manual_seed(seed)
+    if skew == "one":  # every token to expert 0 (top-1) or experts 0..k-1
+        ids = torch.arange(top_k).repeat(tokens, 1)
+    elif skew == "few":  # a quarter of the experts get everything, the rest nothing
+        pool = max(top_k, experts // 4)
+        ids = torch.stack([torch.randperm(pool, generator=g)[:top_k] for _ in range(tokens)])
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
+    return weights.to(DEV), ids.to(torch.int32).to(DEV)
+
+
+def run_case(*, hidden=256, inter=384, experts=8, top_k=2, tokens=7, widths=(("mcg", 4.0),), dtype=torch.float16,
+             activation="silu", rwoi=False, skew=None, ids_dtype=torch.int32, ep=None, tp=None, seed=0, key=None):
+    weights = make_weights(hidden, inter, experts if ep is None else ep[0], list(widths), seed)
+    expert_map = None
+    local = list(range(experts))
+    if ep is not None:  # ep = (global experts, local global ids)
+        expert_map = torch.full((ep[0],), -1, dtype=torch.int32, device=DEV)
+        expert_map[list(ep[1])] = torch.arange(len(ep[1]), dtype=torch.int32, device=DEV)
+        local = list(ep[1])
+    i0, i1 = tp if tp is not None else (0, inter)
+    stack = expert_stack(weights, local, i0, i1)
+    g = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(tokens, hidden, generator=g).to(DEV, dtype)
+    topk_weights, topk_ids = routing(tokens, experts if ep is None else ep[0], top_k, seed, skew)
+    topk_ids = topk_ids.to(ids_dtype)
+    prepared = BACKEND.prepare_moe(stack, top_k, tokens)
+    poison((tokens, hidden), dtype)
+    y = BACKEND.moe(x, topk_weights, topk_ids, expert_map, stack, prepared, activation, rwoi)
+    torch.cuda.synchronize()
+    assert y.shape == (tokens, hidden) and y.dtype == dtype
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    ref = reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi)
+    err = rel(y, ref)
+    _note(key or f"{dtype}", err)
+    assert err < BOUND[dtype], err
+    return x, topk_weights, topk_ids, expert_map, stack, prepared, y
+
+
+def _note(key, err):
+    _observed[key] = max(_observed[key], err)
+
+
+@pytest.mark.parametrize("tokens", [3, 100, 600], ids=["rows8", "rows16", "rows64"])
+@pytest.mark.parametrize("width", WIDTHS, ids=[f"{c}-{b:g}b" for c, b in WIDTHS])
+def test_every_width_at_every_chunk_size(width, tokens):
+    run_case(widths=(width,), tokens=tokens, seed=WIDTHS.index(width) * 10 + tokens % 7, key=f"{width[0]}-{width[1]:g}")
+
+
+def test_mixed_widths_and_codebooks_in_one_layer():
+    run_case(widths=(("mul1", 4.0), ("mcg", 3.0), ("mul1", 2.5), ("3inst", 2.0)), experts=8, tokens=40, seed=3)
+    run_case(widths=(("mul1", 4.0), ("mcg", 3.0), ("mul1", 2.5), ("3inst", 2.0)), experts=8, tokens=700, seed=4)
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (16, 2), (16, 4), (128, 8)])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 513])
+def test_experts_topk_tokens(experts, top_k, tokens):
+    run_case(experts=experts, top_k=top_k, tokens=tokens, hidden=512, inter=256, seed=experts + top_k + tokens)
+
+
+@pytest.mark.parametrize("tokens", [1025, 4096])
+def test_past_the_internal_chunk(tokens):
+    run_case(experts=16, top_k=4, tokens=tokens, hidden=256, inter=256, seed=tokens)
+
+
+@pytest.mark.parametrize("skew", ["one", "few"])
+@pytest.mark.parametrize("tokens", [5, 300])
+def test_skewed_routing(skew, tokens):
+    run_case(experts=16, top_k=2, tokens=tokens, skew=skew, seed=11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activations_and_dtypes(activation, dtype):
+    run_case(activation=activation, dtype=dtype, tokens=33, seed=5, key=f"{dtype}-{activation}")
+
+
+def test_router_weight_on_input_top1():
+    run_case(top_k=1, rwoi=True, tokens=20, seed=6)
+
+
+def test_int64_ids_and_unpadded_hidden():
+    run_case(ids_dtype=torch.int64, hidden=200, inter=300, tokens=9, seed=8)
+
+
+def test_expert_parallel_map_with_minus_one():
+    run_case(experts=16, top_k=4, tokens=50, ep=(16, [1, 4, 5, 9, 12, 15]), seed=9)
+
+
+@pytest.mark.parametrize("span", [(0, 192), (192, 384), (96, 288), (128, 256)])
+def test_tensor_parallel_slice_inside_a_block(span):
+    run_case(inter=384, tokens=17, tp=span, seed=10)
+
+
+def test_sums_of_tp_ranks_and_ep_ranks_equal_the_whole():
+    hidden, inter, experts, top_k, tokens = 256, 384, 8, 2, 24
+    weights = make_weights(hidden, inter, experts, [("mul1", 3.0)], seed=12)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=torch.float16)
+    topk_weights, topk_ids = routing(tokens, experts, top_k, 12)
+    whole = expert_stack(weights, list(range(experts)))
+    full = BACKEND.moe(x, topk_weights, topk_ids, None, whole, BACKEND.prepare_moe(whole, top_k, tokens), "silu",
+                       False).float()
+    tp_sum = sum(BACKEND.moe(x, topk_weights, topk_ids, None, s, BACKEND.prepare_moe(s, top_k, tokens), "silu",
+                             False).float()
+                 for s in (expert_stack(weights, list(range(experts)), 0, 160),
+                           expert_stack(weights, list(range(experts)), 160, 384)))
+    ep_sum = 0
+    for part in ([0, 2, 4, 6], [1, 3, 5, 7]):
+        emap = torch.full((experts,), -1, dtype=torch.int32, device=DEV)
+        emap[part] = torch.arange(len(part), dtype=torch.int32, device=DEV)
+        s = expert_stack(weights, part)
+        ep_sum = ep_sum + BACKEND.moe(x, topk_weights, topk_ids, emap, s, BACKEND.prepare_moe(s, top_k, tokens),
+                                      "silu", False).float()
+    assert rel(tp_sum, full) < 2e-3 and rel(ep_sum, full) < 2e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+def test_graph_replay_bitwise_equal_and_deterministic(tokens):
+    x, tw, ti, emap, stack, prepared, y = run_case(experts=16, top_k=4, tokens=tokens, seed=13)
+    again = BACKEND.moe(x, tw, ti, emap, stack, prepared, "silu", False)
+    assert torch.equal(again, y), "two eager runs differ"
+    static_x, static_w, static_i = x.clone(), tw.clone(), ti.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.graph(graph):
+        out = BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)
+    assert torch.cuda.memory_allocated() - before <= out.numel() * out.element_size() + 4096
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y), "graph replay differs from eager"
+    # new inputs through the same graph: the routing is recomputed on the device
+    tw2, ti2 = routing(tokens, 16, 4, 99)
+    static_x.copy_(torch.randn_like(x))
+    static_w.copy_(tw2)
+    static_i.copy_(ti2)
+    graph.replay()
+    eager = BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_no_sixteen_bit_copy_of_the_experts():
+    """prepare_moe keeps two small key tensors; the only other memory is the shared workspace."""
+    hidden, inter, experts = 2048, 768, 16
+    weights = make_weights(hidden, inter, experts, [("mcg", 4.0)], seed=14)
+    stack = expert_stack(weights, list(range(experts)))
+    packed = sum(t.numel() * t.element_size() for t in (stack.w13_trellis, stack.w2_trellis))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    prepared = BACKEND.prepare_moe(stack, 8, 1)  # 1 token: the workspace adds ~1 MB at most
+    after = torch.cuda.memory_allocated()
+    assert sum(t.numel() * t.element_size() for t in prepared) < 4096
+    assert after - before < 0.05 * packed, (after - before, packed)
+
+
+def test_through_the_custom_op():
+    x, tw, ti, emap, stack, prepared, y = run_case(tokens=12, seed=15)
+    e = stack
+    z = torch.ops.vllm_exl3.moe(x, tw, ti, torch.empty(0, dtype=torch.int32, device=DEV), e.w13_trellis, e.w13_suh,
+                                e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared, list(e.w13_words),
+                                list(e.w2_words), [CODEBOOKS.index(c) for c in e.codebooks],
+                                ACTIVATIONS.index("silu"), False, PREFERENCE.index("native"), e.inter_offset,
+                                e.inter_size)
+    assert torch.equal(z, y)
+
+
+def test_auto_picks_native_for_moe_on_cuda(monkeypatch):
+    from vllm_exl3.kernels import selection, specs
+
+    monkeypatch.setenv("VLLM_EXL3_KERNEL", "auto")
+    spec = specs.MoESpec(("mcg",) * 3, (4.0,) * 3, 2048, 768, 128, "silu", torch.bfloat16, "cuda")
+    assert selection.choose_moe_backend(spec).name == "native"

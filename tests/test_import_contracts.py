@@ -1,0 +1,36 @@
+"""The package's layering holds: import-linter's contracts in pyproject.toml (layers, only `integration` imports
+vLLM, `appliance` and the header-only `format` modules stay free of torch), and at run time the appliance and the
+header-only format modules import without loading torch or vLLM (Docker's HEALTHCHECK must work when they cannot)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_FREE = ["vllm_exl3.appliance." + m for m in ("health", "launch", "memory_plan", "preflight", "supervisor_listener",
+                                                   "settings")] + \
+    ["vllm_exl3.format." + m for m in ("constants", "errors", "headers", "records", "pack", "index", "contract",
+                                        "geometry", "units", "summary")] + ["vllm_exl3.kernels.choice"]
+
+
+def test_import_linter_contracts_hold():
+    pytest.importorskip("importlinter")
+    r = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports; "
+                        "sys.exit(lint_imports(config_filename='pyproject.toml'))"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_imports_without_torch_or_vllm(module):
+    code = (f"import sys, {module}\n"
+            "loaded = sorted(m for m in ('torch', 'vllm') if m in sys.modules)\n"
+            "assert not loaded, loaded")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "plugin"), os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-2000:]
