@@ -1,0 +1,113 @@
+"""Whole model on the GPU: the fixture packs' tiny MoE models run by transformers' own model classes (fp16), with
+every EXL3 linear replaced by the native dense op and every routed-experts block by the native MoE op, reproduce
+the logits ExLlamaV3 computed from the same pack (golden/logits.safetensors), within the CPU logits test's bounds
+(tests/format/test_model_logits.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from vllm_exl3.dev.synthetic import expert_stack  # noqa: E402
+from vllm_exl3.format.pack import Pack  # noqa: E402
+from vllm_exl3.format.tensors import load_weights  # noqa: E402
+from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+
+get_backend("torch")
+from vllm_exl3.kernels.backends import native  # noqa: E402
+
+if native.unavailable_reason():
+    if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":
+        raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
+    pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "format"))
+from test_model_logits import dequantized_checkpoint  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
+PACKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden" / "logits.safetensors").is_file())
+DEV = "cuda"
+PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _cuda(w):
+    return type(w)(w.trellis.to(DEV), w.suh.to(DEV), w.svh.to(DEV), w.codebook, w.bits,
+                   None if w.bias is None else w.bias.to(DEV))
+
+
+class NativeLinear(torch.nn.Module):
+    def __init__(self, w, out_features):
+        super().__init__()
+        self.w, self.out_features = w, out_features
+
+    def forward(self, x):
+        shape = x.shape
+        y = native.linear(x.reshape(-1, shape[-1]).contiguous(), self.w, 0, 0, self.out_features)
+        if self.w.bias is not None:
+            y = y + self.w.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class NativeExperts(torch.nn.Module):
+    """transformers' experts module contract: (hidden [T, H], top-k ids, top-k weights) -> [T, H]."""
+
+    def __init__(self, stack, top_k):
+        super().__init__()
+        self.stack = stack
+        self.backend = get_backend("native")
+        self.prepared = self.backend.prepare_moe(stack, top_k, 1024)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.backend.moe(hidden_states.contiguous(), top_k_weights.float(), top_k_index, None, self.stack,
+                                self.prepared, "silu", False)
+
+
+def _replace(model, name, module):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+@pytest.mark.parametrize("pack", PACKS)
+def test_logits_match_exllamav3_on_native_kernels(pack, tmp_path):
+    root = FIXTURES / pack
+    golden = load_file(root / "golden" / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(dequantized_checkpoint(root, tmp_path),
+                                                              dtype=torch.float16).to(DEV).eval()
+    linears = Pack.open(root).linears()
+    experts: dict[str, dict[int, list]] = {}
+    replaced = 0
+    for name, lin in linears.items():
+        head, sep, tail = name.partition(".experts.")
+        if sep:  # model.layers.N.mlp.experts.E.gate_proj
+            e, proj = tail.split(".")
+            experts.setdefault(head + ".experts", {}).setdefault(int(e), [None] * 3)[PROJ.index(proj)] = \
+                _cuda(load_weights(lin))
+            continue
+        target = model.get_submodule(name)
+        _replace(model, name, NativeLinear(_cuda(load_weights(lin)), target.out_features))
+        replaced += 1
+    top_k = model.config.num_experts_per_tok
+    for name, per_expert in experts.items():
+        weights = [per_expert[e] for e in sorted(per_expert)]
+        _replace(model, name, NativeExperts(expert_stack(weights, list(range(len(weights)))), top_k))
+    assert replaced and experts, "nothing replaced: the test would compare the dequantized model with itself"
+    with torch.no_grad():
+        logits = model(golden["input_ids"].to(DEV)).logits.float().cpu()
+    expected = golden["logits"].float()
+    rel = ((logits - expected).norm() / expected.norm()).item()
+    agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(f"{pack}: rel {rel:.2e}, top-1 agreement {agree:.3f}")
+    assert rel <= 2e-2, rel
+    assert agree >= 0.97, agree
