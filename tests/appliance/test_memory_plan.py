@@ -92,7 +92,9 @@ def test_context_is_capped_by_kv_memory():
 
 
 def tight_activations() -> int:
-    return large_moe(0).activation_bytes(1, Request().max_num_batched_tokens, Request().max_num_seqs)
+    shape, req = large_moe(0), Request()
+    return (shape.activation_bytes(1, req.max_num_batched_tokens, req.max_num_seqs)
+            + shape.moe_workspace_bytes(1, req.max_num_batched_tokens))
 
 
 def test_too_big_for_one_spark_is_refused_with_advice_and_fits_on_two():
@@ -142,3 +144,19 @@ def test_model_max_len_as_vllm_derives_it():
     assert model_max_len({"max_position_embeddings": 40960}, {"model_max_length": 32768}) == 32768
     assert model_max_len({}) is None
     assert model_shape(Pack.open(demo.PACK)).max_position_embeddings == 1024
+
+
+def test_moe_workspace_counts_the_native_backends_shared_buffer():
+    """Qwen3-30B-A3B on one node at the full 1024-token step: 8192 (token, k) pairs, I = 768, H = 2048."""
+    shape = ModelShape.from_config({"num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                                    "head_dim": 128, "hidden_size": 2048, "vocab_size": 151936,
+                                    "moe_intermediate_size": 768, "num_experts_per_tok": 8}, weight_bytes=1)
+    pairs = 8192
+    expected = pairs * 2 * 768 * 4 + max(pairs * 2 * 2048 * 2, pairs * 768 * 2 + pairs * 2048 * 4)
+    assert shape.moe_workspace_bytes(1, 4096) == expected  # capped at the op's 1024-token chunk
+    assert shape.moe_workspace_bytes(1, 512) == expected // 2
+    # TP 2 halves the intermediate slice (384, already a multiple of 128); dense models hold none
+    assert shape.moe_workspace_bytes(2, 1024) == pairs * 2 * 384 * 4 + max(pairs * 2 * 2048 * 2,
+                                                                           pairs * 384 * 2 + pairs * 2048 * 4)
+    dense = ModelShape.from_config({"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4}, 1)
+    assert dense.moe_workspace_bytes(1, 1024) == 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..format.geometry import ceil_to
 from ..format.units import GIB, format_bytes
 
 KIB = 2**10
@@ -108,6 +109,9 @@ class PlanSettings:
         return cls(**{known[k]: v for k, v in table.items()})
 
 
+MOE_CHUNK_TOKENS = 1024  # tokens per internal step of the native MoE op (csrc/moe_bindings.cpp kMoeChunkTokens)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the plan needs from a model: per-node weight bytes and the dims behind KV and activations."""
@@ -164,6 +168,18 @@ class ModelShape:
         heads_per_rank = max(1, math.ceil(self.num_kv_heads / tp))
         return self.num_layers * 2 * heads_per_rank * self.head_dim * elem
 
+    def moe_workspace_bytes(self, tp: int, max_num_batched_tokens: int) -> int:
+        """The native MoE backend's one workspace per GPU, shared by every MoE layer (csrc/moe.cu,
+        moe_workspace_layout): for up to MOE_CHUNK_TOKENS tokens per step, fp32 gate/up outputs, then the larger of
+        the fp16 gate/up inputs and the fp16 down inputs plus fp32 per-(token, k) slots. The experts themselves stay
+        packed: the backend keeps no 16-bit copy."""
+        if not (self.moe_intermediate and self.experts_per_token):
+            return 0
+        pairs = min(max_num_batched_tokens, MOE_CHUNK_TOKENS) * self.experts_per_token
+        inter = ceil_to(-(-self.moe_intermediate // tp))
+        hidden = ceil_to(self.hidden_size)
+        return pairs * 2 * inter * 4 + max(pairs * 2 * hidden * 2, pairs * inter * 2 + pairs * hidden * 4)
+
     def activation_bytes(self, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Peak activation estimate of one engine step at the full token budget (vLLM's profiling run)."""
         per_token = HIDDEN_BUFFERS_PER_TOKEN * self.hidden_size
@@ -210,6 +226,7 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
     tp = max(1, req.tp)
     weights = math.ceil(model.weight_bytes / tp)  # every sharded group splits evenly across the TP ranks
     activations = model.activation_bytes(tp, req.max_num_batched_tokens, req.max_num_seqs)
+    activations += model.moe_workspace_bytes(tp, req.max_num_batched_tokens)
     overhead = int(settings.runtime_overhead_gib * GIB)
     headroom = int(settings.headroom_gib * GIB)
     kv_per_token = model.kv_bytes_per_token(tp, req.kv_cache_dtype)
