@@ -30,8 +30,9 @@ def test_every_variable_in_the_repository_is_in_the_table():
     assert not missing, f"add these to appliance/settings.py: {missing}"
 
 
-def test_readme_loader_table_and_reader_defaults_agree():
-    rows = re.findall(r"^\| `(\w+)` \| `(VLLM_EXL3_\w+)` \| ([^|]+) \|", (ROOT / "README.md").read_text(), re.M)
+def test_loader_table_and_reader_defaults_agree():
+    """docs/performance.md's loader table (the `--model-loader-extra-config` keys) against the settings table."""
+    rows = re.findall(r"^\| `(\w+)` \| `(VLLM_EXL3_\w+)` \| ([^|]+) \|", (ROOT / "docs" / "performance.md").read_text(), re.M)
     assert rows
     for _key, name, value in rows:
         assert value.strip() == settings.default(name), name

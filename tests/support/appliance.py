@@ -44,11 +44,11 @@ def compose_binary() -> str | None:
     return str(binary) if binary.is_file() else None
 
 
-def required(name: str, path: str | None) -> str:
+def required(name: str, path: str | None, how: str = "`scripts/bootstrap --test` installs it") -> str:
     """The tool's path; a missing tool skips the test, or fails it under VLLM_EXL3_REQUIRE_TOOLS=1 (CI)."""
     if path:
         return path
-    message = f"{name} is not installed (the `test` extra and .ci/run install it)"
+    message = f"{name} is not installed, so this check is skipped ({how})"
     if os.environ.get("VLLM_EXL3_REQUIRE_TOOLS") == "1":
         pytest.fail(message)
     pytest.skip(message)

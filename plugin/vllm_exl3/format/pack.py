@@ -53,7 +53,9 @@ class Pack:
     def open(cls, root: str | os.PathLike) -> "Pack":
         root = Path(root)
         if not root.is_dir():
-            raise Exl3FormatError(root, None, "a pack directory", "no such directory")
+            raise Exl3FormatError(root, None, "a pack directory",
+                                  "a file (give the folder that holds config.json and the *.safetensors)"
+                                  if root.exists() else "no such file or directory")
         config = _read_json(root / "config.json")
         sidecar_path = root / SIDECAR_FILE
         sidecar = _read_json(sidecar_path) if sidecar_path.exists() else None

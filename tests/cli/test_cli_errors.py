@@ -1,0 +1,191 @@
+"""Every user mistake the CLI sees gets one clear paragraph and a non-zero exit, never a traceback; an unexpected
+error prints one line and where the full trace went. All through the installed `vllm-exl3` console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_exl3 import __version__, demo
+
+from conftest import pack_dir
+from servers import cpu_env, free_port
+
+PACK = pack_dir("qwen3moe-a-exl3-mcg-b3")
+
+
+def console_script() -> str:
+    script = Path(sys.executable).parent / "vllm-exl3"
+    return str(script) if script.exists() else shutil.which("vllm-exl3") or pytest.skip("no vllm-exl3 script")
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    r = subprocess.run([console_script(), *args], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    return r
+
+
+def plain_hf_model(root: Path) -> Path:
+    """A model directory as Hugging Face ships it: config without quantization, plain bf16 tensors."""
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                 "hidden_size": 8, "num_hidden_layers": 1}))
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8, dtype=torch.bfloat16)},
+              str(root / "model.safetensors"))
+    return root
+
+
+def test_version():
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"vllm-exl3 {__version__}"
+
+
+def test_unknown_option_gets_the_subcommands_usage():
+    r = cli("inspect", str(PACK), "--bogus")
+    assert r.returncode == 2
+    assert "usage: vllm-exl3 inspect" in r.stderr and "unrecognized arguments: --bogus" in r.stderr
+
+
+def test_vllm_options_before_the_separator_are_refused_with_the_way_to_pass_them():
+    r = cli("serve", str(PACK), "--max-model-len", "256")
+    assert r.returncode == 2 and "after `--`" in r.stderr and "-- --max-model-len 256" in r.stderr
+
+
+def test_separator_on_a_command_that_passes_nothing_to_vllm():
+    r = cli("inspect", str(PACK), "--", "--x")
+    assert r.returncode == 2 and "passes nothing to vLLM" in r.stderr
+
+
+def test_broken_pipe_is_quiet():
+    """`vllm-exl3 inspect --json PACK | head`: the reader went away before the output was written."""
+    proc = subprocess.Popen([console_script(), "inspect", "--json", str(PACK)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(120) == 141
+    assert err == "", err
+
+
+def test_inspect_and_dequant_refuse_a_plain_hf_model(tmp_path):
+    model = plain_hf_model(tmp_path / "llama")
+    r = cli("inspect", str(model))
+    assert r.returncode == 1 and "is not an EXL3 pack" in r.stderr and "no quantization_config" in r.stderr
+    assert r.stdout == ""
+    r = cli("dequant", str(model), "-o", str(tmp_path / "w.safetensors"))
+    assert r.returncode == 1 and "is not an EXL3 pack" in r.stderr and "None" not in r.stderr
+
+
+def test_a_file_where_a_directory_is_expected(tmp_path):
+    r = cli("inspect", str(PACK / "model.safetensors"))
+    assert r.returncode == 1 and "a file (give the folder" in r.stderr and "no such" not in r.stderr
+    r = cli("verify", str(tmp_path / "missing"))
+    assert r.returncode == 1 and "no such file or directory" in r.stderr
+
+
+def test_dequant_into_a_missing_folder(tmp_path):
+    r = cli("dequant", str(PACK), "-o", str(tmp_path / "no" / "such" / "w.safetensors"))
+    assert r.returncode == 1 and "does not exist" in r.stderr and "mkdir -p" in r.stderr
+    r = cli("dequant", str(PACK), "-o", str(tmp_path))
+    assert r.returncode == 1 and "is a directory" in r.stderr
+
+
+@pytest.mark.parametrize("workers", ["a,b", "0", "1,-2", ""])
+def test_load_bench_worker_counts(workers):
+    r = cli("load-bench", str(PACK), "--workers", workers)
+    assert r.returncode == 2 and "positive integers" in r.stderr and "usage: vllm-exl3 load-bench" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_load_bench_on_cuda_without_cuda():
+    r = cli("load-bench", str(PACK), "--device", "cuda")
+    assert r.returncode == 2 and "no usable CUDA device" in r.stderr
+
+
+def test_load_bench_on_a_missing_pack(tmp_path):
+    r = cli("load-bench", str(tmp_path / "nothing"))
+    assert r.returncode == 1 and "no such model directory" in r.stderr
+
+
+def test_serve_parses_its_options_after_the_pack():
+    # --demo after PACK is ours (not vLLM's): both given is the user's mistake, reported at once
+    r = cli("serve", str(PACK), "--once", "--demo")
+    assert r.returncode == 2 and "give a PACK directory or --demo" in r.stderr
+
+
+def test_serve_on_a_busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = cli("serve", str(demo.PACK), "--port", str(port), "--once")
+    assert r.returncode == 1 and f"cannot serve on 127.0.0.1:{port}" in r.stderr and "--port N" in r.stderr
+    assert "starting" not in r.stdout
+
+
+def test_launch_with_a_missing_meminfo_file(tmp_path):
+    r = cli("launch", str(demo.PACK), "--role", "single", "--dry-run", "--meminfo", str(tmp_path / "spark.meminfo"))
+    assert r.returncode == 2 and "no such file" in r.stderr and "/proc/meminfo" in r.stderr
+
+
+def test_launch_and_preflight_take_the_pack_as_an_argument():
+    r = cli("launch", str(demo.PACK), "--role", "single", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"vllm serve {demo.PACK} ") and "preflight: ok   pack" in r.stderr
+    r = cli("preflight", str(demo.PACK), "--", "--max-num-seqs", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"vllm serve {demo.PACK} ") and r.stdout.rstrip().endswith("--max-num-seqs 4")
+    assert "role single" in r.stderr
+
+
+def test_preflight_refuses_a_missing_pack(tmp_path):
+    r = cli("preflight", str(tmp_path / "model"))
+    assert r.returncode == 78 and "FAIL pack" in r.stderr
+
+
+def test_worker_dry_run_before_the_head_is_up():
+    r = cli("preflight", str(demo.PACK), "--role", "worker",
+            env={"VLLM_EXL3_HEAD_ADDR": "127.0.0.1", "VLLM_EXL3_MASTER_PORT": str(free_port())})
+    assert r.returncode == 0, r.stderr
+    assert "preflight: --   head rendezvous:" in r.stderr and "not checked" in r.stderr
+    assert "--headless" in r.stdout
+
+
+def test_unexpected_error_prints_one_line_and_the_trace_file(tmp_path):
+    """A bug (here: injected into the report code at start-up) is one line plus the path of the full trace."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import vllm_exl3.report as r\n"
+        "def boom(*a, **k):\n"
+        "    raise RuntimeError('injected failure')\n"
+        "r.summarize = boom\n")
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    r = cli("inspect", str(PACK), env={"PYTHONPATH": path, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 70
+    assert "internal error: RuntimeError: injected failure" in r.stderr
+    (trace,) = tmp_path.glob("vllm-exl3-error-*.txt")
+    assert str(trace) in r.stderr and "Traceback" in trace.read_text() and "injected failure" in trace.read_text()
+
+
+@pytest.mark.e2e
+def test_serve_a_pack_without_chat_template_answers_and_skips_chat(tmp_path):
+    """The bundled pack's tokenizer has no chat template: without --demo's template, serve must still work."""
+    pack = tmp_path / "tiny"
+    shutil.copytree(demo.PACK, pack)
+    log = tmp_path / "vllm.log"
+    r = cli("serve", str(pack), "--once", "--port", str(free_port()), "--log", str(log), env=cpu_env(),
+            timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HTTP     completion (" in r.stdout and "chat: skipped" in r.stdout and "--chat-template" in r.stdout
+    assert f"log: {log}" in r.stdout and "Application startup complete" in log.read_text()
+    assert "backend  " in r.stdout and "next:" in r.stdout
+    text = log.read_text()
+    assert "force killing" not in text and "leaked" not in text  # a clean shutdown
