@@ -25,12 +25,13 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 constexpr int kRouteThreads = kMoeMaxExperts;
 
 // The local expert of pair p, or -1 (another rank's expert, or an id out of range).
-__device__ __forceinline__ int local_expert(const void* topk_ids, bool ids64, const int* expert_map, int global_experts,
-                                            int experts, int p) {
-  const long long id = ids64 ? static_cast<const long long*>(topk_ids)[p] : static_cast<const int*>(topk_ids)[p];
+__device__ __forceinline__ int local_expert(const MoeIds& ids, int p) {
+  const long long id =
+      ids.ids64 ? static_cast<const long long*>(ids.topk_ids)[p] : static_cast<const int*>(ids.topk_ids)[p];
   int e = -1;
-  if (id >= 0 && (expert_map ? id < global_experts : id < experts)) e = expert_map ? expert_map[id] : static_cast<int>(id);
-  return e < experts ? e : -1;  // a map entry past this rank's experts: not local
+  if (id >= 0 && (ids.expert_map ? id < ids.global_experts : id < ids.experts))
+    e = ids.expert_map ? ids.expert_map[id] : static_cast<int>(id);
+  return e < ids.experts ? e : -1;  // a map entry past this rank's experts: not local
 }
 
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeRouteArgs a) {
@@ -43,12 +44,12 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const MoeRoute
   cursor[t] = 0;
   __syncthreads();
   for (int p = t; p < a.pairs; p += kRouteThreads) {
-    const int e = local_expert(a.topk_ids, a.ids64, a.expert_map, a.global_experts, a.experts, p);
+    const int e = local_expert(a.ids, p);
     a.pair_expert[p] = e;
     if (e >= 0) atomicAdd(&count[e], 1);
   }
   __syncthreads();
-  const int n = t < a.experts ? count[t] : 0;
+  const int n = t < a.ids.experts ? count[t] : 0;
   const int chunks = (n + a.rows_per_chunk - 1) / a.rows_per_chunk;
   int offset, chunk0, total_chunks;
   Scan(scan_tmp).ExclusiveSum(n, offset);
@@ -139,7 +140,7 @@ __device__ __forceinline__ void mul_suh8(float (&v)[8], const __half* suh) {
 __global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherArgs a) {
   griddep_launch_dependents();
   const int pair = blockIdx.x;
-  const int expert = local_expert(a.topk_ids, a.ids64, a.expert_map, a.global_experts, a.experts, pair);
+  const int expert = local_expert(a.ids, pair);
   if (blockIdx.x == 0 && blockIdx.y == 0) griddep_wait();
   if (expert < 0) return;
   const int lane = threadIdx.x % kWarp, sub = lane % 16;
@@ -328,7 +329,7 @@ cudaError_t moe_prepare(int bits2, int codebook) {
 }
 
 cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
-  if (a.experts > kMoeMaxExperts || a.experts <= 0) return cudaErrorInvalidValue;
+  if (a.ids.experts > kMoeMaxExperts || a.ids.experts <= 0) return cudaErrorInvalidValue;
   void* args[] = {const_cast<MoeRouteArgs*>(&a)};
   return launch_kernel(reinterpret_cast<const void*>(&moe_route_kernel), dim3(1), dim3(kRouteThreads), 0, false,
                        stream, args);

@@ -53,12 +53,17 @@ constexpr int kMoeMaxSplits = 4;
 constexpr int kMoeSplitMaxPairs = 256;
 int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 
-struct MoeRouteArgs {
+// The router's choice: which expert each (token, k) pair goes to, and which experts are this rank's.
+struct MoeIds {
   const void* topk_ids;  // [pairs], int32 or int64 (ids64)
   bool ids64;
   const int* expert_map;  // [global experts] -> local id or -1; null: ids are local
-  int global_experts;
-  int pairs, experts, rows_per_chunk;
+  int global_experts, experts;
+};
+
+struct MoeRouteArgs {
+  MoeIds ids;
+  int pairs, rows_per_chunk;
   int* pair_expert;   // [pairs] local expert or -1
   int* sorted_pairs;  // [pairs] pair indices grouped by expert
   int* chunk_expert;  // [chunk_bound]
@@ -71,10 +76,7 @@ cudaError_t launch_moe_route(const MoeRouteArgs& a, cudaStream_t stream);
 // Step 2: gate/up inputs. x [tokens, hidden] (row stride x_stride); pair p reads token p / top_k, optionally scaled by
 // its router weight (top-1 models apply it on the input).
 struct MoeGatherArgs {
-  const void* topk_ids;  // as MoeRouteArgs: the gather finds each pair's local expert itself (runs beside routing)
-  bool ids64;
-  const int* expert_map;
-  int global_experts, experts;
+  MoeIds ids;  // the gather finds each pair's local expert itself (it runs beside the routing kernel)
   const void* x;
   int x_dtype;
   long long x_stride;

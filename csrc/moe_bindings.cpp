@@ -230,12 +230,12 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     const float* pair_w = weights.data_ptr<float>() + t0 * top_k;
 
     exl3::MoeRouteArgs ra{};
-    ra.topk_ids = static_cast<const char*>(ids.data_ptr()) + t0 * top_k * ids.element_size();
-    ra.ids64 = ids.scalar_type() == at::kLong;
-    ra.expert_map = has_map ? expert_map.data_ptr<int>() : nullptr;
-    ra.global_experts = has_map ? static_cast<int>(expert_map.numel()) : static_cast<int>(experts);
+    ra.ids.topk_ids = static_cast<const char*>(ids.data_ptr()) + t0 * top_k * ids.element_size();
+    ra.ids.ids64 = ids.scalar_type() == at::kLong;
+    ra.ids.expert_map = has_map ? expert_map.data_ptr<int>() : nullptr;
+    ra.ids.global_experts = has_map ? static_cast<int>(expert_map.numel()) : static_cast<int>(experts);
+    ra.ids.experts = static_cast<int>(experts);
     ra.pairs = pairs;
-    ra.experts = static_cast<int>(experts);
     ra.rows_per_chunk = rows;
     ra.pair_expert = pair_expert;
     ra.sorted_pairs = sorted;
@@ -246,11 +246,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     check_cuda(exl3::launch_moe_route(ra, stream), "MoE routing");
 
     exl3::MoeGatherArgs ga{};
-    ga.topk_ids = ra.topk_ids;
-    ga.ids64 = ra.ids64;
-    ga.expert_map = ra.expert_map;
-    ga.global_experts = ra.global_experts;
-    ga.experts = ra.experts;
+    ga.ids = ra.ids;
     ga.x = static_cast<const char*>(x.data_ptr()) + t0 * x.stride(0) * x.element_size();
     ga.x_dtype = xdt;
     ga.x_stride = x.stride(0);

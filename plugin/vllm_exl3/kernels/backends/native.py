@@ -20,16 +20,16 @@ import functools
 
 import torch
 
-from ...format.constants import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK
+from ...format.constants import CODEBOOKS
 from ...format.tensors import Exl3Weights
 from ..backend import Backend, register_backend
 from ..specs import LinearSpec, MoESpec
 from . import native_moe
+from .native_limits import limits_reason
 
 # `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
 (PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
  PATH_PANEL, PATH_RECON_ORIGINAL) = range(8)
-ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,19 +108,8 @@ class NativeBackend(Backend):
         return unavailable_reason()
 
     def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
-        if spec.device_type != "cuda":
-            return f"needs a CUDA device (layer on {spec.device_type})"
-        if spec.act_dtype not in ACT_DTYPES:
-            return f"activations must be fp16 or bf16, not {spec.act_dtype}"
-        if spec.codebook not in CODEBOOKS:
-            return f"unknown codebook {spec.codebook!r}"
-        if spec.bits != int(spec.bits) and (spec.codebook != CODEBOOK_MUL1 or spec.bits > 3.5):
-            return f"{spec.bits:g} bits needs the mul1 codebook"
-        if not 1 <= spec.bits <= 8:
-            return f"{spec.bits:g} bits outside 1..8"
-        if spec.in_padded % HADAMARD_BLOCK or spec.out_padded % HADAMARD_BLOCK:
-            return "stored dims must be multiples of 128"
-        return None
+        return limits_reason(spec.device_type, spec.act_dtype, [(spec.codebook, spec.bits)],
+                             [spec.in_padded, spec.out_padded])
 
     def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
         # The kernels read the stored layout as is: no repacked copy, no extra memory.

@@ -15,13 +15,13 @@ import logging
 
 import torch
 
-from ...format.constants import CODEBOOK_MUL1, CODEBOOKS, HADAMARD_BLOCK
+from ...format.constants import CODEBOOKS
 from ..specs import ACTIVATIONS, ExpertStack, MoESpec
+from .native_limits import limits_reason
 
 logger = logging.getLogger("vllm_exl3.kernels")
 
 MAX_LOCAL_EXPERTS = 1024  # csrc/moe.h kMoeMaxExperts
-ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def register_fakes() -> None:
@@ -38,24 +38,12 @@ def register_fakes() -> None:
 
 
 def unsupported_reason(spec: MoESpec) -> str | None:
-    if spec.device_type != "cuda":
-        return f"needs a CUDA device (layer on {spec.device_type})"
-    if spec.act_dtype not in ACT_DTYPES:
-        return f"activations must be fp16 or bf16, not {spec.act_dtype}"
     if spec.activation not in ACTIVATIONS:
         return f"activation {spec.activation!r} not one of {ACTIVATIONS}"
     if not 1 <= spec.num_local_experts <= MAX_LOCAL_EXPERTS:
         return f"{spec.num_local_experts} local experts (the routing kernel takes 1..{MAX_LOCAL_EXPERTS})"
-    if spec.hidden_padded % HADAMARD_BLOCK or spec.intermediate_padded % HADAMARD_BLOCK:
-        return "stored dims must be multiples of 128"
-    for cb, bits in zip(spec.codebooks, spec.bits):
-        if cb not in CODEBOOKS:
-            return f"unknown codebook {cb!r}"
-        if bits != int(bits) and (cb != CODEBOOK_MUL1 or bits > 3.5):
-            return f"{bits:g} bits needs the mul1 codebook"
-        if not 1 <= bits <= 8:
-            return f"{bits:g} bits outside 1..8"
-    return None
+    return limits_reason(spec.device_type, spec.act_dtype, zip(spec.codebooks, spec.bits),
+                         [spec.hidden_padded, spec.intermediate_padded])
 
 
 @functools.lru_cache(maxsize=None)
