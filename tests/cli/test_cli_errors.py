@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from vllm_exl3 import __version__, demo
 
 from conftest import pack_dir
-from servers import cpu_env, free_port
+from support.servers import cpu_env, free_port
 
 PACK = pack_dir("qwen3moe-a-exl3-mcg-b3")
 
@@ -163,7 +163,7 @@ def test_worker_dry_run_before_the_head_is_up():
 def test_unexpected_error_prints_one_line_and_the_trace_file(tmp_path):
     """A bug (here: injected into the report code at start-up) is one line plus the path of the full trace."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import vllm_exl3.report as r\n"
+        "import vllm_exl3.format.summary as r\n"
         "def boom(*a, **k):\n"
         "    raise RuntimeError('injected failure')\n"
         "r.summarize = boom\n")
