@@ -36,15 +36,21 @@ def test_half_integer_pack_is_mul1():
 
 
 def test_listing_reads_headers_only(tmp_path, monkeypatch):
-    """Streaming: opening and validating a pack never reads tensor data (only the 4-byte markers)."""
-    import vllm_exl3.format.records as F  # the marker check reads through records.read_bytes
+    """Streaming: opening a pack never reads tensor data, checking it reads only the 4-byte markers, and `verify`
+    adds the suh/svh scales (finiteness), never a trellis."""
+    import vllm_exl3.format.records as F  # the marker and scale checks read through records.read_bytes
 
     reads = []
     real = F.read_bytes
-    monkeypatch.setattr(F, "read_bytes", lambda rec: reads.append(rec.nbytes) or real(rec))
+    monkeypatch.setattr(F, "read_bytes", lambda rec: reads.append(rec) or real(rec))
+    pack = Pack.open(pack_dir("qwen3moe-a-exl3-mcg-b3"))
+    assert not reads
+    pack.check()
+    assert reads and all(r.nbytes == 4 for r in reads)
+    reads.clear()
     pack, problems = verify_pack(pack_dir("qwen3moe-a-exl3-mcg-b3"))
     assert not problems and pack.linears()
-    assert reads and all(n == 4 for n in reads)
+    assert {r.name.rsplit(".", 1)[1] for r in reads} == {"mcg", "suh", "svh"}
 
 
 def _linear_pack(tmp_path, **overrides):
