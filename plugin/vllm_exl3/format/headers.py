@@ -120,7 +120,7 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsFile:
             raw = f.read(header_len)
     except OSError as e:
         raise Exl3FormatError(path, None, "a readable safetensors file", f"{type(e).__name__}: {e}") from e
-    header = expect_type(loads(raw, path, "a JSON safetensors header", "header"), dict, path, "a JSON object as header")
+    header = expect_type(loads(raw, path, "a JSON safetensors header", "header", keys_are_tensors=True), dict, path, "a JSON object as header")
 
     data_start = 8 + header_len
     data_len = size - data_start

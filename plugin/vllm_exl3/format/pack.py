@@ -179,7 +179,7 @@ class Pack:
                                     repr(declared)[:80])]
         ledger = (self.sidecar or {}).get("tensor_storage") or {}
         for source, file, wanted in (("quantization_config.codebook", qc_file, lambda p: declared),
-                                     (f"the {SIDECAR_FILE} tensor_storage ledger", self.root / SIDECAR_FILE,
+                                     ("the tensor_storage ledger", self.root / SIDECAR_FILE,
                                       lambda p: ledger_codebook(ledger.get(p)))):
             wrong = [(p, lin, wanted(p)) for p, lin in linears.items() if wanted(p) not in (None, lin.codebook)]
             if wrong:

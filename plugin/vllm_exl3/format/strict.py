@@ -48,12 +48,13 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
-def _no_duplicates(file: str | os.PathLike | None):
+def _no_duplicates(file: str | os.PathLike | None, keys_are_tensors: bool):
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
             if key in out:
-                raise Exl3FormatError(file, key or None, "JSON without repeated keys",
+                tensor = key if keys_are_tensors and key not in ("dtype", "shape", "data_offsets") else None
+                raise Exl3FormatError(file, tensor or None, "JSON without repeated keys",
                                       f"the key {key!r} twice (a reader would silently keep only one)")
             out[key] = value
         return out
@@ -61,11 +62,13 @@ def _no_duplicates(file: str | os.PathLike | None):
     return hook
 
 
-def loads(raw: bytes | str, file: str | os.PathLike | None, what: str = "valid JSON", noun: str = "JSON") -> Any:
-    """JSON text -> value; duplicate keys, bad UTF-8, bad syntax and nesting too deep are `Exl3FormatError`s."""
+def loads(raw: bytes | str, file: str | os.PathLike | None, what: str = "valid JSON", noun: str = "JSON",
+          keys_are_tensors: bool = False) -> Any:
+    """JSON text -> value; duplicate keys, bad UTF-8, bad syntax and nesting too deep are `Exl3FormatError`s
+    (`keys_are_tensors`: a safetensors header, whose repeated key is named as the tensor)."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        return json.loads(text, object_pairs_hook=_no_duplicates(file))
+        return json.loads(text, object_pairs_hook=_no_duplicates(file, keys_are_tensors))
     except UnicodeDecodeError as e:
         raise Exl3FormatError(file, None, what, f"bytes that are not UTF-8 ({e})") from e
     except json.JSONDecodeError as e:
