@@ -240,3 +240,29 @@ def test_logical_features_undo_padding(tmp_path):
     pack = Pack.open(root)
     assert pack.logical_features(pack.linears()["model.layers.0.mlp.down_proj"]) == (320, 200)
 
+
+
+def test_serve_time_index_refuses_what_verify_refuses(tmp_path):
+    """`index_model` (what vLLM's config hook reads) applies the same checks: a codebook the config contradicts,
+    a duplicate key in config.json."""
+    import json
+    import shutil
+
+    from vllm_exl3.format.index import index_model
+
+    def copy():
+        root = tmp_path / f"p{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(pack_dir("qwen3moe-a-exl3-mcg-b3"), root, ignore=shutil.ignore_patterns("golden"))
+        return root
+
+    index_model(str(copy()))  # the control
+    root = copy()
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["quantization_config"]["codebook"] = "mul1"
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exl3FormatError, match="mul1 codebook that quantization_config.codebook"):
+        index_model(str(root))
+    root = copy()
+    (root / "config.json").write_text('{"model_type": "a", ' + (root / "config.json").read_text().lstrip()[1:])
+    with pytest.raises(Exl3FormatError, match="repeated keys"):
+        index_model(str(root))

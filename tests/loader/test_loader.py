@@ -561,3 +561,55 @@ def test_large_fresh_destinations_ask_for_huge_pages(tmp_path, monkeypatch):
     got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=MIB))}
     assert_identical(got, {"big": big, "small": small})
     assert advised == [big.nbytes + 4096]  # the phased allocation, once; the small tensor is not advised
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fail closed (issue 19): a file changed during a load, one dtype table
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["rewritten-in-place", "replaced"])
+def test_file_changed_during_the_load_is_named(tmp_path, how):
+    """Bytes from two versions of a file must never mix silently: a file rewritten in place (same size, new mtime)
+    or replaced (new inode) while it is read fails the load, naming the file."""
+    pack = generated_pack(tmp_path / "pack", shards=1)
+    path = pack / "model.safetensors"
+    header = read_safetensors_header(path)
+    original = path.read_bytes()
+    with pytest.raises(PackReadError) as err:
+        for i, _ in enumerate(read_tensors([header], TINY)):
+            if i == 0:
+                if how == "replaced":
+                    (pack / "new").write_bytes(original)
+                    os.replace(pack / "new", path)
+                else:
+                    with open(path, "r+b") as f:
+                        f.write(original)
+                    st = os.stat(path)
+                    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert err.value.file == str(path) and "rewritten or replaced during the load" in str(err.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("exl3-loader")]
+
+
+def test_f4_and_f8_e8m0_share_one_table_with_the_planner(tmp_path):
+    """F4 is half a byte per element (an odd last dim cannot be stored); F8_E8M0 is accepted by the header check
+    and loads: verify and the planner read the same dtype table."""
+    from vllm_exl3.format.headers import DTYPES
+    from vllm_exl3.format.tensors import TORCH_DTYPES
+
+    data = bytes(range(24))
+    header = {"e8": {"dtype": "F8_E8M0", "shape": [2, 4], "data_offsets": [0, 8]},
+              "f4": {"dtype": "F4", "shape": [4, 8], "data_offsets": [8, 24]}}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    sf = read_safetensors_header(path)
+    assert sf.tensors["f4"].nbytes == 16 and sf.tensors["f4"].storage_shape == (4, 4)
+    got = dict(read_tensors([sf], TINY))
+    assert got["e8"].dtype == torch.float8_e8m0fnu and got["e8"].shape == (2, 4)
+    assert got["f4"].dtype == torch.float4_e2m1fn_x2 and got["f4"].view(torch.uint8).flatten().tolist() == list(data[8:])
+    assert set(TORCH_DTYPES[d] for d in DTYPES)  # every dtype of the table resolves in this torch
+    header["f4"]["shape"] = [4, 7]
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    with pytest.raises(Exl3FormatError, match="packs F4 into whole bytes") as err:
+        read_safetensors_header(path)
+    assert err.value.tensor == "f4"
