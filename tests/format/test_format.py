@@ -36,15 +36,21 @@ def test_half_integer_pack_is_mul1():
 
 
 def test_listing_reads_headers_only(tmp_path, monkeypatch):
-    """Streaming: opening and validating a pack never reads tensor data (only the 4-byte markers)."""
-    import vllm_exl3.format.records as F  # the marker check reads through records.read_bytes
+    """Streaming: opening a pack never reads tensor data, checking it reads only the 4-byte markers, and `verify`
+    adds the suh/svh scales (finiteness), never a trellis."""
+    import vllm_exl3.format.records as F  # the marker and scale checks read through records.read_bytes
 
     reads = []
     real = F.read_bytes
-    monkeypatch.setattr(F, "read_bytes", lambda rec: reads.append(rec.nbytes) or real(rec))
+    monkeypatch.setattr(F, "read_bytes", lambda rec: reads.append(rec) or real(rec))
+    pack = Pack.open(pack_dir("qwen3moe-a-exl3-mcg-b3"))
+    assert not reads
+    pack.check()
+    assert reads and all(r.nbytes == 4 for r in reads)
+    reads.clear()
     pack, problems = verify_pack(pack_dir("qwen3moe-a-exl3-mcg-b3"))
     assert not problems and pack.linears()
-    assert reads and all(n == 4 for n in reads)
+    assert {r.name.rsplit(".", 1)[1] for r in reads} == {"mcg", "suh", "svh"}
 
 
 def _linear_pack(tmp_path, **overrides):
@@ -234,3 +240,29 @@ def test_logical_features_undo_padding(tmp_path):
     pack = Pack.open(root)
     assert pack.logical_features(pack.linears()["model.layers.0.mlp.down_proj"]) == (320, 200)
 
+
+
+def test_serve_time_index_refuses_what_verify_refuses(tmp_path):
+    """`index_model` (what vLLM's config hook reads) applies the same checks: a codebook the config contradicts,
+    a duplicate key in config.json."""
+    import json
+    import shutil
+
+    from vllm_exl3.format.index import index_model
+
+    def copy():
+        root = tmp_path / f"p{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(pack_dir("qwen3moe-a-exl3-mcg-b3"), root, ignore=shutil.ignore_patterns("golden"))
+        return root
+
+    index_model(str(copy()))  # the control
+    root = copy()
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["quantization_config"]["codebook"] = "mul1"
+    (root / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exl3FormatError, match="mul1 codebook that quantization_config.codebook"):
+        index_model(str(root))
+    root = copy()
+    (root / "config.json").write_text('{"model_type": "a", ' + (root / "config.json").read_text().lstrip()[1:])
+    with pytest.raises(Exl3FormatError, match="repeated keys"):
+        index_model(str(root))

@@ -332,10 +332,13 @@ def write_raw_safetensors(path: Path, entries: list[tuple[str, torch.Tensor, int
     """A safetensors file laid out by hand: each `(name, tensor, gap)` starts `gap` bytes after the previous one's
     end, and the header is padded with spaces so that the data starts at `data_phase` modulo 4096: tests choose
     every tensor's file offset modulo 4096
-    (writers such as safetensors' own keep offsets aligned; other files need not). A negative gap overlaps the
-    previous tensor (aliases; allowed by the format)."""
+    (writers such as safetensors' own keep offsets aligned; other files need not). A positive gap is filled by a U8
+    tensor `<name>.gap` (the format allows no holes); a negative one overlaps the previous tensor (aliases, which
+    the reader refuses)."""
     header, blobs, pos = {}, [], 0
     for name, tensor, gap in entries:
+        if gap > 0:
+            header[f"{name}.gap"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, pos + gap]}
         pos += gap
         data = as_bytes(tensor.contiguous()).numpy().tobytes()
         dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16",
@@ -400,12 +403,14 @@ def test_inplace_reads_every_alignment_phase(tmp_path, monkeypatch, options, dat
     assert len({o % 4096 for o in offsets.values()}) == len(entries)  # all phases differ
     got = {}
     for name, tensor in read_tensors([path], options):
+        if name not in offsets:  # a gap filler
+            continue
         if offsets[name] % tensor.element_size() == 0:  # in place: the address has the file offset's phase
             assert (tensor.data_ptr() - offsets[name]) % 4096 == 0, name
         else:  # an offset a wider dtype cannot be viewed at: an ordinary (aligned) destination, through the slot
             assert tensor.data_ptr() % tensor.element_size() == 0, name
         got[name] = tensor.clone()
-    assert_identical(got, file_reference(path))
+    assert_identical(got, {n: t for n, t in file_reference(path).items() if n in offsets})
     assert_identical(got, {name: t for name, t, _ in entries})
     stats = last_load_stats()
     assert stats.direct_io is options.direct_io
@@ -424,15 +429,15 @@ def test_inplace_threshold_keeps_small_tensors_in_the_slot(tmp_path):
     assert big.nbytes - 2 * 4096 < inplace <= big.nbytes  # all of big but its head and tail blocks
 
 
-def test_overlapping_tensors_go_through_the_slot(tmp_path, monkeypatch):
-    """Two tensors sharing bytes (aliases) cannot both receive them from one scatter read: the chunk is copied."""
-    monkeypatch.setattr(L, "INPLACE_MIN_BYTES", 1)
+def test_overlapping_tensors_are_refused_before_reading(tmp_path):
+    """Two tensors sharing bytes (aliases): the loader never hands them out; the header check names both."""
     g = torch.Generator().manual_seed(2)
     a = torch.randint(0, 256, (5 * 4096,), dtype=torch.uint8, generator=g)
     b = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8, generator=g)
     path = write_raw_safetensors(tmp_path / "alias.safetensors", [("a", a, 0), ("b", b, -4096 - 10)])
-    got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=MIB))}
-    assert_identical(got, file_reference(path))
+    with pytest.raises(Exl3FormatError, match="overlapping 'a'") as err:
+        list(read_tensors([path], ReaderOptions(workers=2, chunk_bytes=MIB)))
+    assert err.value.file == str(path) and err.value.tensor == "b"
 
 
 @pytest.mark.parametrize("direct_io", [True, False], ids=["o-direct", "buffered"])
@@ -556,3 +561,55 @@ def test_large_fresh_destinations_ask_for_huge_pages(tmp_path, monkeypatch):
     got = {n: t.clone() for n, t in read_tensors([path], ReaderOptions(workers=2, chunk_bytes=MIB))}
     assert_identical(got, {"big": big, "small": small})
     assert advised == [big.nbytes + 4096]  # the phased allocation, once; the small tensor is not advised
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fail closed (issue 19): a file changed during a load, one dtype table
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["rewritten-in-place", "replaced"])
+def test_file_changed_during_the_load_is_named(tmp_path, how):
+    """Bytes from two versions of a file must never mix silently: a file rewritten in place (same size, new mtime)
+    or replaced (new inode) while it is read fails the load, naming the file."""
+    pack = generated_pack(tmp_path / "pack", shards=1)
+    path = pack / "model.safetensors"
+    header = read_safetensors_header(path)
+    original = path.read_bytes()
+    with pytest.raises(PackReadError) as err:
+        for i, _ in enumerate(read_tensors([header], TINY)):
+            if i == 0:
+                if how == "replaced":
+                    (pack / "new").write_bytes(original)
+                    os.replace(pack / "new", path)
+                else:
+                    with open(path, "r+b") as f:
+                        f.write(original)
+                    st = os.stat(path)
+                    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert err.value.file == str(path) and "rewritten or replaced during the load" in str(err.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("exl3-loader")]
+
+
+def test_f4_and_f8_e8m0_share_one_table_with_the_planner(tmp_path):
+    """F4 is half a byte per element (an odd last dim cannot be stored); F8_E8M0 is accepted by the header check
+    and loads: verify and the planner read the same dtype table."""
+    from vllm_exl3.format.headers import DTYPES
+    from vllm_exl3.format.tensors import TORCH_DTYPES
+
+    data = bytes(range(24))
+    header = {"e8": {"dtype": "F8_E8M0", "shape": [2, 4], "data_offsets": [0, 8]},
+              "f4": {"dtype": "F4", "shape": [4, 8], "data_offsets": [8, 24]}}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    sf = read_safetensors_header(path)
+    assert sf.tensors["f4"].nbytes == 16 and sf.tensors["f4"].storage_shape == (4, 4)
+    got = dict(read_tensors([sf], TINY))
+    assert got["e8"].dtype == torch.float8_e8m0fnu and got["e8"].shape == (2, 4)
+    assert got["f4"].dtype == torch.float4_e2m1fn_x2 and got["f4"].view(torch.uint8).flatten().tolist() == list(data[8:])
+    assert set(TORCH_DTYPES[d] for d in DTYPES)  # every dtype of the table resolves in this torch
+    header["f4"]["shape"] = [4, 7]
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    with pytest.raises(Exl3FormatError, match="packs F4 into whole bytes") as err:
+        read_safetensors_header(path)
+    assert err.value.tensor == "f4"

@@ -50,9 +50,11 @@ def _gib(n: int) -> str:
     return format_bytes(n, binary=True, digits=2)
 
 
-def open_exl3_pack(path: str) -> Pack:
-    """Pack.open, plus a clear refusal of a model directory that holds no EXL3 tensors (a plain HF model)."""
+def open_exl3_pack(path: str, finite: bool = False) -> Pack:
+    """Pack.open and Pack.check (what serving checks; `finite`: the scales too), plus a clear refusal of a model
+    directory that holds no EXL3 tensors (a plain HF model)."""
     pack = Pack.open(path)
+    pack.check(finite)
     if not pack.linears():
         method = pack.quantization_config.get("quant_method")
         raise UsageError(f"{path} is not an EXL3 pack: none of its tensors is EXL3-quantized (no .trellis tensors)"
@@ -158,7 +160,10 @@ def _dequant(p: argparse.ArgumentParser):
         from ..format import dequant
 
         output_file(a.output)
-        pack = open_exl3_pack(a.pack)
+        if Path(a.output).expanduser().resolve().is_relative_to(Path(a.pack).expanduser().resolve()):
+            raise UsageError(f"-o {a.output} is inside the pack {a.pack}: writing there would change the pack; "
+                             "give a path outside it")
+        pack = open_exl3_pack(a.pack, finite=True)
         items = dequant.plan(pack, a.tensor, a.rotated, a.padded)
         if not items:
             err_console.print(f"no EXL3 linear matches {a.tensor!r} (`vllm-exl3 inspect {a.pack}` lists the groups; "

@@ -50,6 +50,14 @@ def linear_tensors(prefix: str, w: Exl3Weights) -> dict[str, torch.Tensor]:
     return out
 
 
+def _codebook_of(tensors: dict[str, Any]) -> dict[str, str]:
+    """`{"codebook": ...}` when every EXL3 linear in `tensors` shares one codebook (as the converter writes), else
+    nothing (a mixed pack declares none)."""
+    prefixes = {n.rsplit(".", 1)[0] for n in tensors if n.endswith(".trellis")}
+    found = {next((cb for cb in ("mcg", "mul1") if f"{p}.{cb}" in tensors), "3inst") for p in prefixes}
+    return {"codebook": found.pop()} if len(found) == 1 else {}
+
+
 def write_pack(root: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any] | None = None,
                shards: int = 1, index: bool | None = None) -> Path:
     """Write tensors as a pack: config.json plus one or `shards` safetensors files (+ index when sharded)."""
@@ -59,7 +67,7 @@ def write_pack(root: str | Path, tensors: dict[str, torch.Tensor], config: dict[
     root.mkdir(parents=True, exist_ok=True)
     config = dict(config or {})
     config.setdefault("quantization_config", {"quant_method": "exl3", "version": "synthetic", "bits": 4.0,
-                                              "head_bits": 6, "codebook": "mcg"})
+                                              "head_bits": 6, **_codebook_of(tensors)})
     (root / "config.json").write_text(json.dumps(config, indent=2))
     names = sorted(tensors)
     index = shards > 1 if index is None else index

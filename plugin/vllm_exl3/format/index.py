@@ -74,9 +74,7 @@ def index_model(model: str, revision: str | None = None) -> PackIndex:
     """Read and validate the pack behind `model` (a local directory or a Hub id), headers only."""
     if os.path.isdir(model):
         pack = Pack.open(model)
-        if pack.index_problems:
-            raise pack.index_problems[0]
-        pack.check_markers()
+        pack.check()
         return PackIndex.from_tensors(pack.tensors)
     try:
         tensors = _remote_tensors(model, revision)

@@ -10,18 +10,19 @@ expected, so a user can tell a truncated download from a wrong converter version
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .constants import INDEX_FILE, SIDECAR_FILE
+from .constants import CODEBOOKS, INDEX_FILE, SIDECAR_FILE
 from .errors import Exl3FormatError
 from .geometry import ceil_to
 from .headers import SafetensorsFile, TensorRecord, read_safetensors_header
-from .records import Exl3Linear, build_linear, group_exl3_tensors, marker_problem
+from .records import (Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem, scale_problem,
+                      unknown_suffix_problems)
+from .strict import expect_type, optional, read_json_object
 
 
 _EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
@@ -56,17 +57,22 @@ class Pack:
             raise Exl3FormatError(root, None, "a pack directory",
                                   "a file (give the folder that holds config.json and the *.safetensors)"
                                   if root.exists() else "no such file or directory")
-        config = _read_json(root / "config.json")
+        config = _checked_config(root / "config.json", read_json_object(root / "config.json"))
         sidecar_path = root / SIDECAR_FILE
-        sidecar = _read_json(sidecar_path) if sidecar_path.exists() else None
+        sidecar = _checked_sidecar(sidecar_path, read_json_object(sidecar_path)) if sidecar_path.exists() else None
 
         index_path = root / INDEX_FILE
         index_problems: list[Exl3FormatError] = []
         if index_path.exists():
-            index = _read_json(index_path)
+            index = read_json_object(index_path)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise Exl3FormatError(index_path, None, "a non-empty 'weight_map' object", repr(weight_map)[:80])
+            for name, fname in weight_map.items():
+                expect_type(fname, str, index_path, "a shard file name (a string) in weight_map", name)
+                if not name or fname in ("", ".", ".."):
+                    raise Exl3FormatError(index_path, name or None, "a tensor name and a shard file name in the "
+                                          "pack directory", repr(fname)[:80])
             names = sorted(set(weight_map.values()))
             for fname in names:
                 if not (root / fname).is_file():
@@ -138,6 +144,54 @@ class Pack:
             if problem:
                 raise problem
 
+    def linear_problems(self, finite: bool = False) -> list[Exl3FormatError]:
+        """Every problem with the EXL3 linears: their tensors, stray names beside them, markers, the codebook that
+        the config and the sidecar's ledger declare, and (`finite`: reads suh/svh) non-finite scales."""
+        linears, problems = {}, []
+        groups = group_exl3_tensors(self.tensors)
+        for prefix, parts in groups.items():
+            try:
+                linears[prefix] = build_linear(prefix, parts)
+            except Exl3FormatError as e:
+                problems.append(e)
+        problems += unknown_suffix_problems(self.tensors, set(groups))
+        problems += [p for p in map(marker_problem, linears.values()) if p]
+        problems += self._codebook_problems(linears)
+        if finite:
+            problems += [p for p in map(scale_problem, linears.values()) if p]
+        if not problems:
+            self._linears = linears
+        return problems
+
+    def check(self, finite: bool = False) -> None:
+        """Raise the first problem that would make the pack serve anything but exactly what it stores."""
+        problems = self.index_problems + self.linear_problems(finite)
+        if problems:
+            raise problems[0]
+
+    def _codebook_problems(self, linears: dict[str, Exl3Linear]) -> list[Exl3FormatError]:
+        in_config = isinstance(self.config.get("quantization_config"), dict)
+        qc_file = self.root / ("config.json" if in_config else SIDECAR_FILE)
+        declared = self.quantization_config.get("codebook")
+        problems = []
+        if declared is not None and declared not in CODEBOOKS:
+            return [Exl3FormatError(qc_file, None, f"quantization_config.codebook one of {', '.join(CODEBOOKS)}",
+                                    repr(declared)[:80])]
+        ledger = (self.sidecar or {}).get("tensor_storage") or {}
+        for source, file, wanted in (("quantization_config.codebook", qc_file, lambda p: declared),
+                                     ("the tensor_storage ledger", self.root / SIDECAR_FILE,
+                                      lambda p: ledger_codebook(ledger.get(p)))):
+            wrong = [(p, lin, wanted(p)) for p, lin in linears.items() if wanted(p) not in (None, lin.codebook)]
+            if wrong:
+                prefix, lin, codebook = wrong[0]
+                more = f" (and {len(wrong) - 1} more linears)" if len(wrong) > 1 else ""
+                problems.append(Exl3FormatError(
+                    lin.trellis.file, (lin.marker or lin.trellis).name,
+                    f"the {codebook} codebook that {source} ({file.name}) records for '{prefix}'",
+                    f"tensors stored with the {lin.codebook} codebook (the marker decides; decoding as either "
+                    f"would give wrong weights for one of them){more}"))
+        return problems
+
     def logical_features(self, linear: Exl3Linear) -> tuple[int, int]:
         """Best guess of a linear's unpadded (in, out) features from the model config.
 
@@ -166,17 +220,38 @@ class Pack:
         return {d for d in dims if isinstance(d, int) and d > 0}
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError as e:
-        raise Exl3FormatError(path, None, "this file in the pack", "missing file") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Exl3FormatError(path, None, "valid JSON", str(e)) from e
-    if not isinstance(data, dict):
-        raise Exl3FormatError(path, None, "a JSON object", type(data).__name__)
-    return data
+_CONFIG_INTS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "vocab_size", "q_lora_rank", "kv_lora_rank", "head_dim", "num_attention_heads", "num_key_value_heads",
+                "num_hidden_layers")
+
+
+def _checked_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the types this package reads checked (a wrong type is a format error, not a crash)."""
+    optional(config, "quantization_config", dict, path)
+    optional(config, "model_type", str, path)
+    archs = optional(config, "architectures", list, path)
+    for a in archs or ():
+        expect_type(a, str, path, "architectures as a list of strings")
+    text = optional(config, "text_config", dict, path)
+    for tc, where in ((config, ""), (text or {}, "text_config.")):
+        optional(tc, "model_type", str, path, where)
+        for key in _CONFIG_INTS:
+            optional(tc, key, int, path, where)
+    _checked_quantization(path, config.get("quantization_config") or {}, "quantization_config.")
+    return config
+
+
+def _checked_quantization(path: Path, qc: dict[str, Any], where: str) -> None:
+    optional(qc, "quant_method", str, path, where)
+    optional(qc, "codebook", str, path, where)
+
+
+def _checked_sidecar(path: Path, sidecar: dict[str, Any]) -> dict[str, Any]:
+    _checked_quantization(path, sidecar, "")
+    ledger = optional(sidecar, "tensor_storage", dict, path) or {}
+    for module, entry in ledger.items():
+        expect_type(entry, dict, path, f"tensor_storage[{module!r}] as an object")
+    return sidecar
 
 
 def verify_pack(root: str | os.PathLike) -> tuple["Pack | None", list[Exl3FormatError]]:
@@ -190,15 +265,7 @@ def verify_pack(root: str | os.PathLike) -> tuple["Pack | None", list[Exl3Format
     if str(qc.get("quant_method", "")).lower() != "exl3":
         problems.append(Exl3FormatError(pack.root / "config.json", None,
                                         "quantization_config.quant_method 'exl3'", repr(qc.get("quant_method"))))
-    linears = {}
-    for prefix, parts in group_exl3_tensors(pack.tensors).items():
-        try:
-            linears[prefix] = build_linear(prefix, parts)
-        except Exl3FormatError as e:
-            problems.append(e)
-    if not linears and not problems:
+    problems += pack.linear_problems(finite=True)
+    if not group_exl3_tensors(pack.tensors) and not problems:
         problems.append(Exl3FormatError(pack.root, None, "at least one EXL3 linear (a .trellis tensor)", "none"))
-    problems += [p for p in map(marker_problem, linears.values()) if p]
-    if not problems:
-        pack._linears = linears
     return pack, problems

@@ -160,3 +160,48 @@ def marker_problem(linear: Exl3Linear) -> Exl3FormatError | None:
     return Exl3FormatError(linear.marker.file, linear.marker.name,
                            f"the locked {linear.codebook} marker value 0x{expected:08X}",
                            f"unknown marker value 0x{value:08X}")
+
+
+# Names allowed right after an EXL3 linear's prefix: its components, and a stale `.weight` (shape-checked, dropped).
+_BESIDE_LINEAR = frozenset(f".{s}" for s in (*EXL3_SUFFIXES, "weight"))
+
+
+def unknown_suffix_problems(tensors: dict[str, TensorRecord], prefixes: set[str]) -> list[Exl3FormatError]:
+    """Tensors named after an EXL3 linear with a suffix it does not have (`down_proj.foo`, `down_proj&mcg`): a
+    renamed marker or component would otherwise be silently ignored and the linear decoded with the wrong codebook."""
+    problems = []
+    for name, rec in tensors.items():
+        for i, ch in enumerate(name):
+            if (ch.isalnum() or ch == "_") or name[:i] not in prefixes:
+                continue
+            if name[i:] not in _BESIDE_LINEAR:
+                problems.append(Exl3FormatError(
+                    rec.file, name, f"only {', '.join(sorted(_BESIDE_LINEAR))} beside the EXL3 linear '{name[:i]}'",
+                    f"the unknown suffix {name[i:]!r}"))
+            break
+    return problems
+
+
+# F16: exponent bits all ones (0x7C in the high byte) is Inf or NaN. Bytes of a high byte that are finite:
+_FINITE_HIGH = bytes(b for b in range(256) if b & 0x7C != 0x7C)
+
+
+def scale_problem(linear: Exl3Linear) -> Exl3FormatError | None:
+    """Non-finite values in `.suh`/`.svh` (F16, checked in their bytes: about 0.1 % of a pack's bytes)."""
+    for rec in (linear.suh, linear.svh):
+        if rec is None:
+            continue
+        bad = read_bytes(rec)[1::2].translate(None, _FINITE_HIGH)  # little-endian: odd bytes are the high bytes
+        if bad:
+            return Exl3FormatError(rec.file, rec.name, "finite F16 scales", f"{len(bad)} NaN or Inf value(s)")
+    return None
+
+
+def ledger_codebook(entry: Any) -> str | None:
+    """The codebook the sidecar's `tensor_storage` ledger records for one module; None when not an EXL3 entry."""
+    if not isinstance(entry, dict) or entry.get("quant_format") != "exl3":
+        return None
+    for codebook in (CODEBOOK_MCG, CODEBOOK_MUL1):
+        if f"{codebook}_multiplier" in entry:
+            return codebook
+    return CODEBOOK_3INST

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .constants import TILE
-from .headers import TensorRecord, read_bytes
+from .headers import DTYPES, TensorRecord, read_bytes
 from .records import Exl3Linear, TrellisGeometry
 
 
@@ -17,24 +17,23 @@ def read_tensor(rec: TensorRecord):
     dtype = TORCH_DTYPES[rec.dtype]
     buf = bytearray(read_bytes(rec))
     if not buf:
-        return torch.empty(rec.shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).reshape(rec.shape)
+        return torch.empty(rec.storage_shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(rec.storage_shape)
 
 
 class _TorchDtypes(dict):
-    """safetensors dtype name -> torch dtype, resolved on first use so this module imports without torch."""
+    """safetensors dtype name -> torch dtype (headers.DTYPES, the one table), resolved on first use so this module
+    imports without torch. A dtype this torch build lacks is a KeyError."""
 
     def __missing__(self, key: str):
         import torch
 
-        table = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-                 "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-                 "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-        if key not in table:
-            raise KeyError(f"safetensors dtype {key} has no torch equivalent")
-        self.update(table)
-        return table[key]
+        spec = DTYPES.get(key)
+        dtype = getattr(torch, spec.torch_name, None) if spec else None
+        if dtype is None:
+            raise KeyError(f"safetensors dtype {key} has no torch equivalent in torch {torch.__version__}")
+        self[key] = dtype
+        return dtype
 
 
 TORCH_DTYPES = _TorchDtypes()

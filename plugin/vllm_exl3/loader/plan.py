@@ -7,12 +7,12 @@ ordered by file, then offset; that order is the order tensors are handed to vLLM
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.errors import Exl3FormatError
 from ..format.geometry import ceil_to
-from ..format.headers import SafetensorsFile, TensorRecord
+from ..format.headers import FileIdentity, SafetensorsFile, TensorRecord
 from ..format.tensors import TORCH_DTYPES
 
 # O_DIRECT needs file offset, length and buffer address aligned to the device's logical block size. 4096 covers
@@ -47,6 +47,7 @@ class ReadPlan:
     files: list[Path]
     tensors: list[TensorRecord]
     chunks: list[Chunk]
+    identities: list[FileIdentity | None] = field(default_factory=list)  # of each file when its header was read
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +70,7 @@ def plan_reads(files: Iterable[SafetensorsFile], chunk_bytes: int,
     the few bytes between them); a larger tensor gets chunks of its own. `keep(name)` False skips a tensor unread.
     """
     files = list(files)
-    plan = ReadPlan([f.path for f in files], [], [])
+    plan = ReadPlan([f.path for f in files], [], [], [f.identity for f in files])
     for file_index, sf in enumerate(files):
         records = sorted((r for r in sf.tensors.values() if keep is None or keep(r.name)),
                          key=lambda r: (r.offset, r.name))

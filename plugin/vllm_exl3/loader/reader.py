@@ -38,7 +38,7 @@ import torch
 
 from ..format.errors import Exl3FormatError
 from ..format.geometry import ceil_to
-from ..format.headers import SafetensorsFile, TensorRecord, read_safetensors_header
+from ..format.headers import FileIdentity, SafetensorsFile, TensorRecord, read_safetensors_header
 from ..format.tensors import TORCH_DTYPES
 from ..format.units import format_bytes
 from .buffers import HUGE_PAGE, AlignedBuffer, RecycledHostBuffers, advise_huge_pages
@@ -87,24 +87,43 @@ def _views(segments: list[tuple[int, int, int]], start: int) -> list:
 class _OpenFile:
     """One file shared by all workers (pread needs no per-thread position). Falls back from O_DIRECT once."""
 
-    def __init__(self, path: Path, direct_io: bool):
+    def __init__(self, path: Path, direct_io: bool, identity: FileIdentity | None = None):
         self.path = path
+        self.identity = identity
         self.lock = threading.Lock()
         self.direct = False
+        self.fd = self._open(direct_io)
+
+    def _open(self, direct_io: bool) -> int:
         if direct_io and hasattr(os, "O_DIRECT"):
             try:
-                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK)
                 self.direct = True
-                return
+                return fd
             except OSError as e:
                 if e.errno != errno.EINVAL:
-                    raise PackReadError(path, 0, None, "a file that opens for reading", f"{type(e).__name__}: {e}")
-                logger.info("%s: O_DIRECT refused by the filesystem, reading through the page cache", path)
-        self.fd = self._open_buffered()
+                    raise PackReadError(self.path, 0, None, "a file that opens for reading",
+                                        f"{type(e).__name__}: {e}")
+                logger.info("%s: O_DIRECT refused by the filesystem, reading through the page cache", self.path)
+        return self._open_buffered()
+
+    def check_unchanged(self, when: str) -> None:
+        """The file is still the one whose header was read (same inode, size and mtime), both open and by path:
+        a file rewritten in place or replaced during a load would mix old and new bytes."""
+        if self.identity is None:
+            return
+        try:
+            now = {FileIdentity.of(os.fstat(self.fd)), FileIdentity.of(os.stat(self.path))}
+        except OSError as e:
+            now = {f"{type(e).__name__}: {e}"}
+        if now != {self.identity}:
+            found = ", ".join(str(n) for n in now if n != self.identity)
+            raise PackReadError(self.path, 0, None, f"the file as its header was read ({self.identity}) {when}",
+                                f"{found}: the file was rewritten or replaced during the load; load again")
 
     def _open_buffered(self) -> int:
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             raise PackReadError(self.path, 0, None, "a file that opens for reading", f"{type(e).__name__}: {e}")
         if hasattr(os, "posix_fadvise"):
@@ -179,8 +198,14 @@ class ParallelRead:
         waited = 0.0
         done = 0
         try:
-            for path in self.plan.files:  # one by one: a failure leaves the opened ones for _stop to close
-                self._files.append(_OpenFile(path, self.options.direct_io))
+            identities = self.plan.identities or [None] * len(self.plan.files)
+            for path, identity in zip(self.plan.files, identities):  # one by one: _stop closes the opened ones
+                self._files.append(_OpenFile(path, self.options.direct_io, identity))
+            # the last tensor of each file: its bytes are the file's last to land (tensors come in file order)
+            last_of_file = {}
+            for index, rec in enumerate(self.plan.tensors):
+                last_of_file[rec.file] = index
+            checks = {index: file for file, index in last_of_file.items()}
             for w in range(min(self.options.workers, len(self.plan.chunks))):
                 thread = threading.Thread(target=self._work, name=f"exl3-loader-{w}", daemon=True)
                 thread.start()
@@ -197,6 +222,8 @@ class ParallelRead:
                     if self._error is not None:
                         raise self._error
                     dest = self._dest[index]
+                if index in checks:
+                    self._files[self.plan.files.index(checks[index])].check_unchanged("after reading it")
                 waited += time.perf_counter() - wait_start
                 tensor = self._as_tensor(dest, rec)
                 done += rec.nbytes
@@ -223,8 +250,8 @@ class ParallelRead:
     def _as_tensor(self, dest: torch.Tensor | None, rec: TensorRecord) -> torch.Tensor:
         dtype = TORCH_DTYPES[rec.dtype]
         if dest is None:  # a tensor with no bytes
-            return torch.empty(rec.shape, dtype=dtype, device=self.device)
-        return dest.view(dtype).reshape(rec.shape)
+            return torch.empty(rec.storage_shape, dtype=dtype, device=self.device)
+        return dest.view(dtype).reshape(rec.storage_shape)
 
     def _release(self, index: int) -> None:
         if self._dest[index] is not None:

@@ -1,0 +1,118 @@
+"""Strict readers for everything a pack holds (header-only: no torch): regular files only, JSON without duplicate
+keys or runaway nesting, and typed access to the values read. Every refusal is an `Exl3FormatError` naming the file.
+
+A named pipe, a device or a socket where a pack file should be would block `open()` for ever; JSON with a repeated
+key silently keeps the last value (one flipped byte can drop a codebook marker). The reference safetensors reader
+refuses both; so does every reader of this package, through this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from .errors import Exl3FormatError
+
+# config.json, the index and the sidecar are small; a file beyond this is not one of them.
+MAX_JSON_BYTES = 256 * 1024 * 1024
+
+
+def open_regular(path: str | os.PathLike, what: str = "a regular file") -> int:
+    """An O_RDONLY descriptor of `path`, refused (without blocking) unless it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise Exl3FormatError(path, None, what, f"{type(e).__name__}: {e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Exl3FormatError(path, None, what, f"a {_kind(st.st_mode)} (not a regular file)")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "named pipe"), (stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _no_duplicates(file: str | os.PathLike | None, keys_are_tensors: bool):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                tensor = key if keys_are_tensors and key not in ("dtype", "shape", "data_offsets") else None
+                raise Exl3FormatError(file, tensor or None, "JSON without repeated keys",
+                                      f"the key {key!r} twice (a reader would silently keep only one)")
+            out[key] = value
+        return out
+
+    return hook
+
+
+def loads(raw: bytes | str, file: str | os.PathLike | None, what: str = "valid JSON", noun: str = "JSON",
+          keys_are_tensors: bool = False) -> Any:
+    """JSON text -> value; duplicate keys, bad UTF-8, bad syntax and nesting too deep are `Exl3FormatError`s
+    (`keys_are_tensors`: a safetensors header, whose repeated key is named as the tensor)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text, object_pairs_hook=_no_duplicates(file, keys_are_tensors))
+    except UnicodeDecodeError as e:
+        raise Exl3FormatError(file, None, what, f"bytes that are not UTF-8 ({e})") from e
+    except json.JSONDecodeError as e:
+        raise Exl3FormatError(file, None, what, f"corrupt {noun} ({e})") from e
+    except RecursionError as e:
+        raise Exl3FormatError(file, None, what, "JSON nested too deeply to be a pack file") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file of the pack (config.json, the index, the sidecar), read strictly."""
+    try:
+        fd = open_regular(path, "a regular JSON file")
+    except FileNotFoundError as e:
+        raise Exl3FormatError(path, None, "this file in the pack", "missing file") from e
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+    except OSError as e:
+        raise Exl3FormatError(path, None, "a readable JSON file", f"{type(e).__name__}: {e}") from e
+    if len(raw) > MAX_JSON_BYTES:
+        raise Exl3FormatError(path, None, f"a JSON file of at most {MAX_JSON_BYTES} bytes", "a larger file")
+    return expect_type(loads(raw, path), dict, path, "a JSON object")
+
+
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+
+
+def expect_type(value: Any, kind: type, file: str | os.PathLike | None, expected: str,
+                tensor: str | None = None) -> Any:
+    """`value` if it is a `kind` (bool is not an int here), else an `Exl3FormatError` saying `expected`."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise Exl3FormatError(file, tensor, expected, f"{type(value).__name__} {_short(value)}")
+    return value
+
+
+def optional(mapping: dict[str, Any], key: str, kind: type, file: str | os.PathLike | None,
+             where: str = "") -> Any:
+    """`mapping[key]` checked to be a `kind` when present and not null; None otherwise."""
+    value = mapping.get(key)
+    if value is None:
+        return None
+    return expect_type(value, kind, file, f"{where}{key} as {_TYPE_NAMES.get(kind, kind.__name__)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
