@@ -15,22 +15,16 @@ import sys
 
 import torch
 
-from .constants import CODEBOOK_3INST, CODEBOOK_MCG, CODEBOOK_MUL1, HADAMARD_BLOCK, MARKER_VALUE, TILE
+from .constants import (CODEBOOK_3INST, CODEBOOK_MCG, CODEBOOK_MUL1, HADAMARD_BLOCK, HALF_PAIR_MASK,  # noqa: F401
+                        HALF_PAIR_XOR, INST3_ADD, INST3_MUL, MARKER_VALUE, MUL1_BIAS, MUL1_BYTE_SUM_BASE,
+                        MUL1_INV_SCALE, STATE_BITS, TILE)
 from .records import bits_from_trellis_dim
 from .tensors import Exl3Weights
 
 if sys.byteorder != "little":  # the int16 pairs of a trellis word are little-endian uint32 (§1.5 step 3)
     raise ImportError("vllm_exl3.format.reference assumes a little-endian host")
 
-# --- §2.1 / §2.2: 3INST and MCG ------------------------------------------------------------------------------
-INST3_MUL, INST3_ADD = 89226354, 64248484
-HALF_PAIR_MASK, HALF_PAIR_XOR = 0x8FFF8FFF, 0x3B603B60
-# --- §2.3: MUL1 (byte sum of the product, then one affine step rounded once to fp16) --------------------------
-MUL1_INV_SCALE = 887 / 131072  # fp16 0x1EEE
-MUL1_BIAS = -1329 / 128  # fp16 0xC931
-MUL1_BYTE_SUM_BASE = 1024  # the dp4a accumulator starts at fp16 0x6400 = 1024.0
-
-STATE_BITS = 16
+# The codebooks' numbers (§2.1-§2.3) are format/constants.py's.
 TILE_WEIGHTS = TILE * TILE
 U32 = 0xFFFFFFFF
 _DECODE_CHUNK_STATES = 1 << 22  # states decoded per step; bounds the int64 temporaries to ~32 MB

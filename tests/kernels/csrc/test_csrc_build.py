@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from vllm_exl3.format import reference as R
+from vllm_exl3.format import constants as C
 from vllm_exl3.format.constants import CODEBOOKS
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -107,6 +108,26 @@ def decode_host(tmp_path_factory) -> Path:
                         str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     return exe
+
+
+def test_kernel_constants_match_the_python_table(tmp_path):
+    """csrc's format constants (exl3_decode.cuh, the codebook indices of exl3_kernels.h) are format/constants.py's
+    CSRC_DECODE_CONSTANTS, and the decoder's per-codebook multiplier/addend are the ones that table names."""
+    nvcc = _require("nvcc")
+    exe = tmp_path / "constants_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "constants_host.cpp"),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
+    got = {name: float(value) if "." in value else int(value) for name, value in (ln.rsplit(" ", 1) for ln in lines)}
+    for name, value in C.CSRC_DECODE_CONSTANTS.items():
+        assert got.pop(name) == value, name
+    mul = {C.CODEBOOK_3INST: C.INST3_MUL, C.CODEBOOK_MCG: C.MARKER_VALUE[C.CODEBOOK_MCG],
+           C.CODEBOOK_MUL1: C.MARKER_VALUE[C.CODEBOOK_MUL1]}
+    add = {C.CODEBOOK_3INST: C.INST3_ADD, C.CODEBOOK_MCG: 0, C.CODEBOOK_MUL1: 0}
+    for i, cb in enumerate(CODEBOOKS):
+        assert got.pop(f"codebook_mul({i})") == mul[cb] and got.pop(f"codebook_add({i})") == add[cb], cb
+    assert not got, f"printed but not in the table: {sorted(got)}"
 
 
 WIDTHS = [(cb, bits2) for cb in CODEBOOKS for bits2 in (2, 4, 6, 8, 10, 12, 14, 16)] + [

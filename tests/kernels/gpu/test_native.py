@@ -55,9 +55,9 @@ WIDTHS = [(cb, float(b)) for cb in CODEBOOKS for b in range(1, 9)] + [("mul1", 1
 WIDTH_IDS = [f"{c}-{b:g}b" for c, b in WIDTHS]
 SHAPES = [(256, 384), (320, 200), (1024, 640)]  # (in, out) logical; stored padded to 128
 ROWS = [1, 2, 5, 8, 9, 16, 17, 40, 130]
-PATHS = {"split": native.PATH_SKINNY_SPLIT, "direct": native.PATH_SKINNY_DIRECT, "plain": native.PATH_SKINNY_PLAIN,
-         "panel": native.PATH_PANEL, "recon": native.PATH_RECONSTRUCT, "orig": native.PATH_RECON_ORIGINAL,
-         "auto": native.PATH_AUTO}
+P = native.NativePath
+PATHS = {"split": P.SKINNY_SPLIT, "direct": P.SKINNY_DIRECT, "plain": P.SKINNY_PLAIN, "panel": P.PANEL,
+         "recon": P.RECONSTRUCT, "orig": P.RECON_ORIGINAL, "auto": P.AUTO}
 
 _observed: dict[str, float] = defaultdict(float)
 
@@ -163,8 +163,7 @@ def test_strided_input_and_many_rows():
     base = torch.randn(300, 1024, device=DEV, dtype=torch.float16)
     x = base[:, 100:612]  # row stride 1024
     ref = R.forward(x.float(), w)
-    for path in (native.PATH_SKINNY, native.PATH_PANEL, native.PATH_RECONSTRUCT, native.PATH_RECON_ORIGINAL,
-                 native.PATH_AUTO):
+    for path in (P.SKINNY, P.PANEL, P.RECONSTRUCT, P.RECON_ORIGINAL, P.AUTO):
         assert rel(run(x, w, path), ref) < BOUND[torch.float16]
 
 
@@ -174,12 +173,12 @@ def test_auto_takes_the_original_basis_from_a_quarter_of_the_output_columns(monk
     w = random_weights(1024, 128, 4, "mul1", seed=23, device=DEV)  # one output group: the rule says 32 rows
     for rows, expected, other in ((32, "orig", "recon"), (31, "recon", "orig")):
         x = torch.randn(rows, 1024, device=DEV, dtype=torch.float16)
-        auto = run(x, w, native.PATH_AUTO)
+        auto = run(x, w, P.AUTO)
         assert torch.equal(auto, run(x, w, PATHS[expected])), (rows, expected)
         assert not torch.equal(auto, run(x, w, PATHS[other])), (rows, other)
     monkeypatch.setenv("VLLM_EXL3_ORIGINAL_MIN_ROWS", "100000")
     x = torch.randn(32, 1024, device=DEV, dtype=torch.float16)
-    assert torch.equal(run(x, w, native.PATH_AUTO), run(x, w, PATHS["recon"]))
+    assert torch.equal(run(x, w, P.AUTO), run(x, w, PATHS["recon"]))
 
 
 def test_skinny_trace_is_a_consistent_timeline(monkeypatch):
@@ -187,9 +186,9 @@ def test_skinny_trace_is_a_consistent_timeline(monkeypatch):
     <= exit on one SM of this device, and tracing leaves the result bitwise unchanged."""
     w = random_weights(1024, 2048, 4, "mul1", seed=21, device=DEV)
     x = torch.randn(3, 1024, device=DEV, dtype=torch.float16)
-    plain = run(x, w, native.PATH_SKINNY_SPLIT)
+    plain = run(x, w, P.SKINNY_SPLIT)
     monkeypatch.setenv("VLLM_EXL3_SKINNY_TRACE", "1")
-    traced = run(x, w, native.PATH_SKINNY_SPLIT)
+    traced = run(x, w, P.SKINNY_SPLIT)
     torch.cuda.synchronize()
     t = torch.ops.vllm_exl3.skinny_trace().cpu()  # [blocks, warps, {smid, entry, data, loop end, exit}]
     assert torch.equal(plain, traced)
