@@ -164,6 +164,26 @@ def full_weight(w: Exl3Weights, w_hat: torch.Tensor | None = None) -> torch.Tens
     return hadamard_rows(wf) * w.svh.float()
 
 
+def zero_extend(x: torch.Tensor, width: int, offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, w] at columns [offset, offset + w) of a zero [M, width] input (x's dtype unless given): the padded
+    rows of W are not zero (docs/format.md §5.1), so every input column outside x must be an explicit zero."""
+    if offset < 0 or offset + x.shape[-1] > width:
+        raise ValueError(f"input of width {x.shape[-1]} at offset {offset} does not fit the padded width {width}")
+    out = x.new_zeros((x.shape[0], width), dtype=dtype or x.dtype)
+    out[:, offset:offset + x.shape[-1]] = x
+    return out
+
+
+def rotated_forward(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, w_hat: torch.Tensor, in_offset: int,
+                    out_offset: int, out_features: int, in_weight_dtype: bool = False) -> torch.Tensor:
+    """The zero-extend-and-rotate forward through Ŵ (§3.3): x [M, in] zero-extended at in_offset, H(x · suh),
+    times Ŵ, H(·) · svh, output columns [out_offset, out_offset + out_features); fp32 result. The product is fp32,
+    or with `in_weight_dtype` in Ŵ's own dtype (the torch backend's fp16 Ŵ on CUDA, fp32 accumulation)."""
+    xh = hadamard_rows(zero_extend(x, w_hat.shape[0], in_offset, torch.float32) * suh.float())
+    z = (xh.to(w_hat.dtype) @ w_hat).float() if in_weight_dtype else xh @ w_hat.float()
+    return (hadamard_rows(z) * svh.float())[:, out_offset:out_offset + out_features]
+
+
 def forward(
     x: torch.Tensor,
     w: Exl3Weights,
@@ -182,17 +202,9 @@ def forward(
     """
     if w_hat is None:
         w_hat = decode_rotated(w.trellis, w.codebook)
-    k, n = w_hat.shape
     lead, width = x.shape[:-1], x.shape[-1]
-    if in_offset < 0 or in_offset + width > k:
-        raise ValueError(f"input of width {width} at offset {in_offset} does not fit the padded width {k}")
-    out_features = n - out_offset if out_features is None else out_features
-    x2 = x.reshape(-1, width)
-    xs = torch.zeros(x2.shape[0], k, dtype=torch.float32, device=x.device)
-    xs[:, in_offset:in_offset + width] = x2.float()
-    xh = hadamard_rows(xs * w.suh.float())
-    z = xh @ w_hat.float()
-    y = (hadamard_rows(z) * w.svh.float())[:, out_offset:out_offset + out_features]
+    out_features = w_hat.shape[1] - out_offset if out_features is None else out_features
+    y = rotated_forward(x.reshape(-1, width), w.suh, w.svh, w_hat, in_offset, out_offset, out_features)
     if add_bias and w.bias is not None:
         y = y + w.bias.float()[out_offset:out_offset + out_features]
     return y.to(x.dtype).reshape(*lead, out_features)

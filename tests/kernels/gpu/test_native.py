@@ -38,7 +38,6 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
-from vllm_exl3.kernels.choice import PREFERENCE
 
 get_backend("torch")  # load every backend module (the registry loads once, on first use)
 from vllm_exl3.kernels.backends import native  # noqa: E402
@@ -209,7 +208,7 @@ def test_through_custom_op_with_native_backend():
     for rows in (1, 8, 200):
         x = torch.randn(rows, 300, device=DEV, dtype=torch.bfloat16)
         y = torch.ops.vllm_exl3.linear(x, w.trellis, w.suh, w.svh, torch.empty(0, device=DEV),
-                                       CODEBOOKS.index("mul1"), PREFERENCE.index("native"), 128, 64, 600)
+                                       "mul1", "native", 128, 64, 600)
         ref = R.forward(x.float(), w, in_offset=128, out_offset=64, out_features=600)
         assert rel(y, ref) < BOUND[torch.bfloat16]
 
