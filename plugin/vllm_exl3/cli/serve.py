@@ -8,18 +8,16 @@ and one chat request so the whole path pack -> plugin -> vLLM -> HTTP is visible
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import demo
+from ..appliance.http_client import http_json, http_request
 
 DEMO_NAME = "qwen3moe-tiny-exl3"
 
@@ -67,23 +65,15 @@ def _has_cuda() -> bool:
         return False
 
 
-def _request(url: str, body: dict | None = None, timeout: float = 120) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
-
-
 def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode} while starting (see its log above)")
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2).close()
+        status, _ = http_request(f"{base}/health", 2)
+        if status is not None and status < 400:
             return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            time.sleep(1)
+        time.sleep(1)
     raise TimeoutError(f"vLLM did not become healthy within {timeout_s:.0f} s")
 
 
@@ -91,11 +81,11 @@ def demo_requests(base: str, model: str) -> list[tuple[str, str, float]]:
     """One completion and one chat turn: (kind, text, seconds)."""
     out = []
     t0 = time.monotonic()
-    r = _request(f"{base}/v1/completions", {"model": model, "prompt": "The history of the city", "max_tokens": 24,
+    r = http_json(f"{base}/v1/completions", 120, {"model": model, "prompt": "The history of the city", "max_tokens": 24,
                                             "temperature": 0})
     out.append(("completion", r["choices"][0]["text"], time.monotonic() - t0))
     t0 = time.monotonic()
-    r = _request(f"{base}/v1/chat/completions", {"model": model, "max_tokens": 24, "temperature": 0,
+    r = http_json(f"{base}/v1/chat/completions", 120, {"model": model, "max_tokens": 24, "temperature": 0,
                                                  "messages": [{"role": "user", "content": "Say hello."}]})
     out.append(("chat", r["choices"][0]["message"]["content"], time.monotonic() - t0))
     return out
