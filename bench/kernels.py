@@ -2,7 +2,7 @@
 
     PYTHONPATH=plugin[:<exllamav3 site>] python bench/kernels.py [--exllamav3] [--quick] [--out FILE.json]
 
-Method (../shared/docs/h200-baseline.md, METHOD.md): weights rotated over enough random copies that the L2 cannot
+Method (bench/NOTES.md, "Method"): weights rotated over enough random copies that the L2 cannot
 hold them; each call timed with CUDA events while the GPU works through a queue filled behind a sleep kernel (so
 host launch overhead is not measured); medians of --iters calls after warm-up. Floors: bytes moved at the measured
 device-to-device copy bandwidth, and FLOPs at the measured bf16 cuBLAS rate of the same shape. Prints a table and
@@ -253,8 +253,8 @@ def main() -> int:
         result["exllamav3"] = "ok" if exl_ok else _import_error()
 
     # Every shape's case is built first and the row counts run outermost: light calls measured after the heavy
-    # 512/4096-row GEMMs of earlier shapes came out up to 20 % slower than in a run of light calls alone
-    # (bench/NOTES.md, v2 side-by-side run).
+    # 512/4096-row GEMMs of earlier shapes came out slower than in a run of light calls alone (bench/NOTES.md,
+    # "Method").
     cases = []
     for k, n, bits, cb in shapes:
         case = Case(k, n, bits, cb)

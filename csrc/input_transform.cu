@@ -8,11 +8,11 @@
 namespace exl3 {
 
 // ------------------------------------------------------------------------------------------------------------
-// xh = H(x * suh) per 128-block, fp32 math, one rounding to fp16 (exl3-format.md §3.3) or bf16; per-row partial sums
+// xh = H(x * suh) per 128-block, fp32 math, one rounding to fp16 (docs/format.md §3.3) or bf16; per-row partial sums
 // of the rounded fp16 xh (mul1's affine epilogue needs sum_k xh exactly as the tensor cores saw it).
 // A half-warp owns one 128-block of one row, 8 consecutive values per lane: one 16-byte load and store per lane
-// (twice the bytes in flight of 8-byte lanes, with which the kernel was latency-bound: 4096x4096 took 32.8 µs, now
-// 23.8), 3 butterfly stages in registers and 4 across lanes. A block is one row x kItBlocks 128-blocks.
+// (twice the bytes in flight of 8-byte lanes, with which the kernel was latency-bound; bench/NOTES.md, "Kernel
+// design measurements"), 3 butterfly stages in registers and 4 across lanes. A block is one row x kItBlocks 128-blocks.
 // ------------------------------------------------------------------------------------------------------------
 // Eight fp32 values as one 16-byte word of T.
 template <typename T>

@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
 // Reconstruct in the original basis, W = diag(suh) H Ŵ H diag(svh) / 128, one 128x128 block per CTA: what x itself
 // multiplies, so a call needs no input transform. From a quarter as many rows as output columns (`auto`) that
 // transform (rows x K values in and out) costs more than this kernel's extra work over the output-side one
-// (bench/NOTES.md, v4s: 54 against 41 µs for 4096x14336).
+// (bench/NOTES.md, "Path crossovers").
 // Two phases around one exchange of the block in fp16 (34 KB of shared memory):
 // * k side, warp w = tile column w: decode its 8 k-tiles, H16 inside each tile on the tensor cores (the decoded
 //   fragment of Ŵ^T, an A operand, is pair for pair the B operand of Ŵ; H16 is symmetric, so one set of registers
@@ -316,7 +316,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem) {
                : "r"(smem));
 }
 
-// Three CTAs per SM (80 registers): 54 µs for 4096x14336 against 60 with two (bench/NOTES.md, v4s).
+// Three CTAs per SM (80 registers) take less time than two (bench/NOTES.md, "Kernel design measurements").
 #ifndef EXL3_ORIG_MIN_BLOCKS  // tuning (bench VARIANTS): CTAs per SM the register budget allows
 #define EXL3_ORIG_MIN_BLOCKS 3
 #endif

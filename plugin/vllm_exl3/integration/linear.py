@@ -246,7 +246,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                               if compat.is_lm_head(layer) else 0)
 
     def tie_weights(self, layer, embed_tokens):
-        # ExLlamaV3 always writes its own lm_head (exl3-format.md §4.1): keep it even if the config says tied.
+        # ExLlamaV3 always writes its own lm_head (docs/format.md §4.1): keep it even if the config says tied.
         logger.info("EXL3 %s: keeping the pack's own lm_head instead of tying it to the embeddings", self.prefix)
         return layer
 

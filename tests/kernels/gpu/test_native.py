@@ -287,7 +287,7 @@ def test_fixture_goldens(pack):
             continue
         w = load_weights(linears[prefix])
         w = type(w)(w.trellis.to(DEV), w.suh.to(DEV), w.svh.to(DEV), w.codebook, w.bits)
-        # ExLlamaV3 serves mul1 at <= 2 rows with its int8-activation GEMV (~7e-3 off exact math, format §E.4).
+        # ExLlamaV3 serves mul1 at <= 2 rows with its int8-activation GEMV (~7e-3 off exact math, docs/format.md §5.4).
         bound = 8.5e-3 if (w.codebook == "mul1" and int(rows) <= 2) else 3e-3
         for name in ("auto", "split", "recon"):
             y = run(x.to(DEV), w, PATHS[name])
