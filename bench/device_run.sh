@@ -8,7 +8,7 @@
 #   VARIANTS="name:-DFLAG=1,-DOTHER=2,ENV=1 ..." rebuilds and re-times,
 #   VARIANT_ARGS="--trace 4096,14336,4,mul1,1" adds bench arguments to those runs)      (carry: [".whl"] for ExLlamaV3)
 #
-# EXL=1 benchmarks ExLlamaV3 too (wheels from .whl, see ../shared/docs/h200-baseline.md; ~250 s JIT build, started
+# EXL=1 benchmarks ExLlamaV3 too (wheels from .whl, see bench/NOTES.md "Method"; ~250 s JIT build, started
 # first so it overlaps our build and tests).
 set -uo pipefail
 MODE=${1:-all}

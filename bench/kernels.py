@@ -2,7 +2,7 @@
 
     PYTHONPATH=plugin[:<exllamav3 site>] python bench/kernels.py [--exllamav3] [--quick] [--out FILE.json]
 
-Method (../shared/docs/h200-baseline.md, METHOD.md): weights rotated over enough random copies that the L2 cannot
+Method (bench/NOTES.md, "Method"): weights rotated over enough random copies that the L2 cannot
 hold them; each call timed with CUDA events while the GPU works through a queue filled behind a sleep kernel (so
 host launch overhead is not measured); medians of --iters calls after warm-up. Floors: bytes moved at the measured
 device-to-device copy bandwidth, and FLOPs at the measured bf16 cuBLAS rate of the same shape. Prints a table and
@@ -30,6 +30,7 @@ from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 
 get_backend("torch")
 from vllm_exl3.kernels.backends import native  # noqa: E402
+from vllm_exl3.kernels.backends.native import NativePath  # noqa: E402
 
 DEV = "cuda"
 L2_DEFEAT_BYTES = 256 << 20  # rotate weight copies until this many bytes are in play (H200 L2: 60 MB)
@@ -83,7 +84,7 @@ class Case:
         return f"{self.k}x{self.n} {self.bits:g}b {self.codebook}"
 
 
-def bench_native(case: Case, rows: int, iters: int, path: int = native.PATH_AUTO, env: dict | None = None) -> float:
+def bench_native(case: Case, rows: int, iters: int, path: int = NativePath.AUTO, env: dict | None = None) -> float:
     x = torch.randn(rows, case.k, device=DEV, dtype=torch.float16)
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
@@ -123,16 +124,16 @@ def profile_kernels(exllamav3: bool = False) -> list[dict]:
                 print(json.dumps(entry), flush=True)
 
     out = []
-    for k, n, bits, cb, rows, path in [(4096, 14336, 4, "mul1", 1, native.PATH_AUTO),
-                                       (4096, 14336, 4, "mul1", 8, native.PATH_AUTO),
-                                       (4096, 14336, 2, "mul1", 1, native.PATH_AUTO),
-                                       (4096, 14336, 4, "mcg", 1, native.PATH_AUTO),
-                                       (4096, 14336, 4, "mul1", 512, native.PATH_AUTO),
-                                       (4096, 14336, 4, "mul1", 4096, native.PATH_AUTO),
-                                       (14336, 4096, 4, "mul1", 4096, native.PATH_AUTO),
-                                       (2048, 768, 4, "mul1", 4096, native.PATH_AUTO),
-                                       (4096, 14336, 4, "mul1", 4096, native.PATH_RECON_ORIGINAL),
-                                       (14336, 4096, 4, "mul1", 4096, native.PATH_RECON_ORIGINAL)]:
+    for k, n, bits, cb, rows, path in [(4096, 14336, 4, "mul1", 1, NativePath.AUTO),
+                                       (4096, 14336, 4, "mul1", 8, NativePath.AUTO),
+                                       (4096, 14336, 2, "mul1", 1, NativePath.AUTO),
+                                       (4096, 14336, 4, "mcg", 1, NativePath.AUTO),
+                                       (4096, 14336, 4, "mul1", 512, NativePath.AUTO),
+                                       (4096, 14336, 4, "mul1", 4096, NativePath.AUTO),
+                                       (14336, 4096, 4, "mul1", 4096, NativePath.AUTO),
+                                       (2048, 768, 4, "mul1", 4096, NativePath.AUTO),
+                                       (4096, 14336, 4, "mul1", 4096, NativePath.RECON_ORIGINAL),
+                                       (14336, 4096, 4, "mul1", 4096, NativePath.RECON_ORIGINAL)]:
         case = Case(k, n, bits, cb)
         x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
         for w in case.ws:
@@ -142,7 +143,7 @@ def profile_kernels(exllamav3: bool = False) -> list[dict]:
             for w in case.ws[:4]:
                 native.linear(x, w, 0, 0, n, path)
             torch.cuda.synchronize()
-        record(prof, case, rows, "native" if path == native.PATH_AUTO else f"native path {path}")
+        record(prof, case, rows, "native" if path == NativePath.AUTO else f"native path {int(path)}")
         if exllamav3 and rows == 4096 and n <= 4096:
             from vllm_exl3.kernels.backends.exllamav3 import make_layer
             layers = [make_layer(w) for w in case.ws[:4]]
@@ -252,8 +253,8 @@ def main() -> int:
         result["exllamav3"] = "ok" if exl_ok else _import_error()
 
     # Every shape's case is built first and the row counts run outermost: light calls measured after the heavy
-    # 512/4096-row GEMMs of earlier shapes came out up to 20 % slower than in a run of light calls alone
-    # (bench/NOTES.md, v2 side-by-side run).
+    # 512/4096-row GEMMs of earlier shapes came out slower than in a run of light calls alone (bench/NOTES.md,
+    # "Method").
     cases = []
     for k, n, bits, cb in shapes:
         case = Case(k, n, bits, cb)
@@ -288,14 +289,14 @@ def main() -> int:
                                (14336, 4096, 4, "mul1")]:
             case = Case(k, n, bits, cb)
             for rows in (1, 8, 16):
-                for name, path, env in [("split", native.PATH_SKINNY_SPLIT, None),
-                                        ("direct", native.PATH_SKINNY_DIRECT, None),
-                                        ("plain", native.PATH_SKINNY_PLAIN, None),
-                                        ("split_grid_x2", native.PATH_SKINNY_SPLIT,
+                for name, path, env in [("split", NativePath.SKINNY_SPLIT, None),
+                                        ("direct", NativePath.SKINNY_DIRECT, None),
+                                        ("plain", NativePath.SKINNY_PLAIN, None),
+                                        ("split_grid_x2", NativePath.SKINNY_SPLIT,
                                          {"VLLM_EXL3_SKINNY_GRID": str(4 * props.multi_processor_count)}),
-                                        ("split_grid_1sm", native.PATH_SKINNY_SPLIT,
+                                        ("split_grid_1sm", NativePath.SKINNY_SPLIT,
                                          {"VLLM_EXL3_SKINNY_GRID": str(props.multi_processor_count)}),
-                                        ("no_pdl", native.PATH_SKINNY_SPLIT, {"VLLM_EXL3_PDL": "0"})]:
+                                        ("no_pdl", NativePath.SKINNY_SPLIT, {"VLLM_EXL3_PDL": "0"})]:
                     t = bench_native(case, rows, args.iters, path, env)
                     var.append({"case": case.name, "rows": rows, "variant": name, "us": t})
                     print(json.dumps(var[-1]), flush=True)
@@ -309,8 +310,8 @@ def main() -> int:
         for k, n in ((4096, 14336), (14336, 4096), (4096, 4096), (2048, 6144), (2048, 4096), (2048, 768)):
             case = Case(k, n, 4, "mul1")
             for rows in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096):
-                for name, path in [("skinny", native.PATH_SKINNY), ("panel", native.PATH_PANEL),
-                                   ("recon", native.PATH_RECONSTRUCT), ("orig", native.PATH_RECON_ORIGINAL)]:
+                for name, path in [("skinny", NativePath.SKINNY), ("panel", NativePath.PANEL),
+                                   ("recon", NativePath.RECONSTRUCT), ("orig", NativePath.RECON_ORIGINAL)]:
                     if (name, rows > 128) == ("skinny", True) or (name, rows > 512) == ("panel", True) or \
                             (name, rows < 128) == ("orig", True):
                         continue  # far from their crossovers

@@ -1,17 +1,15 @@
 // The only file that knows torch: registers the EXL3 kernels as ops in the `vllm_exl3` namespace (a fragment, so it
 // coexists with the Python-defined ops of kernels/ops.py) and builds the Python module `vllm_exl3._C`.
 //
-// Ops (fake implementations live in plugin/vllm_exl3/kernels/native.py):
+// Ops (fake implementations live in plugin/vllm_exl3/kernels/backends/native.py):
 //   native_linear(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path) -> y
-//       path 0 auto, 1 skinny tensor-core kernel, 2 reconstruct + cuBLAS, 3 skinny forced split-K, 4 forced direct,
-//       5 skinny with rounded Ŵ pairs instead of codewords (bench), 6 panel kernel (64-row chunks)
+//       path: exl3::Path (planner.h); 0 auto asks plan_linear_path, the others force one path
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
 //   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
 #include <Python.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -20,45 +18,24 @@
 #include <cublas_v2.h>
 #include <torch/library.h>
 
+#include "env.h"
 #include "exl3_kernels.h"
+#include "planner.h"
 
 namespace {
 
 constexpr int64_t kHad = 128;
 constexpr int64_t kTile = 16;
 
-enum Path : int64_t {
-  kAuto = 0, kSkinny = 1, kReconstruct = 2, kSkinnySplit = 3, kSkinnyDirect = 4, kSkinnyPlain = 5, kPanel = 6,
-  kReconOriginal = 7
-};
+using exl3::Path;
+using exl3::kAuto, exl3::kSkinny, exl3::kReconstruct, exl3::kSkinnySplit, exl3::kSkinnyDirect,
+    exl3::kSkinnyPlain, exl3::kPanel, exl3::kReconOriginal;
 
 void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "vllm_exl3: ", what, " failed: ", cudaGetErrorString(err));
 }
 
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoll(v) : fallback;
-}
-
-// `auto`: the skinny kernel up to VLLM_EXL3_SKINNY_MAX_ROWS rows, the panel kernel up to VLLM_EXL3_PANEL_MAX_ROWS,
-// reconstruct + cuBLAS above. Measured on the H200 (bench/NOTES.md, crossover on six layer sizes): when the active
-// fp16 W' is larger than L2 (4096x14336: 117 MB), 16 and 64 rows; when it fits (4096x4096 and smaller), the GEMM
-// reads W' back from L2 and reconstruct + cuBLAS wins from 16-28 rows on, the panel kernel beats the skinny one at
-// 16 rows, so 8 and 16. On sm_12x (DGX Spark: 273 GB/s) reconstruct + cuBLAS writes and re-reads fp16 W' through a
-// ~17x slower memory while the panels' decode slows ~2x, so panels win far longer: 256 there is a bandwidth
-// estimate (bench/NOTES.md), not a measurement. The variables override all of these.
-struct AutoLimits {
-  int64_t skinny_rows, panel_rows;
-};
-AutoLimits auto_limits(int64_t w_prime_bytes) {
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const bool spark = prop->major == 12;
-  const bool in_l2 = !spark && w_prime_bytes <= prop->l2CacheSize;
-  return {env_int("VLLM_EXL3_SKINNY_MAX_ROWS", in_l2 ? 8 : 16),
-          env_int("VLLM_EXL3_PANEL_MAX_ROWS", spark ? 256 : in_l2 ? 16 : 64)};
-}
-bool use_pdl() { return env_int("VLLM_EXL3_PDL", 1) != 0; }  // read per call: the bench toggles it
+bool use_pdl() { return exl3::env::pdl(); }  // read per call: the bench toggles it
 
 // Diagnostics for bench/kernels.py --trace: with VLLM_EXL3_SKINNY_TRACE=1 each skinny launch records per-warp
 // timestamps (exl3::GemmArgs::trace) into a fresh tensor, which skinny_trace() returns until the next launch.
@@ -130,22 +107,18 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   }
   if (path == kAuto) {
     const int r = static_cast<int>(std::min<int64_t>(rows, 1 << 30));
-    const AutoLimits lim = auto_limits(kb_count * kHad * groups * kHad * 2);
-    path = rows <= lim.skinny_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, false) ? kSkinny
-           : rows <= lim.panel_rows && exl3::gemm_fits_device(w.codebook, w.bits2, r, true) ? kPanel
-           : rows >= env_int("VLLM_EXL3_ORIGINAL_MIN_ROWS", groups * kHad / 4)              ? kReconOriginal
-                                                                                            : kReconstruct;
+    const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+    const exl3::LinearShape shape{rows, kb_count * kHad * groups * kHad * 2, groups * kHad, prop->major,
+                                  prop->l2CacheSize};
+    path = exl3::plan_linear_path(shape,
+                                  [&](bool panel) { return exl3::gemm_fits_device(w.codebook, w.bits2, r, panel); });
   }
 
   const int64_t ka = kb_count * kHad, na = groups * kHad;
 
   if (path == kReconOriginal) {
     // W in the original basis of the active part, then y = x . W[x's input columns, output columns]: no input
-    // transform. Pays off when the transform's rows x K values outweigh the reconstruct's extra work over the
-    // output-side one, which grows with K x N: `auto` takes it from a quarter as many rows as active output columns
-    // (H200, bench/NOTES.md v4s; the two paths alternating on four layers at 1024-4096 rows: the original basis is
-    // ahead from 1024 rows on 4096-column layers, e.g. 14336x4096 at 2048 rows 358-361 against 379 µs, and only at
-    // 4096 rows on 4096x14336, 693-701 against 702-734).
+    // transform (when `auto` takes it: planner.cpp).
     at::Tensor w_full = at::empty({ka, na}, x.options());
     exl3::ReconstructArgs ra{w, static_cast<int>(kb0), static_cast<int>(kb_count), static_cast<int>(g0),
                              static_cast<int>(groups), w_full.data_ptr(), xdt, svh.data_ptr(), suh.data_ptr()};
@@ -180,9 +153,9 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
                              static_cast<int>(groups), w_out.data_ptr(), xdt, svh.data_ptr(), nullptr};
     // The two are independent; the second starts behind the first (programmatic dependent launch) and fills the
     // SMs the first leaves idle. Reconstruct first (default): the input transform fills the reconstruct's last wave,
-    // 2-4 µs less per call at 128-512 rows than the other order (bench/NOTES.md, v4n; VLLM_EXL3_RECON_FIRST=0 for
-    // the comparison).
-    if (env_int("VLLM_EXL3_RECON_FIRST", 1) != 0) {
+    // a few µs less per call at 128-512 rows than the other order (bench/NOTES.md, "Launch order and PDL";
+    // VLLM_EXL3_RECON_FIRST=0 for the comparison).
+    if (exl3::env::recon_first()) {
       check_cuda(exl3::launch_reconstruct(ra, false, stream), "reconstruct (output side)");
       check_cuda(exl3::launch_input_transform(it, use_pdl(), stream), "input transform");
     } else {
@@ -236,7 +209,7 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   sa.xh = it.xh;
   sa.rowsum_parts = it.rowsum_parts;
   sa.parts = parts;
-  if (env_int("VLLM_EXL3_SKINNY_TRACE", 0) != 0 && !plan.panel) {
+  if (exl3::env::skinny_trace() && !plan.panel) {
     last_skinny_trace() = at::zeros({plan.grid, exl3::kGemmWarps, 5}, x.options().dtype(at::kLong));
     sa.trace = reinterpret_cast<unsigned long long*>(last_skinny_trace().data_ptr());
   }

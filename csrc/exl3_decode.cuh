@@ -1,6 +1,6 @@
 // EXL3 trellis decode: the one place that knows the bit layout and the codebooks.
 //
-// Written from ../shared/docs/exl3-format.md (our own restatement of the format; no ExLlamaV3 code).
+// Written from docs/format.md (our own restatement of the format; no ExLlamaV3 code).
 // Section numbers below refer to that document. Every kernel includes this header; no other file names a
 // format constant. Plain CUDA C++: no torch headers.
 #pragma once

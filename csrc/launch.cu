@@ -1,12 +1,12 @@
 // Host side of the GEMM kernels (skinny, panel): variant choice, grid planning, launch (with programmatic dependent
 // launch), and the build/device probes. Plain CUDA runtime; no torch.
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 
+#include "env.h"
 #include "exl3_kernels.h"
 #include "panel.cuh"
 #include "skinny.cuh"
@@ -25,11 +25,6 @@ namespace {
 
 constexpr int kMinUnitsPerBlock = 16;  // two k-tiles per warp: below this a block is all prologue
 constexpr int kDirectWaves = 4;       // >= this many waves of whole column groups: no split-K
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : fallback;
-}
 
 struct DeviceCache {
   std::mutex mu;
@@ -82,7 +77,7 @@ GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel
   p.panel = panel;
   // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0); the panel
   // kernel always rounds Ŵ pairs.
-  p.dup = !panel && (force_dup >= 0 ? force_dup != 0 : env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
+  p.dup = !panel && (force_dup >= 0 ? force_dup != 0 : env::skinny_dup());
   p.rows_per_chunk = panel ? kPanelRows : a.rows <= 8 ? 8 : 16;
   p.row_chunks = (a.rows + p.rows_per_chunk - 1) / p.rows_per_chunk;
   const long long items = static_cast<long long>(p.row_chunks) * a.groups;
@@ -100,7 +95,7 @@ GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel
   p.split_k = force_split >= 0 ? force_split != 0 : items < kDirectWaves * slots;
   if (p.split_k) {
     long long grid = slots;
-    const int env_grid = env_int("VLLM_EXL3_SKINNY_GRID", 0);  // bench: override the block count
+    const int env_grid = env::skinny_grid();  // bench: override the block count
     if (env_grid > 0) grid = env_grid;
     grid = std::min(grid, std::max(1LL, units / kMinUnitsPerBlock));
     p.grid = static_cast<int>(std::max(1LL, grid));
@@ -120,7 +115,7 @@ bool gemm_fits_device(int codebook, int bits2, int rows, bool panel) {
   GemmArgs a{};
   a.w.codebook = codebook;
   a.w.bits2 = bits2;
-  const GemmKernel k = pick(a, panel, rows <= 8 ? 1 : 2, !panel && env_int("VLLM_EXL3_SKINNY_DUP", 1) != 0);
+  const GemmKernel k = pick(a, panel, rows <= 8 ? 1 : 2, !panel && env::skinny_dup());
   return k.fn && prepare_kernel(k, current_device()) > 0;
 }
 

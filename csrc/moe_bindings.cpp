@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "env.h"
 #include "moe.h"
 
 namespace {
@@ -35,10 +36,7 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "vllm_exl3: ", what, " failed: ", cudaGetErrorString(err));
 }
 
-bool use_pdl() {
-  const char* v = std::getenv("VLLM_EXL3_PDL");
-  return !(v && *v && std::atoi(v) == 0);
-}
+bool use_pdl() { return exl3::env::pdl(); }
 
 int activation_id(c10::string_view name) {
   if (name == "silu") return exl3::kActSilu;

@@ -34,8 +34,9 @@ namespace exl3 {
 #endif
 constexpr int kSkinnyInFlight = EXL3_SKINNY_INFLIGHT;  // bytes of trellis per warp in flight (NOTES)
 // Blocks per SM for 1-8 rows (9-16 rows: 2). Two blocks (16 warps, up to 128 registers) beat three (24 warps, 80
-// registers) by 7 % on the H200: with 80 registers ptxas serializes the decode of one tile into a single chain of
-// four codewords per MMA, and the longer per-warp runs amortize the prologue (bench/NOTES.md, run v2-3).
+// registers) on the H200: with 80 registers ptxas serializes the decode of one tile into a single chain of four
+// codewords per MMA, and the longer per-warp runs amortize the prologue (bench/NOTES.md, "Kernel design
+// measurements").
 // Overridable at build time for tuning runs.
 #ifndef EXL3_SKINNY_MIN_BLOCKS
 #define EXL3_SKINNY_MIN_BLOCKS 2

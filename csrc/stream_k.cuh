@@ -43,7 +43,7 @@ __host__ __device__ __forceinline__ int block_of_unit_dev(int u, int units, int 
 // thread of the block calls it. kAffine: mul1 codewords, z = inv_scale * acc + bias * sum_k(xh) first.
 // rg_seg: the segment's (row chunk, group) index; group: its column group; row0: the chunk's first row. The caller
 // passes these, kta, warp and lane in: recomputing them here changed the skinny kernels' register allocation and
-// slowed mcg by 4 % (bench/NOTES.md, v3).
+// slowed mcg (bench/NOTES.md, "Kernel design measurements").
 // Split-K hand-over: the counter add is a release (the barrier before it orders the whole block's partial stores
 // under thread 0's release) and an acquire (with the barrier after it, the last block's loads see every block's
 // partials): the semaphore pattern of the PTX memory model, one thread's fence instead of every thread's. The

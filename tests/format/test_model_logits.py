@@ -26,7 +26,7 @@ def dequantized_checkpoint(pack_root, out_dir):
     for name, rec in pack.unquantized().items():
         t = read_tensor(rec)
         if name == "lm_head.weight":
-            t = t[:, :hidden]  # an unquantized head keeps the padded input columns (exl3-format.md §E.2)
+            t = t[:, :hidden]  # an unquantized head keeps the padded input columns (docs/format.md §5.2)
         tensors[name] = t
     save_file(tensors, str(out_dir / "model.safetensors"))
     config = dict(pack.config)

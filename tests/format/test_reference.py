@@ -41,7 +41,7 @@ def test_full_weight_matches(fixture_pack):
 
 def test_linear_forward_matches(fixture_pack):
     """y for 1/5/64 rows. ExLlamaV3 serves mul1 at <= 2 rows with its int8-activation GEMV, which itself
-    deviates ~7e-3 from exact math (exl3-format.md §E.4); everything else is held to 2e-3."""
+    deviates ~7e-3 from exact math (docs/format.md §5.4); everything else is held to 2e-3."""
     pack = Pack.open(fixture_pack)
     io = load_file(fixture_pack / "golden" / "linear_io.safetensors")
     checked = 0
@@ -58,7 +58,7 @@ def test_linear_forward_matches(fixture_pack):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# spec test vectors (exl3-format.md §1.5, §2.4)
+# spec test vectors (docs/format.md §1.5, §2.4)
 # ---------------------------------------------------------------------------------------------------------------
 def test_codebook_vectors():
     vectors = {
@@ -103,7 +103,7 @@ def test_bitstream_vectors():
 
 
 def _naive_states(tile_words: list[int], bits: float) -> list[int]:
-    """The spec's pseudo-code (§8) taken literally, one ring bit at a time: an independent oracle."""
+    """docs/format.md §1.5 taken literally, one ring bit at a time: an independent oracle."""
     w32 = [(tile_words[2 * j] & 0xFFFF) | ((tile_words[2 * j + 1] & 0xFFFF) << 16) for j in range(len(tile_words) // 2)]
     ring = 32 * len(w32)
     end, out = 0, []
@@ -158,7 +158,7 @@ def test_forward_equals_x_times_full_weight_for_every_codebook_and_width():
 
 
 def test_forward_zero_extends_padded_inputs_and_trims_outputs():
-    """in 320 -> padded 384: the padded rows of W are not zero, so x must be zero-extended (§E.1)."""
+    """in 320 -> padded 384: the padded rows of W are not zero, so x must be zero-extended (docs/format.md §5.1)."""
     w = random_weights(320, 200, 4, "mul1", seed=11)
     assert w.in_padded == 384 and w.out_padded == 256
     x = torch.randn(3, 320, dtype=torch.float64)

@@ -12,7 +12,6 @@ import torch
 from vllm_exl3.kernels import backend as kbackend
 from vllm_exl3.kernels import choice, selection, specs
 from vllm_exl3.format import reference as R
-from vllm_exl3.format.constants import CODEBOOKS
 from vllm_exl3.kernels.specs import ExpertStack, LinearSpec
 from vllm_exl3.kernels import ops  # noqa: F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backends.torch_ref import TorchBackend, moe_all_tokens, moe_routed_tokens
@@ -88,7 +87,7 @@ def test_unknown_kernel_name(monkeypatch):
 def test_linear_op_matches_reference_and_traces_whole_under_compile():
     w = random_weights(320, 200, 3, "mcg", seed=1)
     prepared = TorchBackend().prepare_linear(w)
-    args = (w.trellis, w.suh, w.svh, prepared, CODEBOOKS.index("mcg"), choice.PREFERENCE.index("torch"), 0, 0, 200)
+    args = (w.trellis, w.suh, w.svh, prepared, "mcg", "torch", 0, 0, 200)
 
     def f(x):
         return torch.ops.vllm_exl3.linear(x, *args) * 2
@@ -182,8 +181,7 @@ def test_moe_op_through_torch_ops(moe_case):
     prepared = TorchBackend().prepare_moe(e)
     y = torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, torch.empty(0, dtype=torch.int32), e.w13_trellis,
                                 e.w13_suh, e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared, list(e.w13_words),
-                                list(e.w2_words), [CODEBOOKS.index(c) for c in e.codebooks],
-                                specs.ACTIVATIONS.index("silu"), False, choice.PREFERENCE.index("torch"),
+                                list(e.w2_words), ops.codebook_list(e.codebooks), "silu", False, "torch",
                                 e.inter_offset, e.inter_size)
     assert rel(y, expected) < 1e-5
 

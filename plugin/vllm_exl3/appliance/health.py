@@ -31,10 +31,9 @@ import signal
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from .http_client import http_request
 from .settings import default
 
 HEALTHY, UNHEALTHY = 0, 1
@@ -56,18 +55,6 @@ def vllm_pid(env) -> int | None:
     except (OSError, IndexError):
         return None
     return None if state in ("Z", "X") else pid
-
-
-def http_get(url: str, timeout: float, api_key: str | None = None) -> tuple[int | None, bytes]:
-    """(status, body); status None when nothing answers (refused, timeout)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:  # noqa: S310
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, b""
-    except (urllib.error.URLError, OSError):
-        return None, b""
 
 
 def api_address(host: str) -> str:
@@ -160,7 +147,7 @@ def check(mode: str, env) -> tuple[int, str]:
 
     timeout = float(env.get("VLLM_EXL3_HEALTH_TIMEOUT", default("VLLM_EXL3_HEALTH_TIMEOUT")))
     base = f"http://{api_address(env.get('VLLM_EXL3_HOST', ''))}:{env.get('VLLM_EXL3_PORT', default('VLLM_EXL3_PORT'))}"
-    status, _ = http_get(base + "/health", timeout)
+    status, _ = http_request(base + "/health", timeout)
     if mode == "liveness":
         if status is not None and status >= 500:
             return UNHEALTHY, f"{role}: /health answers {status} (engine dead)"
@@ -168,7 +155,7 @@ def check(mode: str, env) -> tuple[int, str]:
     if status != 200:
         return UNHEALTHY, f"{role}: /health " + (f"answers {status}" if status else "not answering (booting?)")
     name = env.get("VLLM_EXL3_SERVED_NAME") or env.get("VLLM_EXL3_MODEL", default("VLLM_EXL3_MODEL"))
-    status, body = http_get(base + "/v1/models", timeout, env.get("VLLM_API_KEY"))  # /v1 needs the key, if set
+    status, body = http_request(base + "/v1/models", timeout, api_key=env.get("VLLM_API_KEY"))  # /v1 needs the key, if set
     try:
         served = [m.get("id") for m in json.loads(body).get("data", [])] if status == 200 else []
     except (ValueError, AttributeError):

@@ -2,8 +2,8 @@
 
 The developer-facing path (the appliance uses `vllm-exl3 launch`). It verifies the pack first, so a broken pack
 is refused with one clear line before vLLM spends time starting; then it runs vLLM's own server module (the
-`vllm` console script of vLLM's CPU build does not start) with its log in a file and, once healthy, sends one
-completion and (when the pack has a chat template) one chat request, so the whole path
+`vllm` console script of vLLM's CPU build does not start, docs/vllm-notes.md §2.4) with its log in a file and,
+once healthy, sends one completion and (when the pack has a chat template) one chat request, so the whole path
 pack -> plugin -> vLLM -> HTTP is visible. A smoke request that fails is reported, never a reason to stop a
 healthy server.
 """
@@ -19,12 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import demo
+from ..appliance.http_client import http_request
 from ..appliance.launch import flag_value
 
 DEMO_NAME = "qwen3moe-tiny-exl3"
@@ -76,13 +75,6 @@ def _has_cuda() -> bool:
         return False
 
 
-def _request(url: str, body: dict | None = None, timeout: float = 120) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
-
-
 class BootError(RuntimeError):
     """vLLM exited or stayed unhealthy while starting; the message says which, the log file says why."""
 
@@ -93,13 +85,12 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float, progress=N
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
             raise BootError(f"vLLM exited with code {proc.returncode} while starting")
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2).close()
+        status, _ = http_request(f"{base}/health", 2)
+        if status is not None and status < 400:
             return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            if progress is not None:
-                progress(time.monotonic() - t0)
-            time.sleep(1)
+        if progress is not None:
+            progress(time.monotonic() - t0)
+        time.sleep(1)
     raise BootError(f"vLLM did not become healthy within {timeout_s:.0f} s (--boot-timeout)")
 
 
@@ -137,15 +128,16 @@ class Answer:
 
 def _ask(kind: str, url: str, body: dict, pick) -> Answer:
     t0 = time.monotonic()
+    status, raw = http_request(url, 120, body)
+    if status is None:
+        return Answer(kind, None, time.monotonic() - t0, "no answer")
     try:
-        text = pick(_request(url, body))
-    except urllib.error.HTTPError as e:
-        try:
-            detail = json.loads(e.read() or b"{}").get("error", {}).get("message", "")
-        except (ValueError, AttributeError):
-            detail = ""
-        return Answer(kind, None, time.monotonic() - t0, f"HTTP {e.code}" + (f": {detail}" if detail else ""))
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
+        doc = json.loads(raw or b"{}")
+        if status != 200:
+            detail = doc.get("error", {}).get("message", "") if isinstance(doc.get("error"), dict) else ""
+            return Answer(kind, None, time.monotonic() - t0, f"HTTP {status}" + (f": {detail}" if detail else ""))
+        text = pick(doc)
+    except (ValueError, AttributeError, KeyError, IndexError, TypeError) as e:
         return Answer(kind, None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
     return Answer(kind, text, time.monotonic() - t0)
 

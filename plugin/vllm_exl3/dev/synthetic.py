@@ -34,7 +34,7 @@ def random_weights(in_features: int, out_features: int, bits: float, codebook: s
     suh = ((torch.rand(k, generator=g) * 0.5 + 0.75) * scale
            * (torch.randint(0, 2, (k,), generator=g) * 2 - 1)).half()
     svh = ((torch.rand(n, generator=g) * 0.5 + 0.75) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)).half()
-    svh[out_features:] = 0  # ExLlamaV3 writes svh = 0 on padded output columns (exl3-format.md §E.1)
+    svh[out_features:] = 0  # ExLlamaV3 writes svh = 0 on padded output columns (docs/format.md §5.1)
     return Exl3Weights(trellis.to(device), suh.to(device), svh.to(device), codebook, float(bits))
 
 

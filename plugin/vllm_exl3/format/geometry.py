@@ -10,7 +10,7 @@ starts inside a block from that slice's tiles alone. It keeps the enclosing 128-
   keeps `out_features` of them starting at `out_offset`.
 
 Splits on 128 boundaries cost nothing; others cost at most one extra block per side (logged once per layer).
-This is also how padding is handled (exl3-format.md §E.1: padded rows of W are not zero, so x must be
+This is also how padding is handled (docs/format.md §5.1: padded rows of W are not zero, so x must be
 zero-extended, never W truncated).
 """
 

@@ -1,7 +1,7 @@
 """The EXL3 pack on disk: files, tensors, per-tensor bits and codebook, validation.
 
 An EXL3 pack is a Hugging Face model directory whose quantized linears were replaced by ExLlamaV3's trellis
-tensors (exl3-format.md §1). Everything here reads only safetensors *headers*: listing or validating a pack of
+tensors (docs/format.md §1). Everything here reads only safetensors *headers*: listing or validating a pack of
 any size costs a few kilobytes of I/O. Tensor bytes are read on demand (`read_tensor`).
 
 Every problem with a pack raises `Exl3FormatError`, whose message names the file, the tensor and what was

@@ -84,7 +84,7 @@ def build_linear(prefix: str, parts: dict[str, TensorRecord]) -> Exl3Linear:
     _expect(trellis.dtype == "I16", trellis, "dtype I16", trellis.dtype)
     _expect(len(trellis.shape) != 2, trellis, "a linear's 3-D trellis [K/16, N/16, 16*bits]",
             f"{list(trellis.shape)}: ExLlamaV3's row codec for quantized embeddings / n-gram tables "
-            "(--embed_bits, exl3-format.md §1.8), which this plugin does not serve")
+            "(--embed_bits, docs/format.md §1.8), which this plugin does not serve")
     _expect(len(trellis.shape) == 3, trellis, "a 3-D shape [K/16, N/16, 16*bits]", str(list(trellis.shape)))
     kt, nt, words = trellis.shape
     _expect(kt > 0 and nt > 0, trellis, "non-empty tile dimensions", str(list(trellis.shape)))

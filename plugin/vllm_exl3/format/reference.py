@@ -1,6 +1,6 @@
 """The oracle: EXL3 decode, Hadamard rotations and the linear forward in plain PyTorch (CPU or CUDA).
 
-Written from exl3-format.md (§1.4-§1.8 bit layout, §2 codebooks, §3 rotations). `decode_rotated` reproduces
+Written from docs/format.md (§1.4-§1.8 bit layout, §2 codebooks, §3 rotations). `decode_rotated` reproduces
 ExLlamaV3's reconstruct kernel bit for bit; everything else is fp32 math and therefore tolerance-compatible
 with ExLlamaV3 (whose own paths differ from each other in rounding, §3.3).
 
@@ -15,22 +15,16 @@ import sys
 
 import torch
 
-from .constants import CODEBOOK_3INST, CODEBOOK_MCG, CODEBOOK_MUL1, HADAMARD_BLOCK, MARKER_VALUE, TILE
+from .constants import (CODEBOOK_3INST, CODEBOOK_MCG, CODEBOOK_MUL1, HADAMARD_BLOCK, HALF_PAIR_MASK,  # noqa: F401
+                        HALF_PAIR_XOR, INST3_ADD, INST3_MUL, MARKER_VALUE, MUL1_BIAS, MUL1_BYTE_SUM_BASE,
+                        MUL1_INV_SCALE, STATE_BITS, TILE)
 from .records import bits_from_trellis_dim
 from .tensors import Exl3Weights
 
 if sys.byteorder != "little":  # the int16 pairs of a trellis word are little-endian uint32 (§1.5 step 3)
     raise ImportError("vllm_exl3.format.reference assumes a little-endian host")
 
-# --- §2.1 / §2.2: 3INST and MCG ------------------------------------------------------------------------------
-INST3_MUL, INST3_ADD = 89226354, 64248484
-HALF_PAIR_MASK, HALF_PAIR_XOR = 0x8FFF8FFF, 0x3B603B60
-# --- §2.3: MUL1 (byte sum of the product, then one affine step rounded once to fp16) --------------------------
-MUL1_INV_SCALE = 887 / 131072  # fp16 0x1EEE
-MUL1_BIAS = -1329 / 128  # fp16 0xC931
-MUL1_BYTE_SUM_BASE = 1024  # the dp4a accumulator starts at fp16 0x6400 = 1024.0
-
-STATE_BITS = 16
+# The codebooks' numbers (§2.1-§2.3) are format/constants.py's.
 TILE_WEIGHTS = TILE * TILE
 U32 = 0xFFFFFFFF
 _DECODE_CHUNK_STATES = 1 << 22  # states decoded per step; bounds the int64 temporaries to ~32 MB
@@ -170,6 +164,26 @@ def full_weight(w: Exl3Weights, w_hat: torch.Tensor | None = None) -> torch.Tens
     return hadamard_rows(wf) * w.svh.float()
 
 
+def zero_extend(x: torch.Tensor, width: int, offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, w] at columns [offset, offset + w) of a zero [M, width] input (x's dtype unless given): the padded
+    rows of W are not zero (docs/format.md §5.1), so every input column outside x must be an explicit zero."""
+    if offset < 0 or offset + x.shape[-1] > width:
+        raise ValueError(f"input of width {x.shape[-1]} at offset {offset} does not fit the padded width {width}")
+    out = x.new_zeros((x.shape[0], width), dtype=dtype or x.dtype)
+    out[:, offset:offset + x.shape[-1]] = x
+    return out
+
+
+def rotated_forward(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, w_hat: torch.Tensor, in_offset: int,
+                    out_offset: int, out_features: int, in_weight_dtype: bool = False) -> torch.Tensor:
+    """The zero-extend-and-rotate forward through Ŵ (§3.3): x [M, in] zero-extended at in_offset, H(x · suh),
+    times Ŵ, H(·) · svh, output columns [out_offset, out_offset + out_features); fp32 result. The product is fp32,
+    or with `in_weight_dtype` in Ŵ's own dtype (the torch backend's fp16 Ŵ on CUDA, fp32 accumulation)."""
+    xh = hadamard_rows(zero_extend(x, w_hat.shape[0], in_offset, torch.float32) * suh.float())
+    z = (xh.to(w_hat.dtype) @ w_hat).float() if in_weight_dtype else xh @ w_hat.float()
+    return (hadamard_rows(z) * svh.float())[:, out_offset:out_offset + out_features]
+
+
 def forward(
     x: torch.Tensor,
     w: Exl3Weights,
@@ -182,23 +196,15 @@ def forward(
     """y = x · W (+ bias) in fp32, returned in x's dtype.
 
     `x` ([..., in]) is placed at columns [in_offset, in_offset + in) of a zero input of the padded width: the
-    padded rows of W are not zero (exl3-format.md §E.1), and a tensor-parallel rank whose slice starts inside a
+    padded rows of W are not zero (docs/format.md §5.1), and a tensor-parallel rank whose slice starts inside a
     128-block zero-fills the rest of the block. The output is columns [out_offset, out_offset + out_features).
     `w_hat` may be a cached Ŵ (any float dtype); the whole computation is fp32.
     """
     if w_hat is None:
         w_hat = decode_rotated(w.trellis, w.codebook)
-    k, n = w_hat.shape
     lead, width = x.shape[:-1], x.shape[-1]
-    if in_offset < 0 or in_offset + width > k:
-        raise ValueError(f"input of width {width} at offset {in_offset} does not fit the padded width {k}")
-    out_features = n - out_offset if out_features is None else out_features
-    x2 = x.reshape(-1, width)
-    xs = torch.zeros(x2.shape[0], k, dtype=torch.float32, device=x.device)
-    xs[:, in_offset:in_offset + width] = x2.float()
-    xh = hadamard_rows(xs * w.suh.float())
-    z = xh @ w_hat.float()
-    y = (hadamard_rows(z) * w.svh.float())[:, out_offset:out_offset + out_features]
+    out_features = w_hat.shape[1] - out_offset if out_features is None else out_features
+    y = rotated_forward(x.reshape(-1, width), w.suh, w.svh, w_hat, in_offset, out_offset, out_features)
     if add_bias and w.bias is not None:
         y = y + w.bias.float()[out_offset:out_offset + out_features]
     return y.to(x.dtype).reshape(*lead, out_features)

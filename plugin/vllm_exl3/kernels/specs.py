@@ -65,10 +65,13 @@ class ExpertStack:
     def num_experts(self) -> int:
         return self.w13_trellis.shape[0]
 
-    def weights(self, expert: int, proj: int) -> Exl3Weights:
-        """Views of one projection (0 gate, 1 up, 2 down) of one local expert."""
+    def weights(self, expert: int, proj: str) -> Exl3Weights:
+        """Views of one projection ("gate", "up" or "down": PROJECTIONS) of one local expert."""
         from ..format.records import bits_from_trellis_dim
 
+        if proj not in PROJECTIONS:
+            raise ValueError(f"unknown expert projection {proj!r} (expected one of {', '.join(PROJECTIONS)})")
+        proj = PROJECTIONS.index(proj)  # the stack's own layout: gate, up in w13; down in w2
         if proj < 2:
             words = self.w13_words[2 * expert + proj]
             t, suh, svh = self.w13_trellis[expert, proj], self.w13_suh[expert, proj], self.w13_svh[expert, proj]

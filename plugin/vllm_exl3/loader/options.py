@@ -45,7 +45,7 @@ OPTION_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 
 @dataclass(frozen=True)
 class ReaderOptions:
-    """How to read. 16 MiB reads match fastsafetensors' bounce buffer (deploy-notes.md §7.6); the best worker count
+    """How to read. 16 MiB reads match fastsafetensors' bounce buffer (docs/vllm-notes.md §4.2); the best worker count
     depends on the drive: `vllm-exl3 load-bench PACK --workers 1,2,4,8,16` measures it."""
 
     workers: int = 8

@@ -1,7 +1,7 @@
 """Parallel safetensors reader: N threads `pread` large aligned chunks; whole tensors come out in file order.
 
 Why not mmap: on DGX Spark (unified memory) mmap-backed loading is several times slower than explicit reads, and
-many small pageable host->device copies are ~50x slower than pinned ones (deploy-notes.md §7.2). So:
+many small pageable host->device copies are ~50x slower than pinned ones (docs/vllm-notes.md §4.1). So:
 
 * a *plan* (loadplan.py) cuts every file into chunks: consecutive small tensors share one chunk, a tensor larger
   than a chunk gets several. Chunk boundaries are aligned, so the same plan works with O_DIRECT.

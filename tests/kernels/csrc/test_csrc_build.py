@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from vllm_exl3.format import reference as R
+from vllm_exl3.format import constants as C
 from vllm_exl3.format.constants import CODEBOOKS
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -107,6 +108,74 @@ def decode_host(tmp_path_factory) -> Path:
                         str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     return exe
+
+
+def test_kernel_constants_match_the_python_table(tmp_path):
+    """csrc's format constants (exl3_decode.cuh, the codebook indices of exl3_kernels.h) are format/constants.py's
+    CSRC_DECODE_CONSTANTS, and the decoder's per-codebook multiplier/addend are the ones that table names."""
+    nvcc = _require("nvcc")
+    exe = tmp_path / "constants_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "constants_host.cpp"),
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
+    got = {name: float(value) if "." in value else int(value) for name, value in (ln.rsplit(" ", 1) for ln in lines)}
+    for name, value in C.CSRC_DECODE_CONSTANTS.items():
+        assert got.pop(name) == value, name
+    mul = {C.CODEBOOK_3INST: C.INST3_MUL, C.CODEBOOK_MCG: C.MARKER_VALUE[C.CODEBOOK_MCG],
+           C.CODEBOOK_MUL1: C.MARKER_VALUE[C.CODEBOOK_MUL1]}
+    add = {C.CODEBOOK_3INST: C.INST3_ADD, C.CODEBOOK_MCG: 0, C.CODEBOOK_MUL1: 0}
+    for i, cb in enumerate(CODEBOOKS):
+        assert got.pop(f"codebook_mul({i})") == mul[cb] and got.pop(f"codebook_add({i})") == add[cb], cb
+    assert not got, f"printed but not in the table: {sorted(got)}"
+
+
+MB = 1 << 20
+PLANNER_CASES = [  # (arch major, L2 bytes, rows, W' bytes, active columns, skinny fits, panel fits) -> path, asked
+    # H200, W' larger than L2: skinny <= 16, panel <= 64, original basis from a quarter of the columns
+    ((9, 50 * MB, 1, 117 * MB, 14336, 1, 1), ("SKINNY", "s")),
+    ((9, 50 * MB, 16, 117 * MB, 14336, 1, 1), ("SKINNY", "s")),
+    ((9, 50 * MB, 17, 117 * MB, 14336, 1, 1), ("PANEL", "p")),
+    ((9, 50 * MB, 64, 117 * MB, 14336, 1, 1), ("PANEL", "p")),
+    ((9, 50 * MB, 65, 117 * MB, 14336, 1, 1), ("RECONSTRUCT", "-")),
+    ((9, 50 * MB, 3584, 117 * MB, 14336, 1, 1), ("RECON_ORIGINAL", "-")),
+    # W' in L2: 8 / 16
+    ((9, 50 * MB, 8, 32 * MB, 4096, 1, 1), ("SKINNY", "s")),
+    ((9, 50 * MB, 9, 32 * MB, 4096, 1, 1), ("PANEL", "p")),
+    ((9, 50 * MB, 17, 32 * MB, 4096, 1, 1), ("RECONSTRUCT", "-")),
+    ((9, 50 * MB, 1024, 32 * MB, 4096, 1, 1), ("RECON_ORIGINAL", "-")),
+    # sm_12x: no L2 rule, 16 / 256
+    ((12, 24 * MB, 8, 8 * MB, 4096, 1, 1), ("SKINNY", "s")),
+    ((12, 24 * MB, 256, 8 * MB, 4096, 1, 1), ("PANEL", "p")),
+    ((12, 24 * MB, 257, 8 * MB, 4096, 1, 1), ("RECONSTRUCT", "-")),
+    # a kernel that cannot run on the device is skipped
+    ((9, 50 * MB, 4, 117 * MB, 14336, 0, 1), ("PANEL", "sp")),
+    ((9, 50 * MB, 4, 117 * MB, 14336, 0, 0), ("RECONSTRUCT", "sp")),
+]
+
+
+def test_planner_picks_the_documented_paths(tmp_path):
+    """csrc/planner.cpp compiled for the host: `auto`'s choice per architecture, layer size and row count, the
+    per-device fit asked only for a kernel the rows would take, and the environment overrides."""
+    from vllm_exl3.kernels.backends.native import NativePath
+
+    nvcc = _require("nvcc")
+    exe = tmp_path / "planner_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "planner_host.cpp"),
+                        "-x", "c++", str(CSRC / "planner.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+    def run(cases, **env):
+        stdin = "".join(" ".join(map(str, c)) + "\n" for c in cases)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EXL3_")} | env
+        out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True, env=environ).stdout
+        return [(NativePath(int(p)).name, asked) for p, asked in (ln.split() for ln in out.splitlines())]
+
+    assert run([c for c, _ in PLANNER_CASES]) == [e for _, e in PLANNER_CASES]
+    overridden = run([(9, 50 * MB, 40, 117 * MB, 14336, 1, 1), (9, 50 * MB, 100, 117 * MB, 14336, 1, 1),
+                      (9, 50 * MB, 5000, 117 * MB, 14336, 1, 1)],
+                     VLLM_EXL3_SKINNY_MAX_ROWS="50", VLLM_EXL3_PANEL_MAX_ROWS="100", VLLM_EXL3_ORIGINAL_MIN_ROWS="9999")
+    assert overridden == [("SKINNY", "s"), ("PANEL", "p"), ("RECONSTRUCT", "-")]
 
 
 WIDTHS = [(cb, bits2) for cb in CODEBOOKS for bits2 in (2, 4, 6, 8, 10, 12, 14, 16)] + [

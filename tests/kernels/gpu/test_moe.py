@@ -33,7 +33,6 @@ if not torch.cuda.is_available():
 
 from vllm_exl3.kernels import ops  # noqa: E402, F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
-from vllm_exl3.kernels.choice import PREFERENCE  # noqa: E402
 from vllm_exl3.kernels.specs import ACTIVATIONS  # noqa: E402
 
 get_backend("torch")
@@ -109,8 +108,8 @@ def reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi):
         wt = topk_weights[tok, kk].float()[:, None]
         if rwoi:
             src = src * wt
-        h = _act(activation, lin(src, e, 0, 0, io, isz)) * lin(src, e, 1, 0, io, isz)
-        y = lin(h, e, 2, io, 0, hidden)
+        h = _act(activation, lin(src, e, "gate", 0, io, isz)) * lin(src, e, "up", 0, io, isz)
+        y = lin(h, e, "down", io, 0, hidden)
         out.index_add_(0, tok, y if rwoi else y * wt)
     return out
 
@@ -283,9 +282,8 @@ def test_through_the_custom_op():
     e = stack
     z = torch.ops.vllm_exl3.moe(x, tw, ti, torch.empty(0, dtype=torch.int32, device=DEV), e.w13_trellis, e.w13_suh,
                                 e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared, list(e.w13_words),
-                                list(e.w2_words), [CODEBOOKS.index(c) for c in e.codebooks],
-                                ACTIVATIONS.index("silu"), False, PREFERENCE.index("native"), e.inter_offset,
-                                e.inter_size)
+                                list(e.w2_words), ops.codebook_list(e.codebooks), "silu", False, "native",
+                                e.inter_offset, e.inter_size)
     assert torch.equal(z, y)
 
 

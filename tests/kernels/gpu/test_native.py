@@ -38,7 +38,6 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
-from vllm_exl3.kernels.choice import PREFERENCE
 
 get_backend("torch")  # load every backend module (the registry loads once, on first use)
 from vllm_exl3.kernels.backends import native  # noqa: E402
@@ -55,9 +54,9 @@ WIDTHS = [(cb, float(b)) for cb in CODEBOOKS for b in range(1, 9)] + [("mul1", 1
 WIDTH_IDS = [f"{c}-{b:g}b" for c, b in WIDTHS]
 SHAPES = [(256, 384), (320, 200), (1024, 640)]  # (in, out) logical; stored padded to 128
 ROWS = [1, 2, 5, 8, 9, 16, 17, 40, 130]
-PATHS = {"split": native.PATH_SKINNY_SPLIT, "direct": native.PATH_SKINNY_DIRECT, "plain": native.PATH_SKINNY_PLAIN,
-         "panel": native.PATH_PANEL, "recon": native.PATH_RECONSTRUCT, "orig": native.PATH_RECON_ORIGINAL,
-         "auto": native.PATH_AUTO}
+P = native.NativePath
+PATHS = {"split": P.SKINNY_SPLIT, "direct": P.SKINNY_DIRECT, "plain": P.SKINNY_PLAIN, "panel": P.PANEL,
+         "recon": P.RECONSTRUCT, "orig": P.RECON_ORIGINAL, "auto": P.AUTO}
 
 _observed: dict[str, float] = defaultdict(float)
 
@@ -163,8 +162,7 @@ def test_strided_input_and_many_rows():
     base = torch.randn(300, 1024, device=DEV, dtype=torch.float16)
     x = base[:, 100:612]  # row stride 1024
     ref = R.forward(x.float(), w)
-    for path in (native.PATH_SKINNY, native.PATH_PANEL, native.PATH_RECONSTRUCT, native.PATH_RECON_ORIGINAL,
-                 native.PATH_AUTO):
+    for path in (P.SKINNY, P.PANEL, P.RECONSTRUCT, P.RECON_ORIGINAL, P.AUTO):
         assert rel(run(x, w, path), ref) < BOUND[torch.float16]
 
 
@@ -174,12 +172,12 @@ def test_auto_takes_the_original_basis_from_a_quarter_of_the_output_columns(monk
     w = random_weights(1024, 128, 4, "mul1", seed=23, device=DEV)  # one output group: the rule says 32 rows
     for rows, expected, other in ((32, "orig", "recon"), (31, "recon", "orig")):
         x = torch.randn(rows, 1024, device=DEV, dtype=torch.float16)
-        auto = run(x, w, native.PATH_AUTO)
+        auto = run(x, w, P.AUTO)
         assert torch.equal(auto, run(x, w, PATHS[expected])), (rows, expected)
         assert not torch.equal(auto, run(x, w, PATHS[other])), (rows, other)
     monkeypatch.setenv("VLLM_EXL3_ORIGINAL_MIN_ROWS", "100000")
     x = torch.randn(32, 1024, device=DEV, dtype=torch.float16)
-    assert torch.equal(run(x, w, native.PATH_AUTO), run(x, w, PATHS["recon"]))
+    assert torch.equal(run(x, w, P.AUTO), run(x, w, PATHS["recon"]))
 
 
 def test_skinny_trace_is_a_consistent_timeline(monkeypatch):
@@ -187,9 +185,9 @@ def test_skinny_trace_is_a_consistent_timeline(monkeypatch):
     <= exit on one SM of this device, and tracing leaves the result bitwise unchanged."""
     w = random_weights(1024, 2048, 4, "mul1", seed=21, device=DEV)
     x = torch.randn(3, 1024, device=DEV, dtype=torch.float16)
-    plain = run(x, w, native.PATH_SKINNY_SPLIT)
+    plain = run(x, w, P.SKINNY_SPLIT)
     monkeypatch.setenv("VLLM_EXL3_SKINNY_TRACE", "1")
-    traced = run(x, w, native.PATH_SKINNY_SPLIT)
+    traced = run(x, w, P.SKINNY_SPLIT)
     torch.cuda.synchronize()
     t = torch.ops.vllm_exl3.skinny_trace().cpu()  # [blocks, warps, {smid, entry, data, loop end, exit}]
     assert torch.equal(plain, traced)
@@ -210,7 +208,7 @@ def test_through_custom_op_with_native_backend():
     for rows in (1, 8, 200):
         x = torch.randn(rows, 300, device=DEV, dtype=torch.bfloat16)
         y = torch.ops.vllm_exl3.linear(x, w.trellis, w.suh, w.svh, torch.empty(0, device=DEV),
-                                       CODEBOOKS.index("mul1"), PREFERENCE.index("native"), 128, 64, 600)
+                                       "mul1", "native", 128, 64, 600)
         ref = R.forward(x.float(), w, in_offset=128, out_offset=64, out_features=600)
         assert rel(y, ref) < BOUND[torch.bfloat16]
 
@@ -289,7 +287,7 @@ def test_fixture_goldens(pack):
             continue
         w = load_weights(linears[prefix])
         w = type(w)(w.trellis.to(DEV), w.suh.to(DEV), w.svh.to(DEV), w.codebook, w.bits)
-        # ExLlamaV3 serves mul1 at <= 2 rows with its int8-activation GEMV (~7e-3 off exact math, format §E.4).
+        # ExLlamaV3 serves mul1 at <= 2 rows with its int8-activation GEMV (~7e-3 off exact math, docs/format.md §5.4).
         bound = 8.5e-3 if (w.codebook == "mul1" and int(rows) <= 2) else 3e-3
         for name in ("auto", "split", "recon"):
             y = run(x.to(DEV), w, PATHS[name])

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from ...format.constants import CODEBOOK_3INST, MARKER_VALUE
+from ...format.reference import zero_extend
 from ...format.tensors import Exl3Weights
 from ..backend import Backend, register_backend
 from ..specs import LinearSpec
@@ -89,9 +90,7 @@ class ExLlamaV3Backend(Backend):
         layer = self._layer(w)
         x16 = x.to(torch.float16)
         if in_offset != 0 or x.shape[1] != w.in_padded:
-            full = x16.new_zeros((x.shape[0], w.in_padded))
-            full[:, in_offset:in_offset + x.shape[1]] = x16
-            x16 = full
+            x16 = zero_extend(x16, w.in_padded, in_offset)
         y = layer.forward(x16.contiguous(), {})
         return y[:, out_offset:out_offset + out_features].to(x.dtype)
 

@@ -16,6 +16,7 @@ estimate). All are CUDA-graph safe: no host syncs, workspace sized by shape, cur
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import torch
@@ -27,9 +28,21 @@ from ..specs import LinearSpec, MoESpec
 from . import native_moe
 from .native_limits import limits_reason
 
-# `path` argument of torch.ops.vllm_exl3.native_linear (csrc/bindings.cpp)
-(PATH_AUTO, PATH_SKINNY, PATH_RECONSTRUCT, PATH_SKINNY_SPLIT, PATH_SKINNY_DIRECT, PATH_SKINNY_PLAIN,
- PATH_PANEL, PATH_RECON_ORIGINAL) = range(8)
+
+
+class NativePath(enum.IntEnum):
+    """The `path` argument of torch.ops.vllm_exl3.native_linear: csrc/planner.h's `enum Path` (kAuto -> AUTO, ...),
+    checked name for name and value for value by tests/kernels/test_native_path.py."""
+
+    AUTO = 0  # csrc/planner.cpp plan_linear_path decides
+    SKINNY = 1
+    RECONSTRUCT = 2
+    SKINNY_SPLIT = 3  # bench: split-K forced
+    SKINNY_DIRECT = 4  # bench: no split-K
+    SKINNY_PLAIN = 5  # bench: rounded Ŵ pairs instead of codewords
+    PANEL = 6
+    RECON_ORIGINAL = 7
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +60,7 @@ def extension_error() -> str | None:
 
 
 def _register_fakes() -> None:
-    def linear_fake(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path=PATH_AUTO):
+    def linear_fake(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path=NativePath.AUTO):
         return x.new_empty((x.shape[0], out_features))
 
     def reconstruct_fake(trellis, codebook, suh=None, svh=None, bf16=False):
@@ -95,10 +108,10 @@ def reconstruct(w: Exl3Weights, original_basis: bool = False, bf16: bool = False
 
 
 def linear(x: torch.Tensor, w: Exl3Weights, in_offset: int = 0, out_offset: int = 0,
-           out_features: int | None = None, path: int = PATH_AUTO) -> torch.Tensor:
+           out_features: int | None = None, path: int = NativePath.AUTO) -> torch.Tensor:
     out_features = w.out_padded - out_offset if out_features is None else out_features
     return torch.ops.vllm_exl3.native_linear(x, w.trellis, w.suh, w.svh, codebook_index(w.codebook), in_offset,
-                                             out_offset, out_features, path)
+                                             out_offset, out_features, int(path))
 
 
 class NativeBackend(Backend):

@@ -46,6 +46,12 @@ def unsupported_reason(spec: MoESpec) -> str | None:
                          [spec.hidden_padded, spec.intermediate_padded])
 
 
+def codebook_indices(codebooks: tuple[str, ...]) -> list[int]:
+    """The C++ op's codebook numbers (csrc/exl3_kernels.h `enum Codebook` = format.CODEBOOKS order): the one place
+    names become indices on the MoE path."""
+    return [CODEBOOKS.index(c) for c in codebooks]
+
+
 @functools.lru_cache(maxsize=None)
 def _empty_map(device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int32, device=device)
@@ -54,7 +60,7 @@ def _empty_map(device: torch.device) -> torch.Tensor:
 def prepare(experts: ExpertStack, top_k: int | None, max_tokens: int | None) -> list[torch.Tensor]:
     """Per layer: the key tensors, the kernels' shared-memory limits raised, the shared workspace reserved."""
     device = experts.w13_trellis.device
-    cb = [CODEBOOKS.index(c) for c in experts.codebooks]
+    cb = codebook_indices(experts.codebooks)
     gate_up_cb = [cb[3 * e + p] for e in range(experts.num_experts) for p in (0, 1)]
     down_cb = [cb[3 * e + 2] for e in range(experts.num_experts)]
     for words, codebook in set(zip(experts.w13_words, gate_up_cb)) | set(zip(experts.w2_words, down_cb)):
@@ -79,6 +85,6 @@ def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, exp
     return torch.ops.vllm_exl3.native_moe(
         x, topk_weights, topk_ids, expert_map, experts.w13_trellis, experts.w13_suh, experts.w13_svh,
         experts.w2_trellis, experts.w2_suh, experts.w2_svh, keys13, keys2, list(experts.w13_words),
-        list(experts.w2_words), [CODEBOOKS.index(c) for c in experts.codebooks], activation,
+        list(experts.w2_words), codebook_indices(experts.codebooks), activation,
         router_weight_on_input, experts.inter_offset, experts.inter_size)
 

@@ -14,9 +14,10 @@ import logging
 import torch
 
 from ...format.tensors import Exl3Weights
-from ...format.reference import decode_rotated, hadamard_rows
+from ...format import reference
+from ...format.reference import decode_rotated
 from ..backend import Backend, register_backend
-from ..specs import ExpertStack, LinearSpec, MoESpec
+from ..specs import PROJECTIONS, ExpertStack, LinearSpec, MoESpec
 
 logger = logging.getLogger("vllm_exl3.kernels")
 
@@ -34,14 +35,10 @@ def cached_w_hat(w: Exl3Weights) -> torch.Tensor:
 
 def rotated_linear(x: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, w_hat: torch.Tensor, in_offset: int,
                    out_offset: int, out_features: int) -> torch.Tensor:
-    """x·W through a cached Ŵ; x [M, in] sits at in_offset of the stored input width (see Backend.linear)."""
-    k = w_hat.shape[0]
-    xs = x.new_zeros((x.shape[0], k), dtype=torch.float32)
-    xs[:, in_offset:in_offset + x.shape[1]] = x
-    xh = hadamard_rows(xs * suh.float())
-    z = (xh.to(w_hat.dtype) @ w_hat).float()
-    y = hadamard_rows(z) * svh.float()
-    return y[:, out_offset:out_offset + out_features].to(x.dtype)
+    """x·W through a cached Ŵ; x [M, in] sits at in_offset of the stored input width (see Backend.linear). The
+    reference's forward, with the product in Ŵ's dtype (fp16 on CUDA: tensor cores, fp32 accumulation)."""
+    y = reference.rotated_forward(x, suh, svh, w_hat, in_offset, out_offset, out_features, in_weight_dtype=True)
+    return y.to(x.dtype)
 
 
 class TorchBackend(Backend):
@@ -64,8 +61,9 @@ class TorchBackend(Backend):
         if experts.w13_trellis.is_cuda:
             return []
         e = experts.num_experts
-        w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in (0, 1)]) for i in range(e)])
-        w2 = torch.stack([cached_w_hat(experts.weights(i, 2)) for i in range(e)])
+        w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in ("gate", "up")])
+                           for i in range(e)])
+        w2 = torch.stack([cached_w_hat(experts.weights(i, "down")) for i in range(e)])
         return [w13, w2]
 
     def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
@@ -85,21 +83,21 @@ def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: s
     if prepared:
         w13_hat, w2_hat = prepared
 
-        def w_hat(e: int, proj: int) -> torch.Tensor:
-            return w13_hat[e, proj] if proj < 2 else w2_hat[e]
+        def w_hat(e: int, proj: str) -> torch.Tensor:
+            return w2_hat[e] if proj == "down" else w13_hat[e, PROJECTIONS.index(proj)]
     else:
         if not _warned_slow:
             _warned_slow = True
             logger.warning("EXL3 routed experts on the torch backend on CUDA: every expert is decoded on every call "
                            "(a correctness fallback, orders of magnitude slower than the native kernels)")
 
-        def w_hat(e: int, proj: int) -> torch.Tensor:
+        def w_hat(e: int, proj: str) -> torch.Tensor:
             return cached_w_hat(experts.weights(e, proj))
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        gate = rotated_linear(xe, experts.w13_suh[e, 0], experts.w13_svh[e, 0], w_hat(e, 0), 0, io, isz)
-        up = rotated_linear(xe, experts.w13_suh[e, 1], experts.w13_svh[e, 1], w_hat(e, 1), 0, io, isz)
-        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w_hat(e, 2), io, 0, hidden)
+        gate = rotated_linear(xe, experts.w13_suh[e, 0], experts.w13_svh[e, 0], w_hat(e, "gate"), 0, io, isz)
+        up = rotated_linear(xe, experts.w13_suh[e, 1], experts.w13_svh[e, 1], w_hat(e, "up"), 0, io, isz)
+        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w_hat(e, "down"), io, 0, hidden)
 
     return expert
 
