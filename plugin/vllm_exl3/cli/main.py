@@ -239,9 +239,32 @@ def _info(p: argparse.ArgumentParser):
         console.print(t)
         if info.native_build:
             console.print(f"native build: {info.native_build}")
+        _print_parity(info.parity)
         return 0
 
     return run
+
+
+def _print_parity(report: dict | None) -> None:
+    from ..kernels.parity import report_path
+
+    if not report:
+        console.print(f"parity gate: no report at {report_path()} (written when a server loads a pack)")
+        return
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.get("time", 0)))
+    console.print(f"parity gate (pid {report.get('pid')}, {when}, policy {report.get('policy')}, "
+                  f"{report.get('seconds', 0):.3f} s): " + ", ".join(f"{t} -> {b}" for t, b in
+                                                                    report.get("served", {}).items()))
+    if report.get("checks"):
+        t = Table(title=f"parity checks against the {report.get('reference')} reference")
+        for col in ("layer", "layer type", "backend", "rel. error", "bound", "result", "s"):
+            t.add_column(col)
+        for c in report["checks"]:
+            t.add_row(c["layer"], c["layer_type"], c["backend"], f"{c['error']:.2e}", f"{c['bound']:g}",
+                      "[green]pass[/]" if c["passed"] else "[red]FAIL[/]", f"{c['seconds']:.3f}")
+        console.print(t)
+    else:
+        console.print("  no layer checked (the torch reference serves every layer type)")
 
 
 @command("load-bench")
