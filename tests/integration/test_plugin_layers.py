@@ -285,3 +285,43 @@ def test_layer_bits_declaration_is_checked_for_every_layer(layer):
     with pytest.raises(Exl3ConfigError, match=f"declares 3 bits for layer {layer} but"):
         contract.check_expert_bits(prefix, [(f"{prefix}.0.gate_proj", LinearMeta(4.0, "mcg", 256, 128))])
     contract.check_expert_bits("model.layers.99.mlp.experts", [("x", LinearMeta(4.0, "mcg", 256, 128))])
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy):
+    """A broken backend (test-only) chosen for a vLLM layer: `fallback` binds the layer to the torch reference
+    at load (output exact), `strict` refuses to load naming the layer."""
+    from vllm_exl3.kernels import backend as kbackend, parity, selection
+    from vllm_exl3.kernels.backends.torch_ref import TorchBackend
+
+    class Broken(TorchBackend):
+        name = "native"
+
+        def unavailable_reason(self):
+            return None
+
+        def linear(self, x, w, prepared, in_offset, out_offset, out_features):
+            return 2 * super().linear(x, w, prepared, in_offset, out_offset, out_features)
+
+    kbackend.load_backends()
+    monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
+    monkeypatch.setattr(selection, "_excluded", {})
+    monkeypatch.setenv(parity.PARITY_ENV, policy)
+    monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
+    parity.reset()
+    rank(0, 1)
+    w = random_weights(256, 384, 3, "mcg", seed=1)
+    cfg, tensors = make_config(tmp_path, {"model.layers.0.up": w})
+    layer = vllm_linear.ColumnParallelLinear(256, 384, bias=False, quant_config=cfg, prefix="model.layers.0.up",
+                                             return_bias=False)
+    try:
+        if policy == "strict":
+            with pytest.raises(parity.ParityError, match=r"layer model\.layers\.0\.up .*native backend"):
+                load(layer, tensors)
+            return
+        load(layer, tensors)
+        x = torch.randn(5, 256)
+        assert rel(layer(x), reference(x, w, 256, 384)) < 1e-5
+        assert layer.exl3_shards[0][2][1] == "torch"  # the backend the gate moved the layer to
+    finally:
+        parity.reset()

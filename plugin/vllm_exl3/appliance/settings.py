@@ -23,6 +23,8 @@ class Setting:
 _TABLE = """
 plugin    | VLLM_EXL3_KERNEL               | auto           | kernel backend: auto | native | exllamav3 | torch (auto: the first available that serves the layer)
 plugin    | VLLM_EXL3_KERNEL_STRICT        | 0              | 1: a named backend that cannot serve a layer is an error, not a fallback
+plugin    | VLLM_EXL3_PARITY               | fallback       | boot-time parity gate (docs/packs.md): fallback (a failing backend gives its layer type to the next) | strict (refuse to start) | off
+plugin    | VLLM_EXL3_PARITY_REPORT        | -              | the JSON file the parity gate writes and `vllm-exl3 info` shows (default: <temp dir>/vllm-exl3-parity.json)
 plugin    | VLLM_EXL3_LOGGING_LEVEL        | -              | log level of the vllm_exl3 logger (default: VLLM_LOGGING_LEVEL, else INFO)
 loader    | VLLM_EXL3_LOAD_WORKERS         | 8              | reader threads
 loader    | VLLM_EXL3_LOAD_CHUNK_MIB       | 16             | size of one read and of each worker's bounce buffer (pinned on CUDA)

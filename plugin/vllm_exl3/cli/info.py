@@ -26,6 +26,7 @@ class Info:
     kernel_env: str
     backends: list[BackendInfo] = field(default_factory=list)
     native_build: str | None = None
+    parity: dict | None = None  # the last parity gate's report (kernels/parity.py), if one was written
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -52,4 +53,7 @@ def collect() -> Info:
             reason = "backend module not importable"
         info.backends.append(BackendInfo(name, reason is None, reason))
     info.native_build = native.build_info()
+    from ..kernels.parity import read_report
+
+    info.parity = read_report()
     return info

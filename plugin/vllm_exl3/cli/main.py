@@ -126,6 +126,8 @@ def _inspect(p: argparse.ArgumentParser):
 def _verify(p: argparse.ArgumentParser):
     """Full structural validation of every file and tensor; exit 0 when the pack is sound, 1 otherwise."""
     p.add_argument("pack", help="EXL3 model directory")
+    p.add_argument("--deep", action="store_true",
+                   help="also decode every tensor (streaming): finite values, finite and sane suh/svh; per tensor")
 
     def run(a: argparse.Namespace) -> int:
         from ..format.pack import verify_pack
@@ -139,6 +141,96 @@ def _verify(p: argparse.ArgumentParser):
         n = len(pack.linears())
         console.print(f"[green]OK[/] {a.pack}: {len(pack.files)} file(s), {len(pack.tensors)} tensors, "
                       f"{n} EXL3 linears")
+        return _verify_deep(pack) if a.deep else 0
+
+    return run
+
+
+def _progress(total: int, description: str):
+    """A progress bar on stderr (hidden when stderr is not a terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=err_console, disable=not err_console.is_terminal)
+    return prog, prog.add_task(description, total=total)
+
+
+def _verify_deep(pack: Pack) -> int:
+    from ..format import deep
+
+    prog, task = _progress(deep.count(pack), "decoding")
+    bad = 0
+    with prog:
+        for c in deep.check_pack(pack):
+            prog.advance(task)
+            if c.problem:
+                bad += 1
+                err_console.print(f"[red]FAIL[/] {c.problem}", highlight=False, soft_wrap=True)
+            else:
+                console.print(f"ok   {c.kind:5} {c.name}  max|w| {c.max_abs:.4g}", highlight=False, soft_wrap=True)
+    if bad:
+        err_console.print(f"{bad} tensor(s) with bad values in {pack.root}")
+        return 1
+    console.print(f"[green]OK[/] every tensor of {pack.root} decodes to finite values")
+    return 0
+
+
+@command("pack")
+def _pack(p: argparse.ArgumentParser):
+    """Pack tools: regenerate the index, derive quantization_config, overlay experts onto dense layers."""
+    sub = p.add_subparsers(dest="pack_command", required=True)
+    ix = sub.add_parser("index", help="regenerate model.safetensors.index.json from the shards' headers")
+    ix.add_argument("dir", help="pack directory")
+    ix.add_argument("--check", action="store_true", help="report drift without writing (exit 1 on drift)")
+    cf = sub.add_parser("config", help="derive quantization_config from the tensors; diff; --write")
+    cf.add_argument("dir", help="pack directory")
+    cf.add_argument("--write", action="store_true", help="write it into config.json (and the sidecar if any)")
+    ov = sub.add_parser("overlay", help="routed experts of one pack + dense layers of another (or of the BF16 model)")
+    ov.add_argument("experts_pack", help="EXL3 pack whose routed experts are used")
+    ov.add_argument("dense_source", help="EXL3 pack or BF16 model whose other tensors are used")
+    ov.add_argument("-o", "--output", required=True, help="new pack directory (must not exist or be empty)")
+    ov.add_argument("--symlink", action="store_true", help="symbolic links instead of hardlinks to unchanged shards")
+
+    def run(a: argparse.Namespace) -> int:
+        from ..format import packtools
+
+        if a.pack_command == "index":
+            if not Path(a.dir).is_dir():
+                raise UsageError(f"{a.dir}: no such pack directory")
+            prog, task = _progress(len(list(Path(a.dir).glob("*.safetensors"))), "reading headers")
+            with prog:
+                weight_map, total = packtools.scan_shards(a.dir, progress=lambda _: prog.advance(task))
+            drift = packtools.index_drift(a.dir, weight_map)
+            for line in drift:
+                console.print(line, highlight=False, soft_wrap=True)
+            if a.check:
+                console.print(f"{len(drift)} difference(s) between the index and the shards" if drift else
+                              f"[green]OK[/] the index matches the shards ({len(weight_map)} tensors)")
+                return 1 if drift else 0
+            path = packtools.write_index(a.dir, weight_map, total)
+            console.print(f"wrote {path}: {len(weight_map)} tensors, {_gib(total)}")
+            return 0
+        if a.pack_command == "config":
+            # Headers only, no contract check: fixing a config that contradicts the tensors is this command's job.
+            pack = Pack.open(a.dir)
+            derived = packtools.derive_config(pack.tensors, pack.quantization_config)
+            for note in derived.notes:
+                console.print(f"note: {note}", highlight=False, soft_wrap=True)
+            diff = packtools.config_diff(pack.quantization_config, derived.config)
+            console.print(diff or "quantization_config already matches the tensors", highlight=False, markup=False)
+            if a.write and diff:
+                for path in packtools.write_config(a.dir, derived.config):
+                    console.print(f"wrote {path}")
+            return 0
+        prog, task = _progress(None, "linking / writing shards")
+        with prog:
+            result = packtools.overlay(a.experts_pack, a.dense_source, a.output, a.symlink,
+                                       progress=lambda _: prog.advance(task))
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        console.print(f"[green]OK[/] {result.out}: {len(result.linked)} shard(s) "
+                      f"{'symlinked' if a.symlink else 'hardlinked'}, {len(result.written)} written "
+                      f"({_gib(result.copied_bytes)} copied), verified", highlight=False)
         return 0
 
     return run
@@ -155,8 +247,6 @@ def _dequant(p: argparse.ArgumentParser):
     p.add_argument("--padded", action="store_true", help="keep the padded geometry in full-weight mode")
 
     def run(a: argparse.Namespace) -> int:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         from ..format import dequant
 
         output_file(a.output)
@@ -169,9 +259,8 @@ def _dequant(p: argparse.ArgumentParser):
             err_console.print(f"no EXL3 linear matches {a.tensor!r} (`vllm-exl3 inspect {a.pack}` lists the groups; "
                               "patterns are globs such as 'model.layers.0.*')", highlight=False)
             return 1
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      console=err_console, disable=not err_console.is_terminal) as prog:
-            task = prog.add_task("dequantizing", total=len(items))
+        prog, task = _progress(len(items), "dequantizing")
+        with prog:
             nbytes = dequant.write(items, a.output, a.rotated, progress=lambda _: prog.advance(task))
         console.print(f"wrote {len(items)} tensors ({_gib(nbytes)}) to {a.output}")
         return 0
@@ -244,9 +333,32 @@ def _info(p: argparse.ArgumentParser):
         console.print(t)
         if info.native_build:
             console.print(f"native build: {info.native_build}")
+        _print_parity(info.parity)
         return 0
 
     return run
+
+
+def _print_parity(report: dict | None) -> None:
+    from ..kernels.parity import report_path
+
+    if not report:
+        console.print(f"parity gate: no report at {report_path()} (written when a server loads a pack)")
+        return
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.get("time", 0)))
+    console.print(f"parity gate (pid {report.get('pid')}, {when}, policy {report.get('policy')}, "
+                  f"{report.get('seconds', 0):.3f} s): " + ", ".join(f"{t} -> {b}" for t, b in
+                                                                    report.get("served", {}).items()))
+    if report.get("checks"):
+        t = Table(title=f"parity checks against the {report.get('reference')} reference")
+        for col in ("layer", "layer type", "backend", "rel. error", "bound", "result", "s"):
+            t.add_column(col)
+        for c in report["checks"]:
+            t.add_row(c["layer"], c["layer_type"], c["backend"], f"{c['error']:.2e}", f"{c['bound']:g}",
+                      "[green]pass[/]" if c["passed"] else "[red]FAIL[/]", f"{c['seconds']:.3f}")
+        console.print(t)
+    else:
+        console.print("  no layer checked (the torch reference serves every layer type)")
 
 
 @command("load-bench")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..format.constants import SIDECAR_FILE
-from ..format.contract import POLICY_BF16_AS_STORED, Contract, Exl3ConfigError
+from ..format.contract import POLICY_BF16_AS_STORED, Contract, Exl3ConfigError, layer_index
 from ..format.errors import Exl3FormatError
 from ..format.index import PackIndex, index_model
 from . import compat
@@ -122,7 +122,9 @@ class Exl3Config(compat.QuantizationConfig):
                 raise Exl3FormatError(None, missing[0], f"EXL3 tensors for every expert projection of {prefix}",
                                       f"{len(missing)} projections without them (e.g. {', '.join(missing[:3])})")
             self.contract.check_expert_bits(prefix, [(names[k], metas[k]) for k in present])
-            return Exl3MoEMethod(layer.moe_config, prefix, names, metas)
+            method = Exl3MoEMethod(layer.moe_config, prefix, names, metas)
+            method.last_block = self._in_last_block(prefix)
+            return method
 
         if isinstance(layer, (compat.LinearBase, compat.ParallelLMHead)):
             index = self._require_index(prefix)
@@ -130,7 +132,9 @@ class Exl3Config(compat.QuantizationConfig):
             metas = [index.exl3.get(n) for n in names]
             self.contract.check_dense(prefix, list(zip(names, metas)))
             if any(m is not None for m in metas):
-                return Exl3LinearMethod(prefix, names, ids, metas, [index.plain.get(n) for n in names])
+                method = Exl3LinearMethod(prefix, names, ids, metas, [index.plain.get(n) for n in names])
+                method.last_block = self._in_last_block(prefix)
+                return method
             if compat.is_lm_head(layer):
                 return self._plain_head(layer, index.plain.get(prefix))
             if self.contract.non_routed_dtype_policy != POLICY_BF16_AS_STORED and self.delegate is not None:
@@ -140,6 +144,13 @@ class Exl3Config(compat.QuantizationConfig):
         if self.delegate is not None and compat.is_attention(layer):
             return self.delegate.get_quant_method(layer, prefix)
         return None
+
+    def _in_last_block(self, prefix: str) -> bool:
+        """Is `prefix` in the highest-numbered block holding EXL3 tensors (the parity gate checks all of it)?"""
+        if not hasattr(self, "_last_block"):
+            found = [i for i in map(layer_index, self._require_index(prefix).exl3) if i is not None]
+            self._last_block = max(found) if found else None
+        return self._last_block is not None and layer_index(prefix) == self._last_block
 
     @staticmethod
     def _plain_head(layer, stored_shape):

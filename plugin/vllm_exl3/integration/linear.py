@@ -23,7 +23,8 @@ from ..format.constants import MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
 from ..format.tensors import Exl3Weights, unpack_signs
 from ..format.geometry import Span, check_padding
-from ..kernels.selection import choose_linear_backend
+from ..kernels import parity
+from ..kernels.selection import choose_linear_backend, linear_layer_type
 from ..kernels.specs import LinearSpec
 
 logger = logging.getLogger("vllm_exl3")
@@ -121,6 +122,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         self.prefix = prefix
         self.names, self.shard_ids, self.metas, self.plain_shapes = names, shard_ids, metas, plain_shapes
         self.shards: list[Shard] = []
+        self.last_block = False  # set by Exl3Config: this layer is in the model's last block (the parity gate)
 
     # -- weights ----------------------------------------------------------------------------------------------
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
@@ -234,16 +236,27 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                             layer.suh.data[s.offsets["suh"]:s.offsets["suh"] + s.rows.block_size],
                             layer.svh.data[s.offsets["svh"]:s.offsets["svh"] + s.cols.block_size],
                             s.meta.codebook, s.meta.bits)
-            backend = choose_linear_backend(LinearSpec(s.meta.codebook, s.meta.bits, s.rows.block_size,
-                                                       s.cols.block_size, layer.params_dtype, w.trellis.device.type))
-            for part, tensor in (("trellis", w.trellis), ("suh", w.suh), ("svh", w.svh),
-                                 ("prepared", backend.prepare_linear(w))):
+            for part, tensor in (("trellis", w.trellis), ("suh", w.suh), ("svh", w.svh)):
                 layer.register_buffer(f"exl3_{part}_{i}", tensor, persistent=False)
-            call = (s.meta.codebook, backend.name, s.rows.offset,
-                    s.cols.offset, s.cols.size)
-            layer.exl3_shards.append(("exl3", i, call))
+            layer.exl3_shards.append(("exl3", i, None))
+            self._bind(layer, i, s, w)
         layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
                               if compat.is_lm_head(layer) else 0)
+
+    def _bind(self, layer, i: int, s: Shard, w: Exl3Weights) -> None:
+        """Choose shard i's backend, prepare it, then let the parity gate compare it with the torch reference
+        (which may bind it again, to the next backend)."""
+        spec = LinearSpec(s.meta.codebook, s.meta.bits, s.rows.block_size, s.cols.block_size, layer.params_dtype,
+                          w.trellis.device.type)
+        backend = choose_linear_backend(spec)
+        prepared = backend.prepare_linear(w)
+        layer.register_buffer(f"exl3_prepared_{i}", prepared, persistent=False)
+        call = (s.meta.codebook, backend.name, s.rows.offset, s.cols.offset, s.cols.size)
+        layer.exl3_shards[[e[1] for e in layer.exl3_shards].index(i)] = ("exl3", i, call)
+        parity.gate(s.name, linear_layer_type(spec), backend, layer.params_dtype,
+                    lambda b: parity.linear_error(b, w, prepared, s.rows.size, s.rows.offset, s.cols.offset,
+                                                  s.cols.size, layer.params_dtype),
+                    lambda: self._bind(layer, i, s, w), self.last_block)
 
     def tie_weights(self, layer, embed_tokens):
         # ExLlamaV3 always writes its own lm_head (docs/format.md §4.1): keep it even if the config says tied.

@@ -20,8 +20,9 @@ from ..format.constants import MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
 from ..format.tensors import unpack_signs
 from ..format.geometry import Span, check_padding
+from ..kernels import parity
 from ..kernels.ops import codebook_list
-from ..kernels.selection import choose_moe_backend
+from ..kernels.selection import choose_moe_backend, moe_layer_type
 from ..kernels.specs import ACTIVATIONS, PROJECTIONS, ExpertStack, MoESpec
 
 logger = logging.getLogger("vllm_exl3")
@@ -36,6 +37,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
                  metas: dict[tuple[int, int], LinearMeta]):
         super().__init__(moe)
         self.prefix, self.names, self.metas = prefix, names, metas
+        self.last_block = False  # set by Exl3Config: this layer is in the model's last block (the parity gate)
 
     # -- weights ----------------------------------------------------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
@@ -158,17 +160,29 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
             raise ValueError(f"{self.prefix}: EXL3 experts support the gated activations {ACTIVATIONS}, "
                              f"this model uses {activation!r}")
         bits = tuple(self.metas[(g, p)].bits for g in self.local_to_global for p in range(3))
-        backend = choose_moe_backend(MoESpec(codebooks, bits, self.hidden_span.block_size,
-                                             self.inter_span.block_size, len(self.local_to_global), activation,
-                                             layer.params_dtype, layer.w13_trellis.device.type))
-        prepared = backend.prepare_moe(self.stack, getattr(self.moe, "experts_per_token", None),
-                                       getattr(self.moe, "max_num_tokens", None))
+        self._bind(layer, MoESpec(codebooks, bits, self.hidden_span.block_size, self.inter_span.block_size,
+                                  len(self.local_to_global), activation, layer.params_dtype,
+                                  layer.w13_trellis.device.type))
+
+    def _bind(self, layer, spec: MoESpec) -> None:
+        """Choose the backend, prepare it, then let the parity gate compare it with the torch reference (which
+        may bind the layer again, to the next backend)."""
+        backend = choose_moe_backend(spec)
+        top_k = getattr(self.moe, "experts_per_token", None)
+        for k in range(getattr(self, "num_prepared", 0)):  # a previous binding's tensors
+            delattr(layer, f"exl3_prepared_{k}")
+        prepared = backend.prepare_moe(self.stack, top_k, getattr(self.moe, "max_num_tokens", None))
         for k, t in enumerate(prepared):
             layer.register_buffer(f"exl3_prepared_{k}", t, persistent=False)
         self.call = (list(self.stack.w13_words), list(self.stack.w2_words),
-                     codebook_list(codebooks), activation, bool(layer.apply_router_weight_on_input), backend.name,
+                     codebook_list(spec.codebooks), spec.activation, bool(layer.apply_router_weight_on_input),
+                     backend.name,
                      self.stack.inter_offset, self.stack.inter_size)
         self.num_prepared = len(prepared)
+        parity.gate(self.prefix, moe_layer_type(spec), backend, spec.act_dtype,
+                    lambda b: parity.moe_error(b, self.stack, prepared, self.hidden_span.size, spec.activation,
+                                               spec.act_dtype, top_k),
+                    lambda: self._bind(layer, spec), self.last_block)
 
     # -- forward --------------------------------------------------------------------------------------------
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):

@@ -1,5 +1,6 @@
 """Which backend serves which layer, and why the preferred ones did not: logged once per layer type, counted for
-metrics; strict mode (VLLM_EXL3_KERNEL_STRICT=1) turns a fallback into an error."""
+metrics; strict mode (VLLM_EXL3_KERNEL_STRICT=1) turns a fallback into an error. A (backend, layer type) the
+parity gate failed (kernels/parity.py) is skipped from then on, with the gate's numbers as the reason."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ class Decision:
 
 _lock = threading.Lock()
 _decision_counts: Counter[Decision] = Counter()
+_excluded: dict[tuple[str, str], str] = {}  # (backend, layer type) -> why (the parity gate failed it)
+
+
+def exclude(backend: str, layer_type: str, reason: str) -> None:
+    """Never choose `backend` for `layer_type` again in this process (kernels.parity's fallback)."""
+    with _lock:
+        _excluded[(backend, layer_type)] = reason
 
 
 def decision_counts() -> dict[Decision, int]:
@@ -58,7 +66,7 @@ def _choose(layer_type: str, reason_of) -> Backend:
         unavailable = "not installed" if backend is None else backend.unavailable_reason()
         if unavailable and name == requested:
             raise RuntimeError(f"{KERNEL_ENV}={requested}, but that backend is unavailable: {unavailable}")
-        reason = unavailable or reason_of(backend)
+        reason = unavailable or _excluded.get((name, layer_type)) or reason_of(backend)
         if reason is None:
             if requested not in ("auto", name):
                 if os.environ.get(STRICT_ENV) == "1":
@@ -72,13 +80,19 @@ def _choose(layer_type: str, reason_of) -> Backend:
     raise RuntimeError(f"no EXL3 backend serves {layer_type}: {skipped}")
 
 
+def linear_layer_type(spec: LinearSpec) -> str:
+    return f"linear:{spec.codebook}:{spec.bits:g}b:{spec.device_type}"
+
+
+def moe_layer_type(spec: MoESpec) -> str:
+    cbs = "+".join(sorted(set(spec.codebooks)))
+    bits = "+".join(f"{b:g}" for b in sorted(set(spec.bits)))
+    return f"moe:{cbs}:{bits}b:{spec.device_type}"
+
+
 def choose_linear_backend(spec: LinearSpec) -> Backend:
-    layer_type = f"linear:{spec.codebook}:{spec.bits:g}b:{spec.device_type}"
-    return _choose(layer_type, lambda b: b.linear_unsupported_reason(spec))
+    return _choose(linear_layer_type(spec), lambda b: b.linear_unsupported_reason(spec))
 
 
 def choose_moe_backend(spec: MoESpec) -> Backend:
-    cbs = "+".join(sorted(set(spec.codebooks)))
-    bits = "+".join(f"{b:g}" for b in sorted(set(spec.bits)))
-    layer_type = f"moe:{cbs}:{bits}b:{spec.device_type}"
-    return _choose(layer_type, lambda b: b.moe_unsupported_reason(spec))
+    return _choose(moe_layer_type(spec), lambda b: b.moe_unsupported_reason(spec))

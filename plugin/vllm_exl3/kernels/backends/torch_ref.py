@@ -76,7 +76,8 @@ class TorchBackend(Backend):
 _warned_slow = False
 
 
-def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: str, hidden: int):
+def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: str, hidden: int,
+               warn_slow: bool = True):
     global _warned_slow
     act = _ACTIVATION[activation]
     io, isz = experts.inter_offset, experts.inter_size
@@ -86,7 +87,7 @@ def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: s
         def w_hat(e: int, proj: str) -> torch.Tensor:
             return w2_hat[e] if proj == "down" else w13_hat[e, PROJECTIONS.index(proj)]
     else:
-        if not _warned_slow:
+        if warn_slow and not _warned_slow:
             _warned_slow = True
             logger.warning("EXL3 routed experts on the torch backend on CUDA: every expert is decoded on every call "
                            "(a correctness fallback, orders of magnitude slower than the native kernels)")
@@ -109,11 +110,13 @@ def _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input):
     return local, topk_weights.reshape(-1).float(), src
 
 
-def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input,
+                      warn_slow: bool = True):
+    """Only the experts that receive tokens run (and, without `prepared`, only those are decoded)."""
     m, hidden = x.shape
     local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
     token = torch.arange(m, device=x.device).repeat_interleave(topk_ids.shape[1])
-    expert = _expert_fn(experts, prepared, activation, hidden)
+    expert = _expert_fn(experts, prepared, activation, hidden, warn_slow)
     out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     for e in range(experts.num_experts):
         sel = (local == e).nonzero().squeeze(1)

@@ -1,0 +1,230 @@
+"""The boot-time parity gate: before the server answers, a sample of the model's real layers runs through the
+backend chosen for them and through the torch reference (backends/torch_ref.py) on fixed random inputs.
+
+`VLLM_EXL3_PARITY`:
+- `fallback` (default): a (backend, layer type) whose error exceeds the bound is excluded (kernels/selection.py)
+  and every layer of that type already bound to it is bound again to the next backend; the numbers are logged.
+- `strict`: refuse to start, naming the layer, the backend and the error.
+- `off`: no checks.
+
+Which layers: the first layer of each (backend, layer type) — layer types are per codebook and bit width
+(selection.py), so every codebook and bit width present is covered, dense and routed experts alike — and every
+layer of the model's last block. The torch reference itself is never checked (on CPU it is the only backend, so
+the gate costs nothing there). Cost per checked layer: one reference decode of its Ŵ (dense) or of ≤ 4 experts'
+Ŵ (routed), plus forwards of 1, 8 and 96 rows (dense) or 64 tokens (routed).
+
+Error: ‖y − y_ref‖ / ‖y_ref‖ (Frobenius, fp32), non-finite output = infinite error. Bounds (`BOUNDS`) are about
+3× what the GPU tests observe for the native kernels (tests/kernels/gpu: ≤ 3e-3 fp16, ≤ 1e-2 bf16); a broken
+kernel is off by O(1). Results go to the log and to a JSON report (`VLLM_EXL3_PARITY_REPORT`, default
+`<temp dir>/vllm-exl3-parity.json`) that `vllm-exl3 info` shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .backend import Backend
+from .selection import exclude
+from .specs import ExpertStack
+
+logger = logging.getLogger("vllm_exl3.kernels")
+
+PARITY_ENV = "VLLM_EXL3_PARITY"
+REPORT_ENV = "VLLM_EXL3_PARITY_REPORT"
+POLICIES = ("fallback", "strict", "off")
+REFERENCE = "torch"
+BOUNDS = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-2}
+LINEAR_ROWS = (1, 8, 96)  # skinny, panel and reconstruct paths of the native kernels
+MOE_TOKENS = 64
+MOE_MAX_EXPERTS = 4  # experts per checked routed layer (more only to cover every bit width present)
+SEED = 1234
+
+
+class ParityError(RuntimeError):
+    """`VLLM_EXL3_PARITY=strict` and a backend disagrees with the torch reference."""
+
+
+@dataclass
+class Check:
+    layer: str
+    layer_type: str
+    backend: str
+    error: float
+    bound: float
+    passed: bool
+    inputs: str
+    seconds: float
+
+
+def policy(environ=None) -> str:
+    value = ((os.environ if environ is None else environ).get(PARITY_ENV) or "fallback").strip().lower()
+    if value not in POLICIES:
+        raise ValueError(f"{PARITY_ENV}={value!r}: expected one of {', '.join(POLICIES)}")
+    return value
+
+
+def report_path(environ=None) -> Path:
+    value = (os.environ if environ is None else environ).get(REPORT_ENV)
+    return Path(value) if value else Path(tempfile.gettempdir()) / "vllm-exl3-parity.json"
+
+
+def read_report(environ=None) -> dict | None:
+    """The last gate's report, if one was written (for `vllm-exl3 info`)."""
+    try:
+        return json.loads(report_path(environ).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+_lock = threading.RLock()
+_checks: list[Check] = []
+_verified: set[tuple[str, str]] = set()  # (backend, layer type) checked once (passed or failed)
+_bound: dict[tuple[str, str], list[Callable[[], None]]] = {}  # rebinds of the layers bound to a (backend, type)
+_served: dict[str, str] = {}  # layer type -> backend (the latest binding)
+
+
+def reset() -> None:
+    """Forget everything (tests)."""
+    with _lock:
+        _checks.clear()
+        _verified.clear()
+        _bound.clear()
+        _served.clear()
+
+
+def checks() -> list[Check]:
+    with _lock:
+        return list(_checks)
+
+
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.float(), ref.float()
+    if not bool(torch.isfinite(y).all()):
+        return float("inf")
+    return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _randn(shape, dtype, device, generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def linear_error(backend: Backend, w, prepared: torch.Tensor, in_features: int, in_offset: int, out_offset: int,
+                 out_features: int, dtype: torch.dtype) -> tuple[float, str]:
+    """Worst relative error of `backend.linear` against the torch reference over LINEAR_ROWS fixed inputs."""
+    from .backend import get_backend
+
+    ref = get_backend(REFERENCE)
+    ref_prepared = ref.prepare_linear(w)
+    g = torch.Generator().manual_seed(SEED)
+    worst = 0.0
+    for rows in LINEAR_ROWS:
+        x = _randn((rows, in_features), dtype, w.trellis.device, g)
+        y = backend.linear(x, w, prepared, in_offset, out_offset, out_features)
+        y_ref = ref.linear(x, w, ref_prepared, in_offset, out_offset, out_features)
+        worst = max(worst, rel_error(y, y_ref))
+    return worst, "rows " + ",".join(map(str, LINEAR_ROWS))
+
+
+def sample_experts(experts: ExpertStack) -> list[int]:
+    """The first and last local expert, then one of each (codebooks, widths) not yet covered."""
+    def signature(e: int):
+        return experts.codebooks[3 * e:3 * e + 3], experts.w13_words[2 * e:2 * e + 2], experts.w2_words[e]
+
+    n = experts.num_experts
+    chosen = list(dict.fromkeys([0, n - 1]))
+    seen = {signature(e) for e in chosen}
+    for e in range(n):
+        if signature(e) not in seen:
+            seen.add(signature(e))
+            chosen.append(e)
+    for e in range(n):  # fill up to MOE_MAX_EXPERTS
+        if len(chosen) >= MOE_MAX_EXPERTS:
+            break
+        if e not in chosen:
+            chosen.append(e)
+    return sorted(chosen)
+
+
+def moe_error(backend: Backend, experts: ExpertStack, prepared: list[torch.Tensor], hidden: int, activation: str,
+              dtype: torch.dtype, top_k: int | None) -> tuple[float, str]:
+    """Relative error of `backend.moe` against the torch reference, MOE_TOKENS fixed tokens routed over a
+    sample of the layer's experts (local ids, no expert map)."""
+    from .backends.torch_ref import moe_routed_tokens
+
+    device = experts.w13_trellis.device
+    sample = torch.tensor(sample_experts(experts))
+    k = max(1, min(top_k or 2, len(sample)))
+    g = torch.Generator().manual_seed(SEED)
+    order = torch.rand(MOE_TOKENS, len(sample), generator=g).argsort(dim=1)[:, :k]
+    ids = sample[order].to(device=device, dtype=torch.int32)
+    weights = torch.rand(MOE_TOKENS, k, generator=g).softmax(dim=1).to(device)
+    x = _randn((MOE_TOKENS, hidden), dtype, device, g)
+    y = backend.moe(x, weights, ids, None, experts, prepared, activation, False)
+    y_ref = moe_routed_tokens(x, weights, ids, None, experts, [], activation, False, warn_slow=False)
+    return rel_error(y, y_ref), f"{MOE_TOKENS} tokens, top-{k} of experts {sample.tolist()}"
+
+
+def _write_report() -> None:
+    path = report_path()
+    body = {"pid": os.getpid(), "time": time.time(), "policy": policy(), "reference": REFERENCE,
+            "bounds": {str(d).replace("torch.", ""): b for d, b in BOUNDS.items()}, "served": dict(_served),
+            "checks": [asdict(c) for c in _checks],
+            "seconds": round(sum(c.seconds for c in _checks), 4)}
+    try:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        tmp.write_text(json.dumps(body, indent=2))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("EXL3 parity: could not write the report %s (%s)", path, e)
+
+
+def gate(layer: str, layer_type: str, backend: Backend, dtype: torch.dtype,
+         measure: Callable[[Backend], tuple[float, str]], rebind: Callable[[], None], last_block: bool) -> None:
+    """Called by a layer right after binding `backend` to it. `measure(backend)` returns (error, inputs);
+    `rebind()` chooses and binds the layer's backend again (selection skips excluded ones)."""
+    mode = policy()
+    key = (backend.name, layer_type)
+    with _lock:
+        new_type = _served.get(layer_type) != backend.name
+        _served[layer_type] = backend.name
+        _bound.setdefault(key, []).append(rebind)
+        sample = mode != "off" and backend.name != REFERENCE and (key not in _verified or last_block)
+        if not sample:
+            if new_type:
+                _write_report()
+            return
+        _verified.add(key)
+    t0 = time.perf_counter()
+    error, inputs = measure(backend)
+    seconds = time.perf_counter() - t0
+    bound = BOUNDS.get(dtype, max(BOUNDS.values()))
+    passed = error <= bound
+    check = Check(layer, layer_type, backend.name, error, bound, passed, inputs, round(seconds, 4))
+    with _lock:
+        _checks.append(check)
+        _write_report()
+    if passed:
+        logger.info("EXL3 parity %s (%s) on %s vs %s: rel. error %.2e <= %.0e (%s, %.3f s)", layer, layer_type,
+                    backend.name, REFERENCE, error, bound, inputs, seconds)
+        return
+    message = (f"layer {layer} ({layer_type}) on the {backend.name} backend differs from the {REFERENCE} "
+               f"reference by {error:.3e} relative (bound {bound:g}; {inputs})")
+    if mode == "strict":
+        raise ParityError(f"EXL3 parity gate ({PARITY_ENV}=strict): {message}")
+    logger.warning("EXL3 parity gate: %s; %s moves to the next backend (%s=strict refuses to start instead)",
+                   message, layer_type, PARITY_ENV)
+    exclude(backend.name, layer_type, f"failed the parity gate ({error:.2e} > {bound:g})")
+    with _lock:
+        rebinds = _bound.pop(key, [])
+    for again in rebinds:
+        again()

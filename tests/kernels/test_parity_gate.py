@@ -1,0 +1,150 @@
+"""The boot-time parity gate (kernels/parity.py) on real fixture-pack layers, with a deliberately broken backend
+that exists only in this test (the torch reference with perturbed outputs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from conftest import pack_dir
+from vllm_exl3.dev.synthetic import expert_stack
+from vllm_exl3.format.pack import Pack
+from vllm_exl3.format.tensors import load_weights
+from vllm_exl3.kernels import backend as kbackend
+from vllm_exl3.kernels import parity, selection
+from vllm_exl3.kernels.backends.torch_ref import TorchBackend
+from vllm_exl3.kernels.specs import LinearSpec, MoESpec
+
+
+class Broken(TorchBackend):
+    """The reference plus 10 % noise: the kind of silent wrong output the gate exists for."""
+
+    name = "native"
+
+    def unavailable_reason(self):
+        return None
+
+    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
+        y = super().linear(x, w, prepared, in_offset, out_offset, out_features)
+        return y + 0.1 * y.std() * torch.randn_like(y)
+
+    def moe(self, *args):
+        y = super().moe(*args)
+        return y * 1.1
+
+
+@pytest.fixture
+def gate_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
+    monkeypatch.setenv("VLLM_EXL3_KERNEL", "auto")
+    monkeypatch.setattr(selection, "_excluded", {})
+    kbackend.load_backends()
+    parity.reset()
+    yield tmp_path / "parity.json"
+    parity.reset()
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return Pack.open(pack_dir("qwen3moe-a-exl3-mcg-b3"))
+
+
+def bind_linear(w, log: list):
+    """What Exl3LinearMethod._bind does, minus vLLM: choose, prepare, gate; rebinding records the new backend."""
+    spec = LinearSpec(w.codebook, w.bits, w.in_padded, w.out_padded, torch.float32, "cpu")
+
+    def bind():
+        b = selection.choose_linear_backend(spec)
+        prepared = b.prepare_linear(w)
+        log.append(b.name)
+        parity.gate("model.layers.0.self_attn.q_proj", selection.linear_layer_type(spec), b, torch.float32,
+                    lambda be: parity.linear_error(be, w, prepared, w.in_padded, 0, 0, w.out_padded, torch.float32),
+                    bind, False)
+
+    bind()
+
+
+def test_torch_reference_is_never_checked(gate_env, pack):
+    log = []
+    bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), log)
+    assert log == ["torch"] and parity.checks() == []
+    report = json.loads(gate_env.read_text())
+    assert report["checks"] == [] and report["served"] == {"linear:mcg:3b:cpu": "torch"}
+
+
+def test_fallback_moves_the_layer_type_to_the_next_backend_and_logs(gate_env, pack, monkeypatch, caplog):
+    monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
+    log = []
+    with caplog.at_level(logging.INFO, logger="vllm_exl3.kernels"):
+        bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), log)
+        assert log == ["native", "torch"]  # bound to the broken one, checked, bound again to the reference
+        log2 = []
+        bind_linear(load_weights(pack.linears()["model.layers.1.self_attn.q_proj"]), log2)
+        assert log2 == ["torch"]  # later layers of the type never see the failed backend
+    [check] = parity.checks()
+    assert not check.passed and check.backend == "native" and check.error > check.bound
+    assert "differs from the torch reference" in caplog.text and "moves to the next backend" in caplog.text
+    report = json.loads(gate_env.read_text())
+    assert report["served"] == {"linear:mcg:3b:cpu": "torch"} and report["checks"][0]["passed"] is False
+
+
+def test_strict_refuses_naming_layer_backend_and_error(gate_env, pack, monkeypatch):
+    monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
+    monkeypatch.setenv(parity.PARITY_ENV, "strict")
+    with pytest.raises(parity.ParityError, match=r"model\.layers\.0\.self_attn\.q_proj .*native backend .*"
+                                                 r"by \d\.\d+e[-+]\d+ relative \(bound 0\.01"):
+        bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), [])
+
+
+def test_off_checks_nothing(gate_env, pack, monkeypatch):
+    monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
+    monkeypatch.setenv(parity.PARITY_ENV, "off")
+    log = []
+    bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), log)
+    assert log == ["native"] and parity.checks() == []
+
+
+def test_a_correct_backend_passes_on_every_sampled_layer(gate_env, pack, monkeypatch):
+    class Honest(TorchBackend):
+        name = "native"
+
+    monkeypatch.setitem(kbackend.REGISTRY, "native", Honest())
+    log = []
+    bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), log)
+    [check] = parity.checks()
+    assert check.passed and check.error < 1e-6 and log == ["native"]
+
+
+def layer_experts(pack, layer: int):
+    lin = pack.linears()
+    weights = [[load_weights(lin[f"model.layers.{layer}.mlp.experts.{e}.{p}_proj"]) for p in ("gate", "up", "down")]
+               for e in range(8)]
+    return expert_stack(weights, list(range(8))), weights[0][0].in_padded
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_routed_experts_gate(gate_env, pack, monkeypatch, policy):
+    monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
+    monkeypatch.setenv(parity.PARITY_ENV, policy)
+    stack, hidden = layer_experts(pack, 1)
+    spec = MoESpec(stack.codebooks, (3.0,) * 24, hidden, stack.w2_suh.shape[-1], 8, "silu", torch.float32, "cpu")
+    log = []
+
+    def bind():
+        b = selection.choose_moe_backend(spec)
+        prepared = b.prepare_moe(stack, 2)
+        log.append(b.name)
+        parity.gate("model.layers.1.mlp.experts", selection.moe_layer_type(spec), b, torch.float32,
+                    lambda be: parity.moe_error(be, stack, prepared, hidden, "silu", torch.float32, 2), bind, True)
+
+    if policy == "strict":
+        with pytest.raises(parity.ParityError, match=r"model\.layers\.1\.mlp\.experts \(moe:mcg:3b:cpu\) on the "
+                                                     r"native backend"):
+            bind()
+        return
+    bind()
+    assert log == ["native", "torch"]
+    assert parity.checks()[0].inputs.startswith("64 tokens, top-2 of experts [0, 1, 2, 7]")
