@@ -82,7 +82,52 @@ __device__ __forceinline__ void fwht128_warp(float (&v)[4], int lane) {
   }
 }
 
+// Natural-order (Sylvester) 128-point FWHT across a half-warp, unnormalized: lane L holds elements 8 (L % 16) ..
+// +7. Index bits 0-2 in registers, bits 3-6 across the half-warp (both halves of the warp must call it).
+__device__ __forceinline__ void fwht128_halfwarp(float (&v)[8], int lane) {
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (!(e & m)) {
+        const float lo = v[e], hi = v[e | m];
+        v[e] = lo + hi, v[e | m] = lo - hi;
+      }
+#pragma unroll
+  for (int m = 1; m < 16; m <<= 1) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float q = __shfl_xor_sync(0xFFFFFFFFu, v[e], m);
+      v[e] = upper ? q - v[e] : v[e] + q;
+    }
+  }
+}
+
+// v[e] *= s[e] for eight fp16 factors at s (16-byte aligned): the sign/scale vectors suh and svh.
+__device__ __forceinline__ void mul_half8(float (&v)[8], const __half* s) {
+  const uint4 u = *reinterpret_cast<const uint4*>(s);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
+    v[2 * e] *= f.x, v[2 * e + 1] *= f.y;
+  }
+}
+
 // Activations are fp16 or bf16 (exl3::ActDtype); math is fp32.
+
+// Eight activations base[i .. i+7] (16-byte aligned) as fp32.
+__device__ __forceinline__ void load_act8(const void* base, long long i, int dtype, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + i * 2);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = dtype == kActBF16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]))
+                                       : __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
+    v[2 * e] = f.x, v[2 * e + 1] = f.y;
+  }
+}
 
 __device__ __forceinline__ float load_act(const void* base, long long i, int dtype) {
   if (dtype == kActBF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);

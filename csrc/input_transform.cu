@@ -50,44 +50,14 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
     const long long i = static_cast<long long>(row) * a.x_stride + xi;
     const char* src = static_cast<const char*>(a.x) + i * 2;
     if (xi >= 0 && xi + 8 <= a.in_width && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-      const uint4 u = *reinterpret_cast<const uint4*>(src);
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = a.x_dtype == kActBF16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]))
-                                               : __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
-        v[2 * e] = f.x, v[2 * e + 1] = f.y;
-      }
+      load_act8(a.x, i, a.x_dtype, v);
     } else {  // input edges and unaligned rows
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, i + e, a.x_dtype) : 0.f;
     }
-    const uint4 su = *reinterpret_cast<const uint4*>(static_cast<const __half*>(a.suh) + k);
-    const uint32_t sw[4] = {su.x, su.y, su.z, su.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 s = __half22float2(*reinterpret_cast<const __half2*>(&sw[e]));
-      v[2 * e] *= s.x, v[2 * e + 1] *= s.y;
-    }
+    mul_half8(v, static_cast<const __half*>(a.suh) + k);
   }
-  // Natural-order (Sylvester) Hadamard over the 128-block: index bits 0-2 in registers, bits 3-6 across the half-warp.
-#pragma unroll
-  for (int m = 1; m < 8; m <<= 1)
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (!(e & m)) {
-        const float lo = v[e], hi = v[e | m];
-        v[e] = lo + hi, v[e | m] = lo - hi;
-      }
-#pragma unroll
-  for (int m = 1; m < 16; m <<= 1) {
-    const bool upper = lane & m;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float q = __shfl_xor_sync(0xFFFFFFFFu, v[e], m);
-      v[e] = upper ? q - v[e] : v[e] + q;
-    }
-  }
+  fwht128_halfwarp(v, lane);
   float sum = 0.f;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {

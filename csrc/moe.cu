@@ -79,37 +79,6 @@ constexpr int kXfWarps = 4;
 constexpr int kXfThreads = kXfWarps * kWarp;
 constexpr int kXfBlocks = 2 * kXfWarps;  // 128-blocks per CUDA block
 
-__device__ __forceinline__ void fwht128_halfwarp(float (&v)[8], int lane) {
-#pragma unroll
-  for (int m = 1; m < 8; m <<= 1)
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (!(e & m)) {
-        const float lo = v[e], hi = v[e | m];
-        v[e] = lo + hi, v[e | m] = lo - hi;
-      }
-#pragma unroll
-  for (int m = 1; m < 16; m <<= 1) {
-    const bool upper = lane & m;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float q = __shfl_xor_sync(0xFFFFFFFFu, v[e], m);
-      v[e] = upper ? q - v[e] : v[e] + q;
-    }
-  }
-}
-
-__device__ __forceinline__ void load8(const void* base, long long i, int dtype, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + i * 2);
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 f = dtype == kActBF16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]))
-                                       : __half22float2(*reinterpret_cast<const __half2*>(&w[e]));
-    v[2 * e] = f.x, v[2 * e + 1] = f.y;
-  }
-}
-
 // v / sqrt(128), rounded to fp16, one 16-byte store.
 __device__ __forceinline__ void store_scaled_fp16(const float (&v)[8], __half* dst) {
   const __half2 h0 = __floats2half2_rn(v[0] * kHadScale, v[1] * kHadScale);
@@ -122,16 +91,6 @@ __device__ __forceinline__ void store_scaled_fp16(const float (&v)[8], __half* d
   o.z = *reinterpret_cast<const uint32_t*>(&h2);
   o.w = *reinterpret_cast<const uint32_t*>(&h3);
   *reinterpret_cast<uint4*>(dst) = o;
-}
-
-__device__ __forceinline__ void mul_suh8(float (&v)[8], const __half* suh) {
-  const uint4 su = *reinterpret_cast<const uint4*>(suh);
-  const uint32_t sw[4] = {su.x, su.y, su.z, su.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 s = __half22float2(*reinterpret_cast<const __half2*>(&sw[e]));
-    v[2 * e] *= s.x, v[2 * e + 1] *= s.y;
-  }
 }
 
 // Reads only what the router wrote before the routing kernel started (x, topk ids): it runs beside the routing
@@ -152,7 +111,7 @@ __global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherA
   if (active) {
     const long long i = static_cast<long long>(pair / a.top_k) * a.x_stride + k;
     if (k + 8 <= a.hidden && ((reinterpret_cast<uintptr_t>(a.x) + i * 2) & 15) == 0) {
-      load8(a.x, i, a.x_dtype, v);
+      load_act8(a.x, i, a.x_dtype, v);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = k + e < a.hidden ? load_act(a.x, i + e, a.x_dtype) : 0.f;
@@ -160,7 +119,7 @@ __global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherA
     const float w = a.pair_weight ? a.pair_weight[pair] : 1.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] *= w;
-    mul_suh8(v, static_cast<const __half*>(a.suh) + (static_cast<long long>(expert) * 2 + proj) * a.hidden_padded + k);
+    mul_half8(v, static_cast<const __half*>(a.suh) + (static_cast<long long>(expert) * 2 + proj) * a.hidden_padded + k);
   }
   fwht128_halfwarp(v, lane);
   if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + (static_cast<long long>(pair) * 2 + proj) * a.hidden_padded + k);
@@ -202,7 +161,7 @@ __global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a)
       const int c = k + e;
       v[e] = c >= a.inter_offset && c < a.inter_offset + a.inter_size ? activate(g[e], a.activation) * u[e] : 0.f;
     }
-    mul_suh8(v, static_cast<const __half*>(a.suh) + static_cast<long long>(expert) * a.inter_padded + k);
+    mul_half8(v, static_cast<const __half*>(a.suh) + static_cast<long long>(expert) * a.inter_padded + k);
   }
   fwht128_halfwarp(v, lane);
   if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + static_cast<long long>(pair) * a.inter_padded + k);
