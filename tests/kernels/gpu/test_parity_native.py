@@ -1,0 +1,74 @@
+"""The boot-time parity gate's checks with the native backend on a GPU: every EXL3 linear and every routed-experts
+layer of the fixture packs passes against the torch reference within the gate's bounds (kernels/parity.py), and
+what one check costs (printed; the gate runs one check per layer type plus the last block's layers)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from vllm_exl3.dev.synthetic import expert_stack  # noqa: E402
+from vllm_exl3.format.pack import Pack  # noqa: E402
+from vllm_exl3.format.tensors import load_weights  # noqa: E402
+from vllm_exl3.kernels import parity  # noqa: E402
+from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+
+get_backend("torch")
+from vllm_exl3.kernels.backends import native  # noqa: E402
+
+if native.unavailable_reason():
+    if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":
+        raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
+    pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
+PACKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
+PROJ = ("gate_proj", "up_proj", "down_proj")
+DEV = "cuda"
+
+
+def _cuda(w):
+    return type(w)(w.trellis.to(DEV), w.suh.to(DEV), w.svh.to(DEV), w.codebook, w.bits)
+
+
+@pytest.mark.parametrize("pack", PACKS)
+def test_native_passes_the_gate_on_every_layer(pack):
+    backend = get_backend("native")
+    bound = parity.BOUNDS[torch.float16]
+    linears = Pack.open(FIXTURES / pack).linears()
+    experts: dict[str, dict[int, list]] = {}
+    times, worst = [], 0.0
+    for name, lin in linears.items():
+        head, sep, tail = name.partition(".experts.")
+        w = _cuda(load_weights(lin))
+        if sep:
+            e, proj = tail.split(".")
+            experts.setdefault(head, {}).setdefault(int(e), [None] * 3)[PROJ.index(proj)] = w
+            continue
+        t0 = time.perf_counter()
+        err, _ = parity.linear_error(backend, w, backend.prepare_linear(w), w.in_padded, 0, 0, w.out_padded,
+                                     torch.float16)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        worst = max(worst, err)
+        assert err < bound, (name, err)
+    for name, per_expert in experts.items():
+        stack = expert_stack([per_expert[e] for e in sorted(per_expert)], list(range(len(per_expert))))
+        t0 = time.perf_counter()
+        err, _ = parity.moe_error(backend, stack, backend.prepare_moe(stack, 2, 64), stack.w13_suh.shape[-1],
+                                  "silu", torch.float16, 2)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        worst = max(worst, err)
+        assert err < bound, (name, err)
+    print(f"{pack}: {len(times)} checks, worst error {worst:.1e}, median {sorted(times)[len(times) // 2] * 1e3:.1f} "
+          f"ms, max {max(times) * 1e3:.1f} ms per check")
