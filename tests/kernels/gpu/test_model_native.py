@@ -5,17 +5,16 @@ the logits ExLlamaV3 computed from the same pack (golden/logits.safetensors), wi
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from support.gpu import native_or_skip, on_cuda
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+native = native_or_skip()
 transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
@@ -25,14 +24,6 @@ from vllm_exl3.format.pack import Pack  # noqa: E402
 from vllm_exl3.format.tensors import load_weights  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 
-get_backend("torch")
-from vllm_exl3.kernels.backends import native  # noqa: E402
-
-if native.unavailable_reason():
-    if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":
-        raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
-    pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "format"))
 from test_model_logits import dequantized_checkpoint  # noqa: E402
 
@@ -40,11 +31,6 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
 PACKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden" / "logits.safetensors").is_file())
 DEV = "cuda"
 PROJ = ("gate_proj", "up_proj", "down_proj")
-
-
-def _cuda(w):
-    return type(w)(w.trellis.to(DEV), w.suh.to(DEV), w.svh.to(DEV), w.codebook, w.bits,
-                   None if w.bias is None else w.bias.to(DEV))
 
 
 class NativeLinear(torch.nn.Module):
@@ -93,10 +79,10 @@ def test_logits_match_exllamav3_on_native_kernels(pack, tmp_path):
         if sep:  # model.layers.N.mlp.experts.E.gate_proj
             e, proj = tail.split(".")
             experts.setdefault(head + ".experts", {}).setdefault(int(e), [None] * 3)[PROJ.index(proj)] = \
-                _cuda(load_weights(lin))
+                on_cuda(load_weights(lin))
             continue
         target = model.get_submodule(name)
-        _replace(model, name, NativeLinear(_cuda(load_weights(lin)), target.out_features))
+        _replace(model, name, NativeLinear(on_cuda(load_weights(lin)), target.out_features))
         replaced += 1
     top_k = model.config.num_experts_per_tok
     for name, per_expert in experts.items():

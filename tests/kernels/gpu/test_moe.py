@@ -26,22 +26,14 @@ from vllm_exl3.dev.synthetic import expert_stack, random_weights
 from vllm_exl3.format import reference as R
 from vllm_exl3.format.constants import CODEBOOKS
 
-pytestmark = pytest.mark.gpu
+from support.gpu import native_or_skip
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+native = native_or_skip()
 
 from vllm_exl3.kernels import ops  # noqa: E402, F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 from vllm_exl3.kernels.specs import ACTIVATIONS  # noqa: E402
-
-get_backend("torch")
-from vllm_exl3.kernels.backends import native  # noqa: E402
-
-if native.unavailable_reason():
-    if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":
-        raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
-    pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
 
 DEV = "cuda"
 BOUND = {torch.float16: 3e-3, torch.bfloat16: 1e-2}

@@ -4,17 +4,16 @@ what one check costs (printed; the gate runs one check per layer type plus the l
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from support.gpu import native_or_skip, on_cuda
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.gpu
+native = native_or_skip()
 
 from vllm_exl3.dev.synthetic import expert_stack  # noqa: E402
 from vllm_exl3.format.pack import Pack  # noqa: E402
@@ -22,22 +21,9 @@ from vllm_exl3.format.tensors import load_weights  # noqa: E402
 from vllm_exl3.kernels import parity  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 
-get_backend("torch")
-from vllm_exl3.kernels.backends import native  # noqa: E402
-
-if native.unavailable_reason():
-    if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":
-        raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
-    pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
-
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
 PACKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
 PROJ = ("gate_proj", "up_proj", "down_proj")
-DEV = "cuda"
-
-
-def _cuda(w):
-    return type(w)(w.trellis.to(DEV), w.suh.to(DEV), w.svh.to(DEV), w.codebook, w.bits)
 
 
 @pytest.mark.parametrize("pack", PACKS)
@@ -49,7 +35,7 @@ def test_native_passes_the_gate_on_every_layer(pack):
     times, worst = [], 0.0
     for name, lin in linears.items():
         head, sep, tail = name.partition(".experts.")
-        w = _cuda(load_weights(lin))
+        w = on_cuda(load_weights(lin))
         if sep:
             e, proj = tail.split(".")
             experts.setdefault(head, {}).setdefault(int(e), [None] * 3)[PROJ.index(proj)] = w
