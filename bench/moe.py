@@ -112,7 +112,6 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
                "floor_us": nbytes / bandwidth * 1e6, "tflops": flops / (us_graph * 1e-6) / 1e12}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    del stacks, prepared
     torch.cuda.empty_cache()
     return rows
 
