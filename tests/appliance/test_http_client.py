@@ -45,7 +45,7 @@ def base():
 def test_get_post_and_key(base):
     assert http_json(base + "/v1/models", 5, api_key="k") == {"path": "/v1/models", "auth": "Bearer k"}
     assert http_json(base + "/x", 5, {"a": 1}) == {"echo": {"a": 1}, "type": "application/json"}
-    assert http_request(base + "/missing", 5) == (404, b"")
+    assert http_request(base + "/missing", 5) == (404, b"{}")  # the error status and the server's error document
     with pytest.raises(RuntimeError, match="HTTP 404"):
         http_json(base + "/missing", 5)
 
