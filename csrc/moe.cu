@@ -273,10 +273,6 @@ int moe_rows_per_chunk(int pairs, int experts) {
   return avg <= 8 ? 8 : avg <= 32 ? 16 : 64;
 }
 
-bool moe_gemm_supported(int bits2, int codebook, int rows_per_chunk) {
-  return pick_gemm(bits2, codebook, rows_per_chunk).fn != nullptr;
-}
-
 cudaError_t moe_prepare(int bits2, int codebook) {
   for (int rows : {8, 16, 64}) {
     const MoeGemmKernel k = pick_gemm(bits2, codebook, rows);

@@ -132,9 +132,8 @@ struct MoeGemmArgs {
   long long y_row_stride, y_split_stride;
   const float* pair_weight;  // router weight per pair, or null (1: gate/up, or applied on the input)
 };
-// Row-chunk sizes with a kernel instantiation; the caller routes with the same size it launches with.
+// The row-chunk size for `pairs` pairs over `experts` experts; the caller routes with the size it launches with.
 int moe_rows_per_chunk(int pairs, int experts);
-bool moe_gemm_supported(int bits2, int codebook, int rows_per_chunk);
 // Once per layer at load: raises the shared-memory limits of every row size's kernel for this (width, codebook).
 cudaError_t moe_prepare(int bits2, int codebook);
 cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, cudaStream_t stream);

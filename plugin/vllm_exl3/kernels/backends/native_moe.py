@@ -46,9 +46,10 @@ def unsupported_reason(spec: MoESpec) -> str | None:
                          [spec.hidden_padded, spec.intermediate_padded])
 
 
+@functools.lru_cache(maxsize=None)
 def codebook_indices(codebooks: tuple[str, ...]) -> list[int]:
     """The C++ op's codebook numbers (csrc/exl3_kernels.h `enum Codebook` = format.CODEBOOKS order): the one place
-    names become indices on the MoE path."""
+    names become indices on the MoE path. Cached: an eager call must not redo this per layer and step."""
     return [CODEBOOKS.index(c) for c in codebooks]
 
 
