@@ -171,7 +171,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         top_k = getattr(self.moe, "experts_per_token", None)
         for k in range(getattr(self, "num_prepared", 0)):  # a previous binding's tensors
             delattr(layer, f"exl3_prepared_{k}")
-        prepared = backend.prepare_moe(self.stack, top_k, getattr(self.moe, "max_num_tokens", None))
+        prepared = backend.prepare_moe(self.stack, top_k, getattr(self.moe, "max_num_tokens", None), spec.activation)
         for k, t in enumerate(prepared):
             layer.register_buffer(f"exl3_prepared_{k}", t, persistent=False)
         self.call = (list(self.stack.w13_words), list(self.stack.w2_words),

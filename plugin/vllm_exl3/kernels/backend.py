@@ -43,11 +43,11 @@ class Backend:
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return "routed experts not implemented"
 
-    def prepare_moe(self, experts: ExpertStack, top_k: int | None = None,
-                    max_tokens: int | None = None) -> list[torch.Tensor]:
+    def prepare_moe(self, experts: ExpertStack, top_k: int | None = None, max_tokens: int | None = None,
+                    activation: str | None = None) -> list[torch.Tensor]:
         """Once per layer after loading (tensors kept on the layer and handed back to `moe`). top_k and
         max_tokens (vLLM's batched-token budget), when known, let a backend reserve its workspace now, before
-        CUDA-graph capture."""
+        CUDA-graph capture; a backend whose kernels are built per activation needs `activation` here too."""
         return []
 
     def moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

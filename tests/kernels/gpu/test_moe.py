@@ -7,9 +7,7 @@ with -1 entries, tensor-parallel slices inside a 128-block, the three activation
 fp16 / bf16, int32 / int64 ids; CUDA-graph replay bitwise equal to eager; two runs bitwise equal; no 16-bit copy
 of any expert.
 
-Bounds (relative L2 against the fp32 forward of the same Ŵ): the op rounds the transformed inputs of both
-projections to fp16, the gate/up outputs and the result to the activation dtype: about 4 roundings of ~3e-4
-(fp16) or ~2.3e-3 (bf16, two of them in bf16), so fp16 must stay under 3e-3 and bf16 under 1e-2.
+Bounds: tests/support/moe_cases.py.
 """
 
 from __future__ import annotations
@@ -22,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_exl3.dev.synthetic import expert_stack, random_weights
-from vllm_exl3.format import reference as R
+from vllm_exl3.dev.synthetic import expert_stack
 from vllm_exl3.format.constants import CODEBOOKS
 
 from support.gpu import native_or_skip
+from support.moe_cases import DEV, make_weights, rel, routing
+from support.moe_cases import run_case as run_backend_case
 
 pytestmark = pytest.mark.gpu
 native = native_or_skip()
@@ -35,8 +34,6 @@ from vllm_exl3.kernels import ops  # noqa: E402, F401  (registers torch.ops.vllm
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 from vllm_exl3.kernels.specs import ACTIVATIONS  # noqa: E402
 
-DEV = "cuda"
-BOUND = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
 WIDTHS = [(cb, float(b)) for cb in CODEBOOKS for b in range(1, 9)] + [("mul1", 1.5), ("mul1", 2.5), ("mul1", 3.5)]
 _observed: dict[str, float] = defaultdict(float)
 BACKEND = get_backend("native")
@@ -49,106 +46,14 @@ def _report():
         Path(path).write_text(json.dumps(dict(sorted(_observed.items())), indent=1))
 
 
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def poison(shape, dtype) -> None:
-    held = [torch.full(shape, float("nan"), dtype=dtype, device=DEV) for _ in range(4)]
-    del held
-
-
-def make_weights(hidden, inter, experts, widths, seed):
-    """weights[e] = [gate, up, down] on the GPU; widths[e] = (codebook, bits) of that expert (all three)."""
-    def one(k, n, e, p):
-        codebook, bits = widths[e % len(widths)]
-        return random_weights(k, n, bits, codebook, seed=seed * 1000 + 3 * e + p, device=DEV)
-
-    return [[one(hidden, inter, e, 0), one(hidden, inter, e, 1), one(inter, hidden, e, 2)] for e in range(experts)]
-
-
-def _act(name, t):
-    if name == "silu":
-        return torch.nn.functional.silu(t)
-    return torch.nn.functional.gelu(t, approximate="tanh" if name == "gelu_tanh" else "none")
-
-
-def reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi):
-    """fp32 forward of the same stack: per routed (token, k), w * down(act(gate(x)) * up(x))."""
-    hidden = x.shape[1]
-    io, isz = stack.inter_offset, stack.inter_size
-    out = torch.zeros(x.shape, dtype=torch.float32, device=DEV)
-    ids = topk_ids.long()
-    local = expert_map[ids].long() if expert_map is not None else ids
-    w_hat = {}
-
-    def lin(xs, e, p, in_off, out_off, n_out):
-        w = stack.weights(e, p)
-        if (e, p) not in w_hat:
-            w_hat[e, p] = R.decode_rotated(w.trellis, w.codebook).float()
-        k = w_hat[e, p].shape[0]
-        xp = torch.zeros(xs.shape[0], k, device=DEV)
-        xp[:, in_off:in_off + xs.shape[1]] = xs
-        y = R.hadamard_rows(R.hadamard_rows(xp * w.suh.float()) @ w_hat[e, p]) * w.svh.float()
-        return y[:, out_off:out_off + n_out]
-
-    for e in range(stack.num_experts):
-        tok, kk = (local == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        src = x[tok].float()
-        wt = topk_weights[tok, kk].float()[:, None]
-        if rwoi:
-            src = src * wt
-        h = _act(activation, lin(src, e, "gate", 0, io, isz)) * lin(src, e, "up", 0, io, isz)
-        y = lin(h, e, "down", io, 0, hidden)
-        out.index_add_(0, tok, y if rwoi else y * wt)
-    return out
-
-
-def routing(tokens, experts, top_k, seed, skew=None):
-    g = torch.Generator().manual_seed(seed)
-    if skew == "one":  # every token to expert 0 (top-1) or experts 0..k-1
-        ids = torch.arange(top_k).repeat(tokens, 1)
-    elif skew == "few":  # a quarter of the experts get everything, the rest nothing
-        pool = max(top_k, experts // 4)
-        ids = torch.stack([torch.randperm(pool, generator=g)[:top_k] for _ in range(tokens)])
-    else:
-        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g).softmax(-1)
-    return weights.to(DEV), ids.to(torch.int32).to(DEV)
-
-
-def run_case(*, hidden=256, inter=384, experts=8, top_k=2, tokens=7, widths=(("mcg", 4.0),), dtype=torch.float16,
-             activation="silu", rwoi=False, skew=None, ids_dtype=torch.int32, ep=None, tp=None, seed=0, key=None):
-    weights = make_weights(hidden, inter, experts if ep is None else ep[0], list(widths), seed)
-    expert_map = None
-    local = list(range(experts))
-    if ep is not None:  # ep = (global experts, local global ids)
-        expert_map = torch.full((ep[0],), -1, dtype=torch.int32, device=DEV)
-        expert_map[list(ep[1])] = torch.arange(len(ep[1]), dtype=torch.int32, device=DEV)
-        local = list(ep[1])
-    i0, i1 = tp if tp is not None else (0, inter)
-    stack = expert_stack(weights, local, i0, i1)
-    g = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(tokens, hidden, generator=g).to(DEV, dtype)
-    topk_weights, topk_ids = routing(tokens, experts if ep is None else ep[0], top_k, seed, skew)
-    topk_ids = topk_ids.to(ids_dtype)
-    prepared = BACKEND.prepare_moe(stack, top_k, tokens)
-    poison((tokens, hidden), dtype)
-    y = BACKEND.moe(x, topk_weights, topk_ids, expert_map, stack, prepared, activation, rwoi)
-    torch.cuda.synchronize()
-    assert y.shape == (tokens, hidden) and y.dtype == dtype
-    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
-    ref = reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi)
-    err = rel(y, ref)
-    _note(key or f"{dtype}", err)
-    assert err < BOUND[dtype], err
-    return x, topk_weights, topk_ids, expert_map, stack, prepared, y
-
-
 def _note(key, err):
     _observed[key] = max(_observed[key], err)
+
+
+def run_case(*, key=None, **kw):
+    """One checked call of the native backend (support.moe_cases.run_case), its error noted under `key`."""
+    dtype = kw.get("dtype", torch.float16)
+    return run_backend_case(BACKEND, note=lambda err: _note(key or f"{dtype}", err), **kw)
 
 
 @pytest.mark.parametrize("tokens", [3, 100, 600], ids=["rows8", "rows16", "rows64"])

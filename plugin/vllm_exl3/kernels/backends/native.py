@@ -134,7 +134,7 @@ class NativeBackend(Backend):
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return native_moe.unsupported_reason(spec)
 
-    def prepare_moe(self, experts, top_k=None, max_tokens=None):
+    def prepare_moe(self, experts, top_k=None, max_tokens=None, activation=None):
         if (err := extension_error()) is not None:
             raise RuntimeError(err)
         return native_moe.prepare(experts, top_k, max_tokens)

@@ -56,7 +56,7 @@ class TorchBackend(Backend):
     def linear(self, x, w, prepared, in_offset, out_offset, out_features):
         return rotated_linear(x, w.suh, w.svh, prepared, in_offset, out_offset, out_features)
 
-    def prepare_moe(self, experts: ExpertStack, top_k=None, max_tokens=None) -> list[torch.Tensor]:
+    def prepare_moe(self, experts: ExpertStack, top_k=None, max_tokens=None, activation=None) -> list[torch.Tensor]:
         """CPU: decoded Ŵ of every (expert, projection), [E, 2, H, I_blk] and [E, I_blk, H]. CUDA: nothing."""
         if experts.w13_trellis.is_cuda:
             return []

@@ -1,0 +1,98 @@
+"""The exllamav3 backend's version gate and layer checks, on the CPU: an installed exllamav3 of another version, or
+one without the routed-expert entry points this backend calls, is refused with the version and what was expected;
+layers its expert kernels cannot serve are declined with the reason (no ExLlamaV3 needed for any of this)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm_exl3.kernels.backends import exllamav3 as exl_backend
+from vllm_exl3.kernels.backends import exllamav3_moe
+from vllm_exl3.kernels.specs import MoESpec
+
+
+def fake_exllamav3(root, version: str, entry_points=(), kwargs=("config", "key")) -> None:
+    """A stand-in `exllamav3` package on sys.path: its version, some extension entry points, a BlockSparseMLP with
+    the given constructor parameters."""
+    pkg = root / "exllamav3"
+    (pkg / "modules").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "version.py").write_text(f"__version__ = {version!r}\n")
+    (pkg / "ext.py").write_text("import types\nexllamav3_ext = types.SimpleNamespace(**{n: object() for n in "
+                                f"{list(entry_points)!r}}})\n")
+    (pkg / "modules" / "__init__.py").write_text("")
+    params = ", ".join(f"{k}=None" for k in kwargs)
+    (pkg / "modules" / "block_sparse_mlp.py").write_text(textwrap.dedent(f"""\
+        MAX_BSZN = 8
+        class BlockSparseMLP:
+            def __init__(self, {params}):
+                pass
+        """))
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """Install a fake exllamav3 for one test; the backend's cached answers are cleared before and after."""
+    def install(*args, **kw):
+        fake_exllamav3(tmp_path, *args, **kw)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for name in [m for m in sys.modules if m == "exllamav3" or m.startswith("exllamav3.")]:
+            monkeypatch.delitem(sys.modules, name)
+        exl_backend._import_error.cache_clear()
+        exllamav3_moe.api_reason.cache_clear()
+
+    yield install
+    for name in [m for m in sys.modules if m == "exllamav3" or m.startswith("exllamav3.")]:
+        del sys.modules[name]
+    exl_backend._import_error.cache_clear()
+    exllamav3_moe.api_reason.cache_clear()
+
+
+def test_another_minor_version_is_refused_by_name(installed):
+    installed("1.4.2")
+    assert exl_backend._import_error() == "exllamav3 1.4.2 not supported (need 1.6.x)"
+
+
+def test_missing_moe_entry_points_are_named(installed):
+    installed("1.6.9", entry_points=("BC_LinearEXL3", "exl3_moe"))
+    reason = exllamav3_moe.api_reason()
+    assert reason.startswith("exllamav3 1.6.9 does not provide what its routed-expert path needs here")
+    for name in ("exllamav3_ext.BC_BlockSparseMLP", "exllamav3_ext.exl3_moe_gather", "BlockSparseMLP(gates=...)",
+                 "BlockSparseMLP(routing_first=...)"):
+        assert name in reason
+    assert "exllamav3_ext.exl3_moe," not in reason + ","
+    assert "1.6.x's BlockSparseMLP" in reason
+
+
+def test_complete_api_is_accepted(installed):
+    installed("1.6.5", entry_points=exllamav3_moe.EXT_ENTRY_POINTS,
+              kwargs=("config", "key") + exllamav3_moe.MODULE_KWARGS)
+    assert exllamav3_moe.api_reason() is None
+
+
+def spec(codebooks=("mcg",) * 6, bits=(4.0,) * 6, activation="silu", device="cuda", dtype=torch.float16):
+    return MoESpec(codebooks, bits, 256, 384, 2, activation, dtype, device)
+
+
+@pytest.mark.parametrize("kw,expected", [
+    ({"activation": "gelu"}, "its gelu is the tanh form"),
+    ({"codebooks": ("mcg",) * 3 + ("mul1",) * 3}, "codebooks ['mcg', 'mul1'] in one layer"),
+    ({"bits": (4.0, 4.0, 3.0, 4.0, 2.0, 3.0)}, "up projections of 2 bit widths [2.0, 4.0]"),
+    ({"device": "cpu"}, "needs a CUDA device"),
+    ({"dtype": torch.float32}, "activations must be fp16 or bf16"),
+])
+def test_layers_its_kernels_cannot_serve_are_declined(kw, expected):
+    assert expected in exl_backend.ExLlamaV3Backend().moe_unsupported_reason(spec(**kw))
+
+
+def test_servable_layers_pass_the_layer_checks():
+    assert exllamav3_moe.unsupported_reason(spec(bits=(4.0, 4.0, 3.0) * 2, activation="gelu_tanh")) is None
+
+
+def test_prepare_needs_top_k_and_activation():
+    with pytest.raises(ValueError, match="needs the layer's top-k and activation"):
+        exl_backend.ExLlamaV3Backend().prepare_moe(object(), None, None, "silu")
