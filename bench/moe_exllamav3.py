@@ -1,6 +1,8 @@
 """One routed-experts layer of an ExLlamaV3-converted pack, side by side: ExLlamaV3 1.6.5's BlockSparseMLP.forward
 (routing included) vs the native op on the same tensors (experts only, and with the router GEMM + softmax/top-k
-in front, as vLLM runs it), vs the byte floor. bench/moe_exllamav3.sh makes the pack and runs this.
+in front, as vLLM runs it) vs the exllamav3 backend (ExLlamaV3's BlockSparseMLP rebuilt over our stack, vLLM's
+routing handed in: its time over BlockSparseMLP.forward's is the backend's overhead), vs the byte floor.
+bench/moe_exllamav3.sh makes the pack and runs this.
 
     PYTHONPATH=plugin:<exllamav3 site> python bench/moe_exllamav3.py --pack DIR --label qwen3-30b-a3b-4b --out F.json
 
@@ -97,6 +99,8 @@ def main() -> None:
     top_k = exl.num_experts_per_tok
     native = get_backend("native")
     prepared = native.prepare_moe(stack, top_k, 1024)
+    exl_backend = get_backend("exllamav3")
+    exl_prepared = exl_backend.prepare_moe(stack, top_k, 1024, "silu")
     hidden = stack.w13_suh.shape[-1]
     rows = []
     for tokens in map(int, args.tokens.split(",")):
@@ -111,13 +115,22 @@ def main() -> None:
 
         ours_routed = [lambda i=i: with_router(i) for i in range(INPUTS)]
         theirs = [lambda i=i: exl.forward(xs[i], {}) for i in range(INPUTS)]
+        backend = [lambda i=i: exl_backend.moe(xs[i], routes[i][0], routes[i][1], None, stack, exl_prepared, "silu",
+                                               False) for i in range(INPUTS)]
         y_exl = theirs[0]().float()
         y_ours = ours[0]().float()
+        y_backend = backend[0]().float()
         diff = ((y_exl - y_ours).norm() / y_exl.norm()).item()
+        diff_backend = ((y_exl - y_backend).norm() / y_exl.norm()).item()
         iters = INPUTS * (4 if tokens >= 1024 else 12)
         nbytes = statistics.mean(routed_bytes(stack, r[1]) for r in routes)
+        exl_eager = time_calls(theirs, iters)
+        backend_eager = time_calls(backend, iters)
         row = {"layer": args.label, "tokens": tokens,
-               "exllamav3_eager_us": time_calls(theirs, iters), "exllamav3_graph_us": maybe_graph(theirs, 10) if tokens <= 8 else "host copy from 16 rows",
+               "exllamav3_eager_us": exl_eager, "exllamav3_graph_us": maybe_graph(theirs, 10) if tokens <= 8 else "host copy from 16 rows",
+               "exl3_backend_eager_us": backend_eager, "exl3_backend_graph_us": maybe_graph(backend, 10),
+               "exl3_backend_over_blocksparse": backend_eager / exl_eager,
+               "rel_diff_exl3_backend_vs_exllamav3": diff_backend,
                "native_eager_us": time_calls(ours, iters), "native_graph_us": graph_time(ours, 10),
                "native_with_router_graph_us": graph_time(ours_routed, 10), "routed_bytes": nbytes,
                "floor_us": nbytes / bw * 1e6, "rel_diff_vs_exllamav3": diff}
@@ -129,11 +142,14 @@ def main() -> None:
     def fmt(v):
         return f"{v:9.1f}" if isinstance(v, float) else f"{'n/c':>9}"
 
-    print(f"\n{args.label}: tokens, ExLlamaV3 eager/graph, ours eager/graph/+router, floor µs, rel diff")
+    print(f"\n{args.label}: tokens, ExLlamaV3 eager/graph, native eager/graph/+router, exllamav3 backend "
+          "eager/graph and eager over ExLlamaV3's, floor µs, rel diff native / backend")
     for r in rows:
         print(f"{r['tokens']:>6} {fmt(r['exllamav3_eager_us'])} {fmt(r['exllamav3_graph_us'])} "
               f"{fmt(r['native_eager_us'])} {fmt(r['native_graph_us'])} {fmt(r['native_with_router_graph_us'])} "
-              f"{r['floor_us']:8.1f} {r['rel_diff_vs_exllamav3']:.1e}")
+              f"{fmt(r['exl3_backend_eager_us'])} {fmt(r['exl3_backend_graph_us'])} "
+              f"{r['exl3_backend_over_blocksparse']:6.3f} {r['floor_us']:8.1f} {r['rel_diff_vs_exllamav3']:.1e} "
+              f"{r['rel_diff_exl3_backend_vs_exllamav3']:.1e}")
 
 
 if __name__ == "__main__":
