@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The exllamav3 backend's routed experts on the GPU machine, in one call (carry: [".whl"], ExLlamaV3 1.6.5 and its
 # deps as wheels, bench/NOTES.md "Method"):
-#   1. ExLlamaV3's JIT build in the background while ours builds; the parity gate's cost (bench/parity_cost.py) and
-#      a subset of the native MoE tests meanwhile;
-#   2. the exllamav3 backend's GPU tests (tests/kernels/gpu/test_moe_exllamav3.py) beside the conversion of a
-#      1-layer Qwen3-30B-A3B-shaped model by ExLlamaV3's own converter (4-bit);
-#   3. bench/moe_exllamav3.py on that pack: native vs the exllamav3 backend vs ExLlamaV3's BlockSparseMLP.
-# STEPS=tests,bench (default all three after the builds); results and logs under $OUT. Rerun on a warm machine
-# reuses /tmp (the builds, the pack).
+#   1. ExLlamaV3's JIT build in the background while ours builds; meanwhile the parity gate's cost
+#      (bench/parity_cost.py) and a subset of the native MoE tests (`parity`), or the whole native GPU suite (`suite`);
+#   2. the exllamav3 backend's GPU tests (its MoE tests, the fixture models' logits, the dense test) beside the
+#      conversion of a 1-layer Qwen3-30B-A3B-shaped model by ExLlamaV3's own converter at BITS (default 4) bits;
+#   3. bench/moe_exllamav3.py on that pack: native vs the exllamav3 backend vs ExLlamaV3's BlockSparseMLP (skipped
+#      once BUDGET_S seconds are used).
+# STEPS (default parity,tests,bench); results and logs under $OUT. Rerun on a warm machine reuses /tmp.
 set -uo pipefail
 OUT=${OUT:-/tmp/vllm-exl3-out}
 STEPS=${STEPS:-parity,tests,bench}
+BITS=${BITS:-4}
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -33,7 +34,12 @@ if has parity; then
     > "$OUT/native_moe_tests.log" 2>&1
   echo "native moe subset rc=$?"; tail -1 "$OUT/native_moe_tests.log"
 fi
-SRC=/tmp/moe-src DST=/tmp/moe-exl3-b4
+if has suite; then  # ExLlamaV3's tests run after its build (below): here they would wait on its lock
+  VLLM_EXL3_REQUIRE_NATIVE=1 PYTHONPATH="$PWD/plugin" timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/gpu -k "not exllamav3" > "$OUT/native_suite.log" 2>&1
+  echo "native GPU suite rc=$?"; tail -1 "$OUT/native_suite.log"; grep -E "^(FAILED|ERROR)" "$OUT/native_suite.log" | head
+fi
+SRC=/tmp/moe-src DST=/tmp/moe-exl3-b$BITS
 [ -f $SRC/config.json ] || python3 - <<'PY' > "$OUT/src_model.log" 2>&1
 import json, shutil, torch, transformers
 cfg = transformers.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
@@ -50,26 +56,28 @@ PY
 wait $EXL_PID
 tail -1 "$OUT/exl_build.log"
 CONV_PID=
-if has bench && [ ! -f $DST/config.json ]; then
-  ( t0=$SECONDS; "${EXL_ENV[@]}" timeout 240 python3 -m exllamav3.conversion.convert_model -i $SRC -o $DST \
-      -w /tmp/moe-work-b4 -b 4 -cr 16 -cc 256 > "$OUT/convert_b4.log" 2>&1
-    echo "convert rc=$? in $(( SECONDS - t0 )) s" >> "$OUT/convert_b4.log" ) &
+if has bench && [ ! -f "$DST/config.json" ]; then
+  ( t0=$SECONDS; "${EXL_ENV[@]}" timeout 240 python3 -m exllamav3.conversion.convert_model -i $SRC -o "$DST" \
+      -w "/tmp/moe-work-b$BITS" -b "$BITS" -cr 16 -cc 256 > "$OUT/convert_b$BITS.log" 2>&1
+    echo "convert rc=$? in $(( SECONDS - t0 )) s" >> "$OUT/convert_b$BITS.log" ) &
   CONV_PID=$!
 fi
 if has tests; then
   t0=$SECONDS
   "${EXL_ENV[@]}" VLLM_EXL3_REQUIRE_EXLLAMAV3=1 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
-    -m gpu tests/kernels/gpu/test_moe_exllamav3.py -rf > "$OUT/exl_moe_tests.log" 2>&1
+    -m gpu tests/kernels/gpu/test_moe_exllamav3.py tests/kernels/gpu/test_model_native.py -k "exllamav3" -s -rf \
+    tests/kernels/gpu/test_native.py > "$OUT/exl_moe_tests.log" 2>&1
   echo "exllamav3 moe tests rc=$? in $(( SECONDS - t0 )) s"
   grep -E "passed|failed|error" "$OUT/exl_moe_tests.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$OUT/exl_moe_tests.log" | head -30
 fi
 [ -n "$CONV_PID" ] && wait $CONV_PID
-if has bench; then
-  tail -1 "$OUT/convert_b4.log" 2>/dev/null
-  "${EXL_ENV[@]}" timeout "${BENCH_TIMEOUT:-200}" python3 bench/moe_exllamav3.py --pack $DST --label qwen3-30b-a3b-4b \
-    --out "$OUT/h200-moe-exllamav3-backend-b4.json" > "$OUT/bench_b4.log" 2>&1
-  echo "bench rc=$?"; grep -v "^{" "$OUT/bench_b4.log" | tail -14
+if has bench && (( SECONDS > ${BUDGET_S:-480} )); then echo "bench skipped: ${SECONDS} s used"
+elif has bench; then
+  tail -1 "$OUT/convert_b$BITS.log" 2>/dev/null
+  "${EXL_ENV[@]}" timeout "${BENCH_TIMEOUT:-200}" python3 bench/moe_exllamav3.py --pack "$DST" \
+    --label "qwen3-30b-a3b-${BITS}b" --out "$OUT/h200-moe-exllamav3-backend-b$BITS.json" > "$OUT/bench_b$BITS.log" 2>&1
+  echo "bench rc=$?"; grep -v "^{" "$OUT/bench_b$BITS.log" | tail -14
 fi
 ( cd "$OUT" && tar czf /tmp/logs.tgz --exclude='*.json' . && find . -maxdepth 1 -type f ! -name '*.json' -delete \
   && mv /tmp/logs.tgz . )

@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--backend", default="native")
     args = ap.parse_args()
     backend = get_backend(args.backend)
+    if (why := backend.unavailable_reason()) is not None:  # loads the backend's library (and registers its ops)
+        sys.exit(f"{args.backend} backend unavailable: {why}")
     dtype = torch.bfloat16
     rows = {}
     for name, (k, n) in DENSE.items():

@@ -1,10 +1,12 @@
 """Whole model on the GPU: the fixture packs' tiny MoE models run by transformers' own model classes (fp16), with
-every EXL3 linear replaced by the native dense op and every routed-experts block by the native MoE op, reproduce
-the logits ExLlamaV3 computed from the same pack (golden/logits.safetensors), within the CPU logits test's bounds
-(tests/format/test_model_logits.py)."""
+every EXL3 linear replaced by a backend's dense op and every routed-experts block by its MoE op, reproduce the
+logits ExLlamaV3 computed from the same pack (golden/logits.safetensors), within the CPU logits test's bounds
+(tests/format/test_model_logits.py). Backends: native, and exllamav3 where the package is installed (skipped
+otherwise, unless VLLM_EXL3_REQUIRE_EXLLAMAV3=1)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,27 +35,29 @@ DEV = "cuda"
 PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-class NativeLinear(torch.nn.Module):
-    def __init__(self, w, out_features):
+class BackendLinear(torch.nn.Module):
+    def __init__(self, backend, w, out_features):
         super().__init__()
-        self.w, self.out_features = w, out_features
+        self.backend, self.w, self.out_features = backend, w, out_features
+        self.prepared = backend.prepare_linear(w)
 
     def forward(self, x):
         shape = x.shape
-        y = native.linear(x.reshape(-1, shape[-1]).contiguous(), self.w, 0, 0, self.out_features)
+        y = self.backend.linear(x.reshape(-1, shape[-1]).contiguous(), self.w, self.prepared, 0, 0,
+                                self.out_features)
         if self.w.bias is not None:
             y = y + self.w.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
 
-class NativeExperts(torch.nn.Module):
+class BackendExperts(torch.nn.Module):
     """transformers' experts module contract: (hidden [T, H], top-k ids, top-k weights) -> [T, H]."""
 
-    def __init__(self, stack, top_k):
+    def __init__(self, backend, stack, top_k):
         super().__init__()
         self.stack = stack
-        self.backend = get_backend("native")
-        self.prepared = self.backend.prepare_moe(stack, top_k, 1024)
+        self.backend = backend
+        self.prepared = self.backend.prepare_moe(stack, top_k, 1024, "silu")
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return self.backend.moe(hidden_states.contiguous(), top_k_weights.float(), top_k_index, None, self.stack,
@@ -65,8 +69,22 @@ def _replace(model, name, module):
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def backend_or_skip(name):
+    backend = get_backend(name)
+    if name == "exllamav3":
+        from vllm_exl3.kernels.backends import exllamav3_moe
+
+        if (why := backend.unavailable_reason() or exllamav3_moe.api_reason()) is not None:
+            if os.environ.get("VLLM_EXL3_REQUIRE_EXLLAMAV3") == "1":
+                raise RuntimeError(f"exllamav3 backend unavailable: {why}")
+            pytest.skip(f"exllamav3 backend unavailable: {why}")
+    return backend
+
+
+@pytest.mark.parametrize("backend_name", ["native", "exllamav3"])
 @pytest.mark.parametrize("pack", PACKS)
-def test_logits_match_exllamav3_on_native_kernels(pack, tmp_path):
+def test_logits_match_exllamav3_on_each_backend(pack, backend_name, tmp_path):
+    backend = backend_or_skip(backend_name)
     root = FIXTURES / pack
     golden = load_file(root / "golden" / "logits.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(dequantized_checkpoint(root, tmp_path),
@@ -82,18 +100,18 @@ def test_logits_match_exllamav3_on_native_kernels(pack, tmp_path):
                 on_cuda(load_weights(lin))
             continue
         target = model.get_submodule(name)
-        _replace(model, name, NativeLinear(on_cuda(load_weights(lin)), target.out_features))
+        _replace(model, name, BackendLinear(backend, on_cuda(load_weights(lin)), target.out_features))
         replaced += 1
     top_k = model.config.num_experts_per_tok
     for name, per_expert in experts.items():
         weights = [per_expert[e] for e in sorted(per_expert)]
-        _replace(model, name, NativeExperts(expert_stack(weights, list(range(len(weights)))), top_k))
+        _replace(model, name, BackendExperts(backend, expert_stack(weights, list(range(len(weights)))), top_k))
     assert replaced and experts, "nothing replaced: the test would compare the dequantized model with itself"
     with torch.no_grad():
         logits = model(golden["input_ids"].to(DEV)).logits.float().cpu()
     expected = golden["logits"].float()
     rel = ((logits - expected).norm() / expected.norm()).item()
     agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    print(f"{pack}: rel {rel:.2e}, top-1 agreement {agree:.3f}")
+    print(f"{pack} on {backend_name}: rel {rel:.2e}, top-1 agreement {agree:.3f}")
     assert rel <= 2e-2, rel
     assert agree >= 0.97, agree
