@@ -46,7 +46,8 @@ COPY plugin plugin
 COPY tools tools
 
 # One target list for both builds; check-cubins gets the same targets as sm_XXX names (12.1a -> sm_121a) and
-# fails the build when cuobjdump finds no SASS for one of them in either library.
+# fails the build when cuobjdump finds no SASS for one of them in either library; check-exllamav3-ext fails it when
+# ExLlamaV3's extension lacks an entry point the exllamav3 backend's routed experts call.
 RUN --mount=type=cache,target=/root/.cache/pip \
     archs="${TORCH_CUDA_ARCH_LIST}${EXTRA_CUDA_ARCHS:+;${EXTRA_CUDA_ARCHS}}" \
     && export TORCH_CUDA_ARCH_LIST="${archs}" \
@@ -58,6 +59,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
          echo "${archs}" | tr ';' '\n' | sed -E 's/^([0-9]+)\.([0-9]+)(.*)$/sm_\1\2\3/' \
            | xargs --verbose tools/check-cubins "${so}" || exit 1; \
        done \
+    && tools/check-exllamav3-ext /tmp/so/exllamav3/exllamav3_ext*.so \
     && sha256sum /dist/*.whl > /dist/SHA256SUMS
 
 # ---------------------------------------------------------------------------------------------------------------

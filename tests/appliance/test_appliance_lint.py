@@ -79,3 +79,4 @@ def test_image_and_compose_agree():
     assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/vllm:26\.10-py3$", text, flags=re.M)
     assert re.search(r"^ARG TORCH_CUDA_ARCH_LIST=12\.1a$", text, flags=re.M)
     assert text.count("tools/check-cubins") == 1 and "exllamav3_ext*.so" in text and "_C*.so" in text
+    assert "tools/check-exllamav3-ext /tmp/so/exllamav3/exllamav3_ext*.so" in text

@@ -96,3 +96,21 @@ def test_servable_layers_pass_the_layer_checks():
 def test_prepare_needs_top_k_and_activation():
     with pytest.raises(ValueError, match="needs the layer's top-k and activation"):
         exl_backend.ExLlamaV3Backend().prepare_moe(object(), None, None, "silu")
+
+
+def test_the_image_checks_the_prebuilt_extension_for_these_entry_points(tmp_path):
+    """tools/check-exllamav3-ext (run by the Dockerfile's builder on the prebuilt exllamav3_ext) reads the names from
+    exllamav3_moe.EXT_ENTRY_POINTS and finds them as pybind11 keeps them: NUL-terminated strings in the library."""
+    import subprocess
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "check-exllamav3-ext"
+    whole = tmp_path / "whole.so"
+    whole.write_bytes(b"\x7fELF..." + b"".join(n.encode() + b"\0" for n in exllamav3_moe.EXT_ENTRY_POINTS))
+    r = subprocess.run([sys.executable, str(tool), str(whole)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lacking = tmp_path / "lacking.so"
+    lacking.write_bytes(b"\x7fELF...exl3_moe_gather\0BC_LinearEXL3\0")
+    r = subprocess.run([sys.executable, str(tool), str(lacking)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "lacks BC_BlockSparseMLP, exl3_moe, exl3_moe_max_concurrency" in r.stderr
