@@ -6,7 +6,8 @@
 #   2. the exllamav3 backend's GPU tests (its MoE tests, the fixture models' logits, the dense test) beside the
 #      conversion of a 1-layer Qwen3-30B-A3B-shaped model by ExLlamaV3's own converter at BITS (default 4) bits;
 #   3. bench/moe_exllamav3.py on that pack: native vs the exllamav3 backend vs ExLlamaV3's BlockSparseMLP (skipped
-#      once BUDGET_S seconds are used).
+#      once BUDGET_S seconds are used); `graphbench`: bench/moe.py --backend exllamav3 (random trellis, no pack:
+#      the backend's eager route and its capturable routes in a CUDA graph).
 # STEPS (default parity,tests,bench); results and logs under $OUT. Rerun on a warm machine reuses /tmp.
 set -uo pipefail
 OUT=${OUT:-/tmp/vllm-exl3-out}
@@ -23,8 +24,10 @@ rm -f "$TORCH_EXTENSIONS_DIR"/*/lock
 ( t0=$(date +%s); "${EXL_ENV[@]}" MAX_JOBS="${EXL_JOBS:-12}" python3 -c "import exllamav3.ext" \
     > "$OUT/exl_build.log" 2>&1; echo "rc=$? seconds=$(( $(date +%s) - t0 ))" >> "$OUT/exl_build.log" ) &
 EXL_PID=$!
-OUT=/tmp/our-build MAX_JOBS=4 bash bench/device_run.sh none > "$OUT/our_build.log" 2>&1
-grep -E "build.*rc=" "$OUT/our_build.log"
+if has parity || has suite; then  # our extension: the native side of the comparisons
+  OUT=/tmp/our-build MAX_JOBS=4 bash bench/device_run.sh none > "$OUT/our_build.log" 2>&1
+  grep -E "build.*rc=" "$OUT/our_build.log"
+fi
 if has parity; then
   PYTHONPATH="$PWD/plugin" timeout 120 python3 bench/parity_cost.py --out "$OUT/h200-parity-cost.json" \
     > "$OUT/parity_cost.log" 2>&1
@@ -65,13 +68,18 @@ fi
 if has tests; then
   t0=$SECONDS
   "${EXL_ENV[@]}" VLLM_EXL3_REQUIRE_EXLLAMAV3=1 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
-    -m gpu tests/kernels/gpu/test_moe_exllamav3.py tests/kernels/gpu/test_model_native.py -k "exllamav3" -s -rf \
+    -m gpu tests/kernels/gpu/test_moe_exllamav3.py tests/kernels/gpu/test_model_native.py -k "${TEST_K:-exllamav3}" -s -rf \
     tests/kernels/gpu/test_native.py > "$OUT/exl_moe_tests.log" 2>&1
   echo "exllamav3 moe tests rc=$? in $(( SECONDS - t0 )) s"
   grep -E "passed|failed|error" "$OUT/exl_moe_tests.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$OUT/exl_moe_tests.log" | head -30
 fi
 [ -n "$CONV_PID" ] && wait $CONV_PID
+if has graphbench; then
+  "${EXL_ENV[@]}" timeout "${BENCH_TIMEOUT:-200}" python3 bench/moe.py --backend exllamav3 \
+    --layers "qwen3-30b-a3b:$BITS" --out "$OUT/h200-moe-exllamav3-backend-routes.json" > "$OUT/graphbench.log" 2>&1
+  echo "graphbench rc=$?"; grep -v "^{" "$OUT/graphbench.log" | tail -13
+fi
 if has bench && (( SECONDS > ${BUDGET_S:-480} )); then echo "bench skipped: ${SECONDS} s used"
 elif has bench; then
   tail -1 "$OUT/convert_b$BITS.log" 2>/dev/null

@@ -1,7 +1,7 @@
-"""Routed-expert (MoE) layers on one GPU: the native op vs the byte floor (and ExLlamaV3's BlockSparseMLP on the same
-pack with --exllamav3 PACK).
+"""Routed-expert (MoE) layers on one GPU: a backend's op (native, or exllamav3 with --backend) vs the byte floor
+(ExLlamaV3's BlockSparseMLP on a converted pack: bench/moe_exllamav3.py).
 
-    PYTHONPATH=plugin python bench/moe.py [--quick] [--out FILE.json] [--exllamav3 PACK_DIR]
+    PYTHONPATH=plugin python bench/moe.py [--quick] [--backend native|exllamav3] [--out FILE.json]
 
 Layers: Qwen3-30B-A3B-shaped (hidden 2048, expert width 768, 128 experts, top-8) at 4 and 2 bits, GLM-4.5-Air-shaped
 (4096, 1408, 128, top-8) at 4 bits; random trellis (mcg), random routing per layer copy. Timing: several layer copies
@@ -86,12 +86,13 @@ def graph_time(calls, replays: int = 20) -> float:
     return statistics.median(times)
 
 
-def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidth, quick) -> list[dict]:
-    native = get_backend("native")
+def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidth, quick,
+                backend="native") -> list[dict]:
+    native = get_backend(backend)
     layer_bytes = experts * 3 * hidden * inter * bits / 8
     copies = max(2, min(8, math.ceil(3 * L2_DEFEAT / layer_bytes) + 1))
     stacks = [random_stack(hidden, inter, experts, bits, "mcg", seed=s) for s in range(copies)]
-    prepared = [native.prepare_moe(s, top_k, max(tokens_list)) for s in stacks]
+    prepared = [native.prepare_moe(s, top_k, max(tokens_list), "silu") for s in stacks]
     rows = []
     for tokens in tokens_list:
         g = torch.Generator().manual_seed(tokens)
@@ -107,7 +108,8 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
         flops = 2 * tokens * top_k * 3 * hidden * inter
         us_graph = graph_time(calls, replays=10 if quick else 30)
         us_eager = time_calls(calls, iters=len(calls) * (3 if quick else 8))
-        row = {"layer": name, "bits": bits, "tokens": tokens, "native_graph_us": us_graph, "native_eager_us": us_eager,
+        row = {"layer": name, "bits": bits, "tokens": tokens, f"{backend}_graph_us": us_graph,
+               f"{backend}_eager_us": us_eager,
                "routed_bytes": nbytes, "gbps": nbytes / (us_graph * 1e-6) / 1e9,
                "floor_us": nbytes / bandwidth * 1e6, "tflops": flops / (us_graph * 1e-6) / 1e12}
         print(json.dumps(row), flush=True)
@@ -146,6 +148,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times of one layer, then exit")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--backend", default="native", choices=("native", "exllamav3"))
+    ap.add_argument("--layers", default="qwen3-30b-a3b:4,qwen3-30b-a3b:2,glm-4.5-air:4", help="name:bits,...")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.profile:
@@ -155,18 +159,21 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: device-to-device copy {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
-    for name, bits in (("qwen3-30b-a3b", 4), ("qwen3-30b-a3b", 2), ("glm-4.5-air", 4)):
+    if (why := get_backend(args.backend).unavailable_reason()) is not None:
+        sys.exit(f"{args.backend} backend unavailable: {why}")
+    for layer in args.layers.split(","):
+        name, bits = layer.split(":")
         h, i, e, k = SHAPES[name]
         toks = TOKENS if not args.quick else (1, 8, 64, 1024)
-        rows += bench_layer(name, h, i, e, k, bits, toks, bw, args.quick)
-    result = {"gpu": gpu, "copy_bandwidth": bw, "torch": torch.__version__, "rows": rows}
+        rows += bench_layer(name, h, i, e, k, int(bits), toks, bw, args.quick, args.backend)
+    result = {"gpu": gpu, "copy_bandwidth": bw, "torch": torch.__version__, "backend": args.backend, "rows": rows}
     out = Path(args.out or f"bench/results/{gpu.replace(' ', '-').lower()}-moe.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"\n{'layer':16} {'bits':>4} {'tokens':>6} {'graph µs':>9} {'eager µs':>9} {'GB/s':>7} {'floor µs':>8}")
     for r in rows:
-        print(f"{r['layer']:16} {r['bits']:>4} {r['tokens']:>6} {r['native_graph_us']:>9.1f} "
-              f"{r['native_eager_us']:>9.1f} {r['gbps']:>7.0f} {r['floor_us']:>8.1f}")
+        print(f"{r['layer']:16} {r['bits']:>4} {r['tokens']:>6} {r[args.backend + '_graph_us']:>9.1f} "
+              f"{r[args.backend + '_eager_us']:>9.1f} {r['gbps']:>7.0f} {r['floor_us']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ routes instead, built from the same kernels: the fused expert kernel over device
 (`ext.exl3_moe` + `ext.exl3_moe_gather`, the tier ExLlamaV3 itself takes when the counts need no read-back) in
 chunks small enough that no expert can exceed its row capacity, for layers whose codebook the fused kernel takes
 (mcg, mul1); else the decode kernels over chunks of `MAX_DECODE_TOKENS` tokens. Eager calls always take
-ExLlamaV3's own route.
+ExLlamaV3's own route. The capturable routes cost more than ExLlamaV3's eager one at large batches (docs/moe.md
+has the numbers); `--max-cudagraph-capture-size` bounds the batches vLLM captures.
 """
 
 from __future__ import annotations
@@ -197,13 +198,15 @@ def _decode_in_chunks(module, x16, ids, weights) -> torch.Tensor:
 
 
 def _fused_in_chunks(module, x16, ids, weights) -> torch.Tensor:
-    """ExLlamaV3's fused expert kernel with the routing tables made on the device (no read-back): the tier its
-    forward takes when tokens x top-k fit the kernel's row capacity, here over chunks that do."""
+    """ExLlamaV3's fused expert kernel with the routing tables made on the device (no read-back), the tier its
+    forward takes when no expert can exceed the kernel's row capacity (`fused_rows`; the kernel skips an expert
+    with more rows). An expert gets at most one row per token (top-k picks distinct experts; picks outside the
+    slice go to the sentinel bucket, which the kernel ignores), so chunks of `fused_rows` tokens are safe."""
     from exllamav3.ext import exllamav3_ext as ext
     from exllamav3.modules.block_sparse_mlp import FUSED_DET
 
     experts, top_k = module.num_local_experts, ids.shape[1]
-    chunk = max(1, module.fused_rows // top_k)
+    chunk = module.fused_rows
     bufs, mg, mu, md = module.fused_mode_buffers, module.multi_gate, module.multi_up, module.multi_down
     out = torch.empty((x16.shape[0], module.hidden_size), dtype=torch.float32, device=x16.device)
     for s in range(0, x16.shape[0], chunk):
