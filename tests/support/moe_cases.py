@@ -116,3 +116,14 @@ def run_case(backend, *, hidden=256, inter=384, experts=8, top_k=2, tokens=7, wi
     return x, topk_weights, topk_ids, expert_map, stack, prepared, y
 
 
+
+
+def through_custom_op(backend_name, x, topk_weights, topk_ids, stack, prepared):
+    """The same call through `torch.ops.vllm_exl3.moe` (as the vLLM layer makes it), no expert map."""
+    from vllm_exl3.kernels import ops
+
+    e = stack
+    return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, torch.empty(0, dtype=torch.int32, device=DEV),
+                                   e.w13_trellis, e.w13_suh, e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared,
+                                   list(e.w13_words), list(e.w2_words), ops.codebook_list(e.codebooks), "silu", False,
+                                   backend_name, e.inter_offset, e.inter_size)

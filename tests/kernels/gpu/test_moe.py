@@ -24,7 +24,7 @@ from vllm_exl3.dev.synthetic import expert_stack
 from vllm_exl3.format.constants import CODEBOOKS
 
 from support.gpu import native_or_skip
-from support.moe_cases import DEV, make_weights, rel, routing
+from support.moe_cases import DEV, make_weights, rel, routing, through_custom_op
 from support.moe_cases import run_case as run_backend_case
 
 pytestmark = pytest.mark.gpu
@@ -176,12 +176,7 @@ def test_no_sixteen_bit_copy_of_the_experts():
 
 def test_through_the_custom_op():
     x, tw, ti, emap, stack, prepared, y = run_case(tokens=12, seed=15)
-    e = stack
-    z = torch.ops.vllm_exl3.moe(x, tw, ti, torch.empty(0, dtype=torch.int32, device=DEV), e.w13_trellis, e.w13_suh,
-                                e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared, list(e.w13_words),
-                                list(e.w2_words), ops.codebook_list(e.codebooks), "silu", False, "native",
-                                e.inter_offset, e.inter_size)
-    assert torch.equal(z, y)
+    assert torch.equal(through_custom_op("native", x, tw, ti, stack, prepared), y)
 
 
 def test_auto_picks_native_for_moe_on_cuda(monkeypatch):

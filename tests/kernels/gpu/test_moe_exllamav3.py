@@ -19,14 +19,13 @@ import torch
 
 from vllm_exl3.dev.synthetic import expert_stack
 
-from support.moe_cases import BOUND, DEV, make_weights, reference, rel, routing, run_case
+from support.moe_cases import BOUND, make_weights, reference, rel, routing, run_case, through_custom_op
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from vllm_exl3.kernels import ops  # noqa: E402  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 from vllm_exl3.kernels.backends import exllamav3_moe  # noqa: E402
 
@@ -150,12 +149,7 @@ def test_no_sixteen_bit_copy_of_the_experts():
 
 def test_through_the_custom_op():
     x, tw, ti, emap, stack, prepared, y = case(tokens=12, seed=17)
-    e = stack
-    z = torch.ops.vllm_exl3.moe(x, tw, ti, torch.empty(0, dtype=torch.int32, device=DEV), e.w13_trellis, e.w13_suh,
-                                e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared, list(e.w13_words),
-                                list(e.w2_words), ops.codebook_list(e.codebooks), "silu", False, "exllamav3",
-                                e.inter_offset, e.inter_size)
-    assert torch.equal(z, y)
+    assert torch.equal(through_custom_op("exllamav3", x, tw, ti, stack, prepared), y)
 
 
 def test_named_exllamav3_serves_moe(monkeypatch):
