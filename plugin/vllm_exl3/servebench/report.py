@@ -1,0 +1,139 @@
+"""The report of a run, from its raw JSON alone (so a saved run can be rendered again): the per-category table,
+the per-concurrency table with the server's own numbers beside the client's, and the one-line summary."""
+
+from __future__ import annotations
+
+from . import stats
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def phases(report: dict, side: str) -> dict[int, dict]:
+    """concurrency -> phase, for one side."""
+    return {p["concurrency"]: p for p in report["phases"] if p["side"] == side}
+
+
+def first_level(report: dict) -> int | None:
+    """The lowest concurrency measured on every side: the per-category table's level (one request at a time, where
+    there is one, shows each side's decode speed unmixed)."""
+    levels = [set(phases(report, s)) for s in report["sides"]]
+    common = set.intersection(*levels) if levels else set()
+    return min(common) if common else None
+
+
+def by_category(report: dict, side: str, concurrency: int) -> dict[str, dict]:
+    phase = phases(report, side).get(concurrency)
+    if not phase:
+        return {}
+    out = {}
+    for cat in report["workload"]["categories"]:
+        reqs = [r for r in phase["requests"] if r["category"] == cat]
+        if reqs:
+            out[cat] = stats.summarize(reqs)
+    return out
+
+
+def _side_line(name: str, s: dict) -> str:
+    backends = s["backends"]
+    if isinstance(backends, dict):
+        backends = ", ".join(f"{layer}: {'/'.join(b)}" for layer, b in backends.items())
+    return (f"- **{name}** `{s['label']}`: {s['url']}, model `{s['model']}`, backends: {backends}, GPU: {s['gpu']}"
+            + ("" if s["vllm_metrics"] else ", no vLLM metrics (server-side columns empty, ignore_eos not sent)"))
+
+
+def category_table(report: dict) -> list[str]:
+    c = first_level(report)
+    names = list(report["sides"])
+    if c is None:
+        return ["(no phase measured on every side)"]
+    cats = {s: by_category(report, s, c) for s in names}
+    rows = [c_ for c_ in report["workload"]["categories"] if all(c_ in cats[s] for s in names)]
+    if len(names) == 2:
+        a, b = names
+        lines = [f"Per category, concurrency {c} (decode tok/s per request, mean TTFT):", "",
+                 f"| category | {a} tok/s | {b} tok/s | {a} TTFT ms | {b} TTFT ms | speedup ({b}/{a}) |",
+                 "|---|---:|---:|---:|---:|---:|"]
+        for cat in rows:
+            ra, rb = cats[a][cat], cats[b][cat]
+            lines.append(f"| {cat} | {_f(ra['decode_tok_s'])} | {_f(rb['decode_tok_s'])} | {_f(ra['ttft_ms'])} "
+                         f"| {_f(rb['ttft_ms'])} | {_f(stats.speedup(ra['decode_tok_s'], rb['decode_tok_s']), 2)}× |")
+        if rows:
+            mean = {s: {k: _avg(cats[s][cat][k] for cat in rows) for k in ("decode_tok_s", "ttft_ms")} for s in names}
+            lines.append(f"| **average** | {_f(mean[a]['decode_tok_s'])} | {_f(mean[b]['decode_tok_s'])} | "
+                         f"{_f(mean[a]['ttft_ms'])} | {_f(mean[b]['ttft_ms'])} | "
+                         f"{_f(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']), 2)}× |")
+        return lines
+    (a,) = names
+    lines = [f"Per category, concurrency {c}:", "",
+             "| category | tok/s | TTFT ms | ITL p50 ms | ITL p99 ms | E2E ms |", "|---|---:|---:|---:|---:|---:|"]
+    for cat in rows:
+        r = cats[a][cat]
+        lines.append(f"| {cat} | {_f(r['decode_tok_s'])} | {_f(r['ttft_ms'])} | {_f(r['itl_ms_pct']['p50'])} | "
+                     f"{_f(r['itl_ms_pct']['p99'])} | {_f(r['e2e_ms'])} |")
+    if rows:
+        lines.append(f"| **average** | {_f(_avg(cats[a][c_]['decode_tok_s'] for c_ in rows))} | "
+                     f"{_f(_avg(cats[a][c_]['ttft_ms'] for c_ in rows))} | | | |")
+    return lines
+
+
+def _avg(values) -> float | None:
+    v = [x for x in values if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def concurrency_table(report: dict) -> list[str]:
+    lines = ["Per concurrency level (client: all requests of the phase; server: its /metrics before and after):", "",
+             "| side | concurrency | requests | tok/s (all) | tok/s per request | TTFT p50 / p99 ms | "
+             "ITL p50 / p90 / p99 ms | E2E p50 ms | server tok/s | server ms/step | server tok/s per request | "
+             "tokens: received / server |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in sorted(report["phases"], key=lambda p: (p["concurrency"], p["side"])):
+        s, srv = p["summary"], p.get("server") or {}
+        itl, ttft = s["itl_ms_pct"], s["ttft_ms_pct"]
+        lines.append(
+            f"| {p['side']}{' (incomplete)' if p.get('incomplete') else ''} | {p['concurrency']} | "
+            f"{s['requests'] - s['failed']}/{s['requests']} | {_f(s['aggregate_tok_s'])} | {_f(s['decode_tok_s'])} | "
+            f"{_f(ttft['p50'])} / {_f(ttft['p99'])} | {_f(itl['p50'], 2)} / {_f(itl['p90'], 2)} / "
+            f"{_f(itl['p99'], 2)} | {_f(s['e2e_ms_pct']['p50'])} | {_f(srv.get('tokens_per_s'))} | "
+            f"{_f(srv.get('ms_per_step'), 2)} | {_f(srv.get('decode_tokens_per_s'))} | "
+            f"{s['tokens']} / {srv.get('generation_tokens', '–')} |")
+    return lines
+
+
+def summary_line(report: dict) -> str:
+    c = first_level(report)
+    names = list(report["sides"])
+    prefix = "PARTIAL " if report["partial"] else ""
+    if c is None:
+        return f"{prefix}bench: nothing measured" + (f" ({report['error']})" if report["error"] else "")
+    mean = {s: {k: _avg(v[k] for v in by_category(report, s, c).values()) for k in ("decode_tok_s", "ttft_ms")}
+            for s in names}
+    parts = [f"{s} {_f(mean[s]['decode_tok_s'])} tok/s, TTFT {_f(mean[s]['ttft_ms'], 0)} ms" for s in names]
+    line = f"{prefix}bench at concurrency {c}, mean over categories: " + "; ".join(parts)
+    if len(names) == 2:
+        a, b = names
+        line += f"; {b}/{a} decode speedup {_f(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']), 2)}×"
+    top = max((p for p in report["phases"] if p["summary"]["aggregate_tok_s"]), default=None,
+              key=lambda p: p["summary"]["aggregate_tok_s"])
+    if top and top["concurrency"] != c:
+        line += f"; peak {_f(top['summary']['aggregate_tok_s'])} tok/s ({top['side']}, concurrency {top['concurrency']})"
+    return line
+
+
+def markdown(report: dict, title: str | None = None) -> str:
+    w = report["workload"]
+    lengths = (f"{w['max_tokens']} output tokens each" if w["max_tokens"] else "each category's own output length")
+    lines = [f"# {title or 'vllm-exl3 bench'}", ""]
+    if report["partial"]:
+        lines += [f"**PARTIAL REPORT: the run stopped early: {report['error']}**", ""]
+    lines += [f"{report['tool']}, started {report['started']} on {report['client']}.", ""]
+    lines += [_side_line(n, s) for n, s in report["sides"].items()]
+    lines += ["", f"Workload: {len(w['categories'])} categories × {w['prompts_per_category']} prompt(s), {lengths}, "
+              f"`/v1/{'chat/completions' if w['api'] == 'chat' else 'completions'}` streaming, temperature "
+              f"{w['temperature']:g}, seed {w['seed']}, ignore_eos {'on' if w['ignore_eos'] else 'off'}, "
+              f"concurrency {', '.join(map(str, w['concurrency']))}, {w['warmup']} warm-up request(s) per side "
+              "not measured; each phase starts on an idle server.", ""]
+    lines += category_table(report) + [""] + concurrency_table(report) + ["", summary_line(report), ""]
+    return "\n".join(lines)
