@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +69,12 @@ def _chunk_text(choice: dict) -> str:
     return choice.get("text") or ""
 
 
+def _why(e: aiohttp.ClientConnectorError) -> str:
+    """'connection refused' rather than aiohttp's 'Connect call failed (host, port)'."""
+    err = e.os_error
+    return os.strerror(err.errno).lower() if err is not None and err.errno else str(err or e)
+
+
 def _error_text(raw: bytes) -> str:
     text = raw.decode("utf-8", "replace").strip()
     try:
@@ -128,7 +135,7 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
         r.error = f"{base_url}{path}: no answer within the request timeout (after {len(r.chunks)} chunks)"
         return r
     except aiohttp.ClientConnectorError as e:
-        r.error = f"cannot connect to {base_url}: {e.os_error.strerror if e.os_error else e}"
+        r.error = f"cannot connect to {base_url}: {_why(e)}"
         return r
     except (aiohttp.ClientError, ConnectionError) as e:
         r.error = (f"{base_url}{path}: the connection broke after {counted} tokens "
@@ -155,8 +162,7 @@ async def get(session: aiohttp.ClientSession, url: str, timeout: float) -> tuple
     except asyncio.TimeoutError as e:
         raise EndpointError(f"{url}: no answer within {timeout:g} s") from e
     except aiohttp.ClientConnectorError as e:
-        why = e.os_error.strerror if e.os_error and e.os_error.strerror else str(e)
-        raise EndpointError(f"cannot connect to {url}: {why} (is the server running, and is this its address?)") \
-            from e
+        raise EndpointError(f"cannot connect to {url}: {_why(e)} (is the server running, and is this its "
+                            "address?)") from e
     except (aiohttp.ClientError, ConnectionError) as e:
         raise EndpointError(f"{url}: {type(e).__name__}: {e}") from e

@@ -56,14 +56,14 @@ def concurrency_png(report: dict, path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     drawn: set[int] = set()
     for i, s in enumerate(report["sides"]):
-        ph = rep.phases(report, s)
-        levels = sorted(c for c, p in ph.items() if p["summary"]["aggregate_tok_s"])
+        ph = {c: rep.summary(p) for c, p in rep.phases(report, s).items()}
+        levels = sorted(c for c, summary in ph.items() if summary["aggregate_tok_s"])
         if not levels:
             continue
         drawn.update(levels)
         label = _label(report, s)
         for ax, key in ((axes[0], "aggregate_tok_s"), (axes[1], "decode_tok_s")):
-            ax.plot(levels, [ph[c]["summary"][key] for c in levels], marker="o", label=label,
+            ax.plot(levels, [ph[c][key] for c in levels], marker="o", label=label,
                     color=COLOURS[i % len(COLOURS)])
     if not drawn:
         plt.close(fig)

@@ -15,6 +15,11 @@ def phases(report: dict, side: str) -> dict[int, dict]:
     return {p["concurrency"]: p for p in report["phases"] if p["side"] == side}
 
 
+def summary(phase: dict) -> dict:
+    """The phase's numbers, derived again from its raw requests (a saved run renders with the current rules)."""
+    return stats.summarize(phase["requests"], phase["wall_s"])
+
+
 def first_level(report: dict) -> int | None:
     """The lowest concurrency measured on every side: the per-category table's level (one request at a time, where
     there is one, shows each side's decode speed unmixed)."""
@@ -36,6 +41,8 @@ def by_category(report: dict, side: str, concurrency: int) -> dict[str, dict]:
 
 
 def _side_line(name: str, s: dict) -> str:
+    if not s.get("reached"):
+        return f"- **{name}** `{s['label']}`: {s['url']}, not reached"
     backends = s["backends"]
     if isinstance(backends, dict):
         backends = ", ".join(f"{layer}: {'/'.join(b)}" for layer, b in backends.items())
@@ -52,7 +59,7 @@ def category_table(report: dict) -> list[str]:
     rows = [c_ for c_ in report["workload"]["categories"] if all(c_ in cats[s] for s in names)]
     if len(names) == 2:
         a, b = names
-        lines = [f"Per category, concurrency {c} (decode tok/s per request, mean TTFT):", "",
+        lines = [f"Per category, concurrency {c} (decode tok/s: tokens after the first over the time after it; mean TTFT):", "",
                  f"| category | {a} tok/s | {b} tok/s | {a} TTFT ms | {b} TTFT ms | speedup ({b}/{a}) |",
                  "|---|---:|---:|---:|---:|---:|"]
         for cat in rows:
@@ -60,8 +67,8 @@ def category_table(report: dict) -> list[str]:
             lines.append(f"| {cat} | {_f(ra['decode_tok_s'])} | {_f(rb['decode_tok_s'])} | {_f(ra['ttft_ms'])} "
                          f"| {_f(rb['ttft_ms'])} | {_f(stats.speedup(ra['decode_tok_s'], rb['decode_tok_s']), 2)}× |")
         if rows:
-            mean = {s: {k: _avg(cats[s][cat][k] for cat in rows) for k in ("decode_tok_s", "ttft_ms")} for s in names}
-            lines.append(f"| **average** | {_f(mean[a]['decode_tok_s'])} | {_f(mean[b]['decode_tok_s'])} | "
+            mean = {s: summary(phases(report, s)[c]) for s in names}
+            lines.append(f"| **all** | {_f(mean[a]['decode_tok_s'])} | {_f(mean[b]['decode_tok_s'])} | "
                          f"{_f(mean[a]['ttft_ms'])} | {_f(mean[b]['ttft_ms'])} | "
                          f"{_f(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']), 2)}× |")
         return lines
@@ -73,24 +80,22 @@ def category_table(report: dict) -> list[str]:
         lines.append(f"| {cat} | {_f(r['decode_tok_s'])} | {_f(r['ttft_ms'])} | {_f(r['itl_ms_pct']['p50'])} | "
                      f"{_f(r['itl_ms_pct']['p99'])} | {_f(r['e2e_ms'])} |")
     if rows:
-        lines.append(f"| **average** | {_f(_avg(cats[a][c_]['decode_tok_s'] for c_ in rows))} | "
-                     f"{_f(_avg(cats[a][c_]['ttft_ms'] for c_ in rows))} | | | |")
+        r = summary(phases(report, a)[c])
+        lines.append(f"| **all** | {_f(r['decode_tok_s'])} | {_f(r['ttft_ms'])} | {_f(r['itl_ms_pct']['p50'])} | "
+                     f"{_f(r['itl_ms_pct']['p99'])} | {_f(r['e2e_ms'])} |")
     return lines
 
 
-def _avg(values) -> float | None:
-    v = [x for x in values if x is not None]
-    return sum(v) / len(v) if v else None
-
-
 def concurrency_table(report: dict) -> list[str]:
+    if not report["phases"]:
+        return ["(nothing measured)"]
     lines = ["Per concurrency level (client: all requests of the phase; server: its /metrics before and after):", "",
              "| side | concurrency | requests | tok/s (all) | tok/s per request | TTFT p50 / p99 ms | "
              "ITL p50 / p90 / p99 ms | E2E p50 ms | server tok/s | server ms/step | server tok/s per request | "
              "tokens: received / server |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in sorted(report["phases"], key=lambda p: (p["concurrency"], p["side"])):
-        s, srv = p["summary"], p.get("server") or {}
+        s, srv = summary(p), p.get("server") or {}
         itl, ttft = s["itl_ms_pct"], s["ttft_ms_pct"]
         lines.append(
             f"| {p['side']}{' (incomplete)' if p.get('incomplete') else ''} | {p['concurrency']} | "
@@ -108,17 +113,16 @@ def summary_line(report: dict) -> str:
     prefix = "PARTIAL " if report["partial"] else ""
     if c is None:
         return f"{prefix}bench: nothing measured" + (f" ({report['error']})" if report["error"] else "")
-    mean = {s: {k: _avg(v[k] for v in by_category(report, s, c).values()) for k in ("decode_tok_s", "ttft_ms")}
-            for s in names}
+    mean = {s: summary(phases(report, s)[c]) for s in names}
     parts = [f"{s} {_f(mean[s]['decode_tok_s'])} tok/s, TTFT {_f(mean[s]['ttft_ms'], 0)} ms" for s in names]
-    line = f"{prefix}bench at concurrency {c}, mean over categories: " + "; ".join(parts)
+    line = f"{prefix}bench at concurrency {c}, all categories: " + "; ".join(parts)
     if len(names) == 2:
         a, b = names
         line += f"; {b}/{a} decode speedup {_f(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']), 2)}×"
-    top = max((p for p in report["phases"] if p["summary"]["aggregate_tok_s"]), default=None,
-              key=lambda p: p["summary"]["aggregate_tok_s"])
+    rates = [(summary(p)["aggregate_tok_s"], p) for p in report["phases"]]
+    rate, top = max(((r, p) for r, p in rates if r), default=(None, None), key=lambda rp: rp[0])
     if top and top["concurrency"] != c:
-        line += f"; peak {_f(top['summary']['aggregate_tok_s'])} tok/s ({top['side']}, concurrency {top['concurrency']})"
+        line += f"; peak {_f(rate)} tok/s ({top['side']}, concurrency {top['concurrency']})"
     return line
 
 

@@ -34,6 +34,7 @@ class Side:
     name: str  # "A" or "B"
     url: str
     label: str
+    reached: bool = False  # /v1/models answered with a model
     model: str = UNKNOWN
     max_model_len: int | None = None
     vllm_metrics: bool = False
@@ -83,6 +84,7 @@ async def probe(session: aiohttp.ClientSession, side: Side, opts: Options) -> No
         side.max_model_len = models[0].get("max_model_len")
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise EndpointError(f"{url} does not list a model (expected {{\"data\": [{{\"id\": ...}}]}})") from e
+    side.reached = True
     snap = await _scrape(session, side, opts)
     if snap is not None:
         side.vllm_metrics = snap.is_vllm

@@ -10,13 +10,15 @@ import numpy as np
 PERCENTILES = (50, 90, 99)
 
 
-def decode_tokens_per_s(req: dict) -> float | None:
-    """Tokens after the first chunk over the time after it: the decode speed alone, without the prefill."""
-    chunks = req.get("chunks") or []
-    if not req.get("ok") or len(chunks) < 2:
-        return None
-    (t_first, n_first), (t_last, n_last) = chunks[0], chunks[-1]
-    return (n_last - n_first) / (t_last - t_first) if t_last > t_first else None
+def decode_totals(requests: list[dict]) -> tuple[int, float]:
+    """(tokens after the first chunk, seconds after it), summed over the successful requests."""
+    tokens, seconds = 0, 0.0
+    for r in requests:
+        chunks = r.get("chunks") or []
+        if r.get("ok") and len(chunks) >= 2:
+            tokens += chunks[-1][1] - chunks[0][1]
+            seconds += chunks[-1][0] - chunks[0][0]
+    return tokens, seconds
 
 
 def inter_chunk_s(req: dict) -> list[float]:
@@ -45,9 +47,12 @@ def summarize(requests: list[dict], wall_s: float | None = None) -> dict:
     e2e = [1000 * r["e2e_s"] for r in ok]
     itl = [g for r in ok for g in inter_chunk_s(r)]
     tokens = sum(r["tokens"] for r in ok)
+    # A ratio of sums, not a mean of per-request rates: a request whose tokens reached the client in one burst (a
+    # busy client or proxy) has a near-zero decode time and would dominate a mean of rates.
+    decode_tokens, decode_s = decode_totals(ok)
     return {
         "requests": len(requests), "failed": len(requests) - len(ok), "tokens": tokens,
-        "decode_tok_s": _mean(decode_tokens_per_s(r) for r in ok),
+        "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None,
         "ttft_ms": _mean(ttft), "e2e_ms": _mean(e2e),
         "ttft_ms_pct": _percentiles(ttft), "e2e_ms_pct": _percentiles(e2e), "itl_ms_pct": _percentiles(itl, 1000),
         "itl_ms": _mean(1000 * g for g in itl),
