@@ -88,21 +88,41 @@ def expected_backends(server) -> object:
     return snap.backends or "not reported"
 
 
-def test_one_endpoint(servers, tmp_path):
+@pytest.fixture(scope="module")
+def one_run(servers, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one-endpoint")
+    return bench("--a", servers[0].base_url, *SMALL, "-o", str(out)), out
+
+
+def test_one_endpoint(servers, one_run):
     server = servers[0]
-    r = bench("--a", server.base_url, *SMALL, "-o", str(tmp_path))
+    r, out = one_run
     assert r.returncode == 0, r.stderr
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     check_sane(results, ["A"], [1, 2])
     side = results["sides"]["A"]
     assert side["model"] == server.model and side["vllm_metrics"] and side["gpu"] == "unknown"
     assert side["backends"] == expected_backends(server)
-    report = (tmp_path / "report.md").read_text()
+    report = (out / "report.md").read_text()
     assert "| category | tok/s | TTFT ms | ITL p50 ms | ITL p99 ms | E2E ms |" in report
     assert all(f"| {c} |" in report for c in results["workload"]["categories"])
     assert f"model `{server.model}`" in report and "PARTIAL" not in report
     assert r.stdout.rstrip().splitlines()[-1].startswith("bench at concurrency 1, all categories: A ")
-    check_pngs(tmp_path)
+    check_pngs(out)
+
+
+def test_saved_run_stands_in_for_side_a(servers, one_run, tmp_path):
+    """One Spark: side A measured earlier (then the profile switched), side B now, with A's workload."""
+    saved = one_run[1] / "results.json"
+    r = bench("--a", str(saved), "--b", servers[1].base_url, "--b-label", "later", "--max-tokens", "99",
+              "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "the workload options are not used" in r.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["sides"]["A"]["saved_from"] == str(saved) and results["sides"]["B"]["label"] == "later"
+    assert [(p["side"], p["concurrency"]) for p in results["phases"]] == [("B", 1), ("B", 2), ("A", 1), ("A", 2)]
+    assert all(r["tokens"] == TOKENS for p in results["phases"] for r in p["requests"])  # A's 8, not 99
+    assert "| category | A tok/s | B tok/s |" in (tmp_path / "report.md").read_text()
 
 
 def test_head_to_head(servers, tmp_path):

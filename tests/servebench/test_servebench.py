@@ -132,8 +132,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args, code, message", [
     ([], 2, "give the endpoint to measure: --a URL"),
-    (["--a", "spark:8000"], 2, "is not an http(s) URL of a server"),
-    (["--a", "http://127.0.0.1:9", "--b", "http://127.0.0.1:9/"], 2, "--a and --b are the same endpoint"),
+    (["--a", "spark:8000"], 2, "is neither an http(s) URL of a server (e.g. http://spark:8000) nor a saved run's"),
+    (["--a", "http://127.0.0.1:9", "--b", "http://127.0.0.1:9/"], 2, "--a and --b are the same"),
     (["--a", "http://127.0.0.1:9", "--categories", "coding,poetry"], 2, "unknown category poetry"),
     (["--a", "http://127.0.0.1:9", "--concurrency", "1,0"], 2, "not a comma-separated list of positive integers"),
 ])
@@ -143,8 +143,12 @@ def test_cli_refuses_bad_options_in_one_line(args, code, message, tmp_path):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-def test_cli_refuses_a_report_that_is_not_a_saved_run(tmp_path):
+def test_cli_refuses_a_file_that_is_not_a_saved_run(tmp_path):
     bad = tmp_path / "results.json"
     bad.write_text('{"not": "a run"}')
     r = cli("--report", str(bad))
-    assert r.returncode == 1 and "not a saved bench run" in r.stderr
+    assert r.returncode == 1 and "not a saved run of `vllm-exl3 bench` (results.json): it has no sides" in r.stderr
+    r = cli("--a", str(bad), "--b", "http://127.0.0.1:9", "-o", str(tmp_path / "out"))
+    assert r.returncode == 2 and f"{bad}: not a saved run" in r.stderr
+    bad.write_text("{")
+    assert "not JSON" in cli("--report", str(bad)).stderr

@@ -25,16 +25,24 @@ def _counts(text: str) -> list[int]:
     return sorted(set(counts))
 
 
-def _url(text: str) -> str:
+def _is_url(text: str) -> bool:
     u = urlparse(text)
-    if u.scheme not in ("http", "https") or not u.netloc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL of a server (e.g. http://spark:8000)")
+    return u.scheme in ("http", "https") and bool(u.netloc)
+
+
+def _side(text: str) -> str:
+    if not _is_url(text) and not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an http(s) URL of a server (e.g. http://spark:8000) "
+                                         f"nor a saved run's {RESULTS}")
     return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--a", metavar="URL", type=_url, help="the endpoint (e.g. http://spark:8000), side A")
-    p.add_argument("--b", metavar="URL", type=_url, help="a second endpoint, side B, measured head to head with A")
+    p.add_argument("--a", metavar="URL", type=_side,
+                   help=f"the endpoint (e.g. http://spark:8000), side A; or a saved one-endpoint run's {RESULTS}")
+    p.add_argument("--b", metavar="URL", type=_side,
+                   help=f"a second endpoint, side B, measured head to head with A; or a saved run's {RESULTS} (its "
+                        "workload is then used for both sides)")
     p.add_argument("--a-label", default=None, help="a name for side A in the report (default A)")
     p.add_argument("--b-label", default=None, help="a name for side B in the report (default B)")
     p.add_argument("--concurrency", type=_counts, default=_counts(DEFAULT_CONCURRENCY),
@@ -75,15 +83,40 @@ def _render(report: dict, out: Path, plots: bool, console, err_console) -> list[
     return written
 
 
+def _saved_runs(specs: dict[str, str]) -> dict[str, dict]:
+    from ..servebench.saved import load_run
+
+    return {name: load_run(spec) for name, spec in specs.items() if not _is_url(spec)}
+
+
+def _workload(a: argparse.Namespace, specs: dict[str, str], saved: dict[str, dict], err_console):
+    """The options' workload, or the saved side's (both sides must send the same requests)."""
+    from ..servebench.saved import workload_of
+    from ..servebench.workload import build_workload
+
+    if not saved:
+        return build_workload(a.categories.split(",") if a.categories else None, a.prompts, a.max_tokens,
+                              a.concurrency, a.api, a.seed, a.ignore_eos, a.warmup)
+    loaded = {name: workload_of(run, specs[name]) for name, run in saved.items()}
+    first, *others = loaded.values()
+    if any(w.to_json() != first.to_json() for w in others):
+        raise ValueError(f"{' and '.join(specs[n] for n in saved)} were measured with different workloads; "
+                         "a head-to-head compares the same requests")
+    err_console.print(f"workload: the saved run's ({', '.join(specs[n] for n in saved)}): "
+                      f"{len(first.prompts)} prompts, concurrency {','.join(map(str, first.concurrency))}; "
+                      "the workload options are not used", highlight=False)
+    return first
+
+
 def run(a: argparse.Namespace) -> int:
     from .main import UsageError, console, err_console
+    from ..servebench import runner, saved as saved_runs
 
     if a.report:
         try:
-            report = json.loads(Path(a.report).read_text())
-            report["sides"], report["phases"], report["workload"]  # noqa: B018 - the keys a report needs
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UsageError(f"--report {a.report}: not a saved bench run ({RESULTS} of `vllm-exl3 bench`): {e}")
+            report = saved_runs.load_run(a.report)
+        except saved_runs.SavedRunError as e:
+            raise UsageError(f"--report {e}") from e
         out = Path(a.out) if a.out else Path(a.report).parent
         out.mkdir(parents=True, exist_ok=True)
         for path in _render(report, out, not a.no_plots, console, err_console):
@@ -93,33 +126,36 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError("give the endpoint to measure: --a URL (and --b URL for a head-to-head), "
                          "or --report RESULTS_JSON to re-render a saved run", 2)
     if a.b and a.b.rstrip("/") == a.a.rstrip("/"):
-        raise UsageError(f"--a and --b are the same endpoint ({a.a}); a head-to-head needs two servers", 2)
-
-    from ..servebench import runner
-    from ..servebench.workload import WorkloadError, build_workload
-
+        raise UsageError(f"--a and --b are the same ({a.a}); a head-to-head needs two servers (or a saved run of "
+                         "one and the server of the other)", 2)
+    specs = {"A": a.a, **({"B": a.b} if a.b else {})}
     try:
-        workload = build_workload(a.categories.split(",") if a.categories else None, a.prompts, a.max_tokens,
-                                  a.concurrency, a.api, a.seed, a.ignore_eos, a.warmup)
-    except WorkloadError as e:
+        saved = _saved_runs(specs)
+        workload = _workload(a, specs, saved, err_console)
+        for name, run_ in saved.items():
+            saved_runs.one_side(run_, specs[name])  # refuse before measuring the other side
+    except ValueError as e:  # WorkloadError, SavedRunError, or workloads that differ
         raise UsageError(str(e), 2) from e
     out = Path(a.out or f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"-o {out}: cannot create the output folder: {e.strerror}") from e
-    urls = {"A": a.a, **({"B": a.b} if a.b else {})}
+    urls = {name: spec for name, spec in specs.items() if name not in saved}
     labels = {"A": a.a_label, "B": a.b_label}
     opts = runner.Options(request_timeout_s=a.request_timeout, idle_timeout_s=a.idle_timeout)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     prog = Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err_console, disable=not err_console.is_terminal)
+                    console=err_console, disable=not err_console.is_terminal or not urls)
     task = prog.add_task("bench", total=runner.total_requests(len(urls), workload))
     with prog:
         report = runner.run(urls, labels, workload, opts,
-                            progress=lambda what, n: prog.update(task, description=what, advance=n))
+                            progress=lambda what, n: prog.update(task, description=what, advance=n)) \
+            if urls else runner.new_report(workload)
+    for name, run_ in saved.items():
+        saved_runs.merge(report, name, run_, specs[name], labels[name])
     (out / RESULTS).write_text(json.dumps(report, indent=1))
     written = [out / RESULTS, *_render(report, out, not a.no_plots, console, err_console)]
     for path in written:

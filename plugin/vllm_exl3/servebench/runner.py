@@ -190,6 +190,13 @@ def total_requests(sides: int, workload: Workload) -> int:
     return sides * (workload.warmup + len(workload.prompts) * len(workload.concurrency))
 
 
+def new_report(workload: Workload) -> dict:
+    """The raw report before any side is measured."""
+    return {"tool": f"vllm-exl3 bench {_version()}", "started": datetime.datetime.now(datetime.timezone.utc)
+            .isoformat(timespec="seconds"), "client": platform.node(), "workload": workload.to_json(),
+            "sides": {}, "phases": [], "partial": False, "error": None}
+
+
 def run(urls: dict[str, str], labels: dict[str, str], workload: Workload, opts: Options | None = None,
         progress: ProgressFn | None = None) -> dict:
     """Run the workload against each endpoint (`urls`: side name -> base URL) and return the raw report: every
@@ -197,9 +204,7 @@ def run(urls: dict[str, str], labels: dict[str, str], workload: Workload, opts: 
     stopped early."""
     opts = opts or Options()
     sides = [Side(name, url.rstrip("/").removesuffix("/v1"), labels.get(name) or name) for name, url in urls.items()]
-    report = {"tool": f"vllm-exl3 bench {_version()}", "started": datetime.datetime.now(datetime.timezone.utc)
-              .isoformat(timespec="seconds"), "client": platform.node(), "workload": workload.to_json(),
-              "sides": {}, "phases": [], "partial": False, "error": None}
+    report = new_report(workload)
     try:
         asyncio.run(_run(sides, workload, opts, progress or (lambda what, n: None), report))
     except (RunStopped, EndpointError) as e:
