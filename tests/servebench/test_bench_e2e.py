@@ -67,6 +67,12 @@ def check_sane(results: dict, sides: list[str], levels: list[int]) -> None:
         assert server["generation_tokens"] == sum(r["tokens"] for r in reqs) == 8 * TOKENS
         assert server["requests"] == 8
         assert all(finite(server[k]) and server[k] > 0 for k in ("ms_per_step", "tokens_per_s", "ttft_ms"))
+        if phase["concurrency"] == 1:  # one request at a time: the server's account of each category too
+            by_category = phase["server_by_category"]
+            assert list(by_category) == results["workload"]["categories"]
+            assert all(c["generation_tokens"] == TOKENS and finite(c["ms_per_step"]) for c in by_category.values())
+        else:
+            assert phase["server_by_category"] is None
         s = phase["summary"]
         assert all(finite(s[k]) and s[k] > 0 for k in ("decode_tok_s", "aggregate_tok_s", "ttft_ms", "e2e_ms"))
         assert s["ttft_ms"] < s["e2e_ms"]
@@ -134,14 +140,15 @@ def test_head_to_head(servers, tmp_path):
     check_sane(results, ["A", "B"], [1, 2])
     assert results["sides"]["B"]["url"] == b.base_url and results["sides"]["B"]["label"] == "second"
     report = (tmp_path / "report.md").read_text()
-    header = "| category | A tok/s | B tok/s | A TTFT ms | B TTFT ms | speedup (B/A) |"
+    header = ("| category | A tok/s | B tok/s | A TTFT ms | B TTFT ms | speedup (B/A) | A server ms/step | "
+              "B server ms/step | server speedup (B/A) |")
     assert header in report
     rows = [line for line in report.splitlines() if line.startswith("| ") and line.endswith("× |")]
     assert len(rows) == 9  # eight categories and all of them together
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(finite(float(x.rstrip("×").replace(",", ""))) for x in cells[1:]), row
-    assert "B/A decode speedup" in r.stdout
+    assert "B/A decode speedup" in r.stdout and "(server " in r.stdout
     check_pngs(tmp_path)
     # the saved run renders again, to the same table
     again = bench("--report", str(tmp_path / "results.json"), "-o", str(tmp_path / "again"), "--no-plots")

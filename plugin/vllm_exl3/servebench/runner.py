@@ -111,18 +111,20 @@ async def _wait_idle(session: aiohttp.ClientSession, side: Side, opts: Options) 
 
 
 async def _send_all(session: aiohttp.ClientSession, side: Side, workload: Workload, prompts, concurrency: int,
-                    progress: ProgressFn) -> tuple[list[client.RequestResult], float]:
+                    progress: ProgressFn, t0: float | None = None) -> tuple[list[client.RequestResult], float]:
+    """Every prompt, at most `concurrency` in flight: the results and the wall time (request times from `t0`)."""
     gate = asyncio.Semaphore(concurrency)
-    t0 = time.perf_counter()
+    start = time.perf_counter()
 
     async def one(p):
         async with gate:
-            r = await client.stream(session, side.url, workload, p, side.model, side.vllm_metrics, t0)
+            r = await client.stream(session, side.url, workload, p, side.model, side.vllm_metrics,
+                                    start if t0 is None else t0)
         progress(f"{side.name} c={concurrency}", 1)
         return r
 
     results = await asyncio.gather(*(one(p) for p in prompts))
-    return list(results), time.perf_counter() - t0
+    return list(results), time.perf_counter() - start
 
 
 async def warm_up(session: aiohttp.ClientSession, side: Side, workload: Workload, progress: ProgressFn) -> None:
@@ -136,21 +138,48 @@ async def warm_up(session: aiohttp.ClientSession, side: Side, workload: Workload
         raise RunStopped(f"{side.name} warm-up failed: {bad.error}")
 
 
+def _windows(workload: Workload, concurrency: int, side: Side) -> list[tuple[str | None, list]]:
+    """The prompts of a phase in measurement windows. One request at a time, each category is its own window
+    between two scrapes, so the server's ms/step is known per category too; with more in flight the categories
+    mix, as they would in service, and the phase is one window."""
+    if concurrency > 1 or not side.vllm_metrics:
+        return [(None, list(workload.prompts))]
+    return [(c, [p for p in workload.prompts if p.category == c]) for c in workload.categories]
+
+
 async def measure(session: aiohttp.ClientSession, side: Side, workload: Workload, concurrency: int,
                   opts: Options, progress: ProgressFn) -> dict:
-    before = await _wait_idle(session, side, opts)
-    results, wall = await _send_all(session, side, workload, workload.prompts, concurrency, progress)
-    requests = [r.to_json() for r in results]
-    phase = {"side": side.name, "concurrency": concurrency, "wall_s": wall, "requests": requests,
-             "summary": stats.summarize(requests, wall), "server": None}
-    failed = next((r for r in results if not r.ok), None)
-    if failed:
-        phase["incomplete"] = True
-        raise _PhaseFailed(phase, f"{side.name}: {failed.error}")
-    after = await _wait_idle(session, side, opts)
-    if before is not None and after is not None:
-        server = server_metrics.difference(before, after, wall)
+    """One phase: its requests, the client's summary, the server's account of the whole phase and, one request at
+    a time, of each category. The wall time counts only the windows, not the scrapes between them."""
+    t0 = time.perf_counter()
+    results: list[client.RequestResult] = []
+    wall = 0.0
+    first = last = None
+    by_category = {}
+    phase = {"side": side.name, "concurrency": concurrency, "wall_s": 0.0, "requests": [], "summary": None,
+             "server": None, "server_by_category": None}
+    for category, window in _windows(workload, concurrency, side):
+        before = await _wait_idle(session, side, opts)
+        got, seconds = await _send_all(session, side, workload, window, concurrency, progress, t0)
+        results += got
+        wall += seconds
+        phase["requests"] = [r.to_json() for r in results]
+        phase["wall_s"] = wall
+        phase["summary"] = stats.summarize(phase["requests"], wall)
+        failed = next((r for r in got if not r.ok), None)
+        if failed:
+            phase["incomplete"] = True
+            raise _PhaseFailed(phase, f"{side.name}: {failed.error}")
+        after = await _wait_idle(session, side, opts)
+        first = first or before
+        last = after
+        if category and before is not None and after is not None:
+            server = server_metrics.difference(before, after, seconds)
+            by_category[category] = server.to_json() if server else None
+    if first is not None and last is not None:
+        server = server_metrics.difference(first, last, wall)
         phase["server"] = server.to_json() if server else None
+    phase["server_by_category"] = by_category or None
     return phase
 
 
