@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -156,7 +155,7 @@ def run(a: argparse.Namespace) -> int:
             if urls else runner.new_report(workload)
     for name, run_ in saved.items():
         saved_runs.merge(report, name, run_, specs[name], labels[name])
-    (out / RESULTS).write_text(json.dumps(report, indent=1))
+    (out / RESULTS).write_text(saved_runs.dumps(report))
     written = [out / RESULTS, *_render(report, out, not a.no_plots, console, err_console)]
     for path in written:
         err_console.print(f"wrote {path}", highlight=False)
