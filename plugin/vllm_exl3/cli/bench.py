@@ -8,20 +8,12 @@ import datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
-DEFAULT_CONCURRENCY = "1,2,4,8,16"
+from .main import worker_counts
+
+DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16]
 RESULTS, REPORT, CATEGORIES_PNG, CONCURRENCY_PNG = "results.json", "report.md", "categories.png", "concurrency.png"
 # Exit status of a run that stopped early (its partial report is written all the same).
 EXIT_PARTIAL = 3
-
-
-def _counts(text: str) -> list[int]:
-    try:
-        counts = [int(c) for c in text.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers (e.g. 1,2,4)")
-    return sorted(set(counts))
 
 
 def _is_url(text: str) -> bool:
@@ -44,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "workload is then used for both sides)")
     p.add_argument("--a-label", default=None, help="a name for side A in the report (default A)")
     p.add_argument("--b-label", default=None, help="a name for side B in the report (default B)")
-    p.add_argument("--concurrency", type=_counts, default=_counts(DEFAULT_CONCURRENCY),
-                   help=f"concurrent requests per phase, comma-separated (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--concurrency", type=worker_counts, default=DEFAULT_CONCURRENCY,
+                   help=f"concurrent requests per phase, comma-separated (default "
+                        f"{','.join(map(str, DEFAULT_CONCURRENCY))})")
     p.add_argument("--categories", help="comma-separated subset of the prompt categories (default all eight)")
     p.add_argument("--prompts", type=int, metavar="N", help="the first N prompts of each category (default all)")
     p.add_argument("--max-tokens", type=int, metavar="N",
@@ -95,7 +88,7 @@ def _workload(a: argparse.Namespace, specs: dict[str, str], saved: dict[str, dic
 
     if not saved:
         return build_workload(a.categories.split(",") if a.categories else None, a.prompts, a.max_tokens,
-                              a.concurrency, a.api, a.seed, a.ignore_eos, a.warmup)
+                              sorted(set(a.concurrency)), a.api, a.seed, a.ignore_eos, a.warmup)
     loaded = {name: workload_of(run, specs[name]) for name, run in saved.items()}
     first, *others = loaded.values()
     if any(w.to_json() != first.to_json() for w in others):
@@ -108,8 +101,9 @@ def _workload(a: argparse.Namespace, specs: dict[str, str], saved: dict[str, dic
 
 
 def run(a: argparse.Namespace) -> int:
+    from ..servebench import runner
+    from ..servebench import saved as saved_runs
     from .main import UsageError, console, err_console
-    from ..servebench import runner, saved as saved_runs
 
     if a.report:
         try:

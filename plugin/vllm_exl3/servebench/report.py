@@ -78,8 +78,8 @@ def category_table(report: dict) -> list[str]:
     if len(names) == 2:
         a, b = names
         lines = [intro, "",
-                 f"| category | {a} tok/s | {b} tok/s | {a} TTFT ms | {b} TTFT ms | speedup ({b}/{a}) | "
-                 f"{a} server ms/step | {b} server ms/step | server speedup ({b}/{a}) |",
+                 (f"| category | {a} tok/s | {b} tok/s | {a} TTFT ms | {b} TTFT ms | speedup ({b}/{a}) | "
+                  f"{a} server ms/step | {b} server ms/step | server speedup ({b}/{a}) |"),
                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for cat in [*rows, None][: len(rows) + (1 if rows else 0)]:
             ra, rb = client[a][cat], client[b][cat]
@@ -91,8 +91,8 @@ def category_table(report: dict) -> list[str]:
                          f"{_x(stats.speedup(sa.get('decode_tokens_per_s'), sb.get('decode_tokens_per_s')))} |")
         return lines
     (a,) = names
-    lines = [intro, "", "| category | tok/s | TTFT ms | ITL p50 ms | ITL p99 ms | E2E ms | server ms/step | "
-             "server tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [intro, "", ("| category | tok/s | TTFT ms | ITL p50 ms | ITL p99 ms | E2E ms | server ms/step | "
+                         "server tok/s |"), "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for cat in [*rows, None][: len(rows) + (1 if rows else 0)]:
         r, srv = client[a][cat], _server(report, a, c, cat)
         lines.append(f"| {label[cat]} | {_f(r['decode_tok_s'])} | {_f(r['ttft_ms'])} | "
@@ -127,9 +127,9 @@ def concurrency_table(report: dict) -> list[str]:
     if not report["phases"]:
         return ["(nothing measured)"]
     lines = ["Per concurrency level (client: all requests of the phase; server: its /metrics before and after):", "",
-             "| side | concurrency | requests | tok/s (all) | tok/s per request | TTFT p50 / p99 ms | "
-             "ITL p50 / p90 / p99 ms | E2E p50 ms | server tok/s | server ms/step | server tok/s per request | "
-             "tokens: received / server |",
+             ("| side | concurrency | requests | tok/s (all) | tok/s per request | TTFT p50 / p99 ms | "
+              "ITL p50 / p90 / p99 ms | E2E p50 ms | server tok/s | server ms/step | server tok/s per request | "
+              "tokens: received / server |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in sorted(report["phases"], key=lambda p: (p["concurrency"], p["side"])):
         s, srv = summary(p), p.get("server") or {}
@@ -175,11 +175,12 @@ def markdown(report: dict, title: str | None = None) -> str:
         lines += [f"**PARTIAL REPORT: the run stopped early: {report['error']}**", ""]
     lines += [f"{report['tool']}, started {report['started']} on {report['client']}.", ""]
     lines += [_side_line(n, s) for n, s in report["sides"].items()]
-    lines += ["", f"Workload: {len(w['categories'])} categories × {w['prompts_per_category']} prompt(s), {lengths}, "
+    lines += ["", (f"Workload: {len(w['categories'])} categories × {w['prompts_per_category']} prompt(s), {lengths}, "
               f"`/v1/{'chat/completions' if w['api'] == 'chat' else 'completions'}` streaming, temperature "
               f"{w['temperature']:g}, seed {w['seed']}, ignore_eos {'on' if w['ignore_eos'] else 'off'}, "
               f"concurrency {', '.join(map(str, w['concurrency']))}, {w['warmup']} warm-up request(s) per side "
-              "not measured; each phase starts on an idle server.", ""]
+              "not measured; each phase starts on an idle server."), ""]
     lines += category_table(report) + [""] + concurrency_table(report) + [""]
-    lines += notes(report) + ([""] if notes(report) else []) + [summary_line(report), ""]
+    remarks = notes(report)
+    lines += remarks + ([""] if remarks else []) + [summary_line(report), ""]
     return "\n".join(lines)

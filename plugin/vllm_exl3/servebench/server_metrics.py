@@ -106,12 +106,12 @@ def difference(before: Snapshot, after: Snapshot, wall_s: float) -> ServerPhase 
     if GENERATION_TOKENS not in after.values or GENERATION_TOKENS not in before.values:
         return None
     d = {k: after.values[k] - before.values.get(k, 0.0) for k in after.values}
-    gen = int(round(d[GENERATION_TOKENS]))
-    first = int(round(d.get(f"{TIME_TO_FIRST_TOKEN}_count", 0)))
+    gen = round(d[GENERATION_TOKENS])
+    first = round(d.get(f"{TIME_TO_FIRST_TOKEN}_count", 0))
     decode_s = d.get(f"{INTER_TOKEN_LATENCY}_sum", 0.0)
     return ServerPhase(
-        generation_tokens=gen, prompt_tokens=int(round(d.get(PROMPT_TOKENS, 0))),
-        steps=int(round(d.get(f"{ITERATION_TOKENS}_count", 0))), requests=first,
+        generation_tokens=gen, prompt_tokens=round(d.get(PROMPT_TOKENS, 0)),
+        steps=round(d.get(f"{ITERATION_TOKENS}_count", 0)), requests=first,
         ms_per_step=_mean_ms(d, INTER_TOKEN_LATENCY), ttft_ms=_mean_ms(d, TIME_TO_FIRST_TOKEN),
         e2e_ms=_mean_ms(d, E2E_LATENCY), tokens_per_s=gen / wall_s if wall_s > 0 else None,
         decode_tokens_per_s=(gen - first) / decode_s if decode_s > 0 else None)

@@ -4,6 +4,7 @@ latencies, per group (a phase, a category) means and percentiles. Pure functions
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 
 import numpy as np
 
@@ -27,7 +28,7 @@ def decode_totals(requests: list[dict]) -> tuple[int, float]:
 def inter_chunk_s(req: dict) -> list[float]:
     """The gaps between token-carrying chunks (one decode step each on vLLM, which may carry several tokens)."""
     times = [t for t, _ in req.get("chunks") or []]
-    return [b - a for a, b in zip(times, times[1:])]
+    return [b - a for a, b in pairwise(times)]
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
