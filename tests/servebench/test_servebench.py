@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_exl3.servebench import server_metrics, stats
+from vllm_exl3.servebench import saved, server_metrics, stats
 from vllm_exl3.servebench.workload import CATEGORY_ORDER, WorkloadError, build_workload, load_categories
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,3 +151,38 @@ def test_cli_refuses_a_file_that_is_not_a_saved_run(tmp_path):
     assert r.returncode == 2 and f"{bad}: not a saved run" in r.stderr
     bad.write_text("{")
     assert "not JSON" in cli("--report", str(bad)).stderr
+
+
+def saved_run(side_names=("A",), partial=False, max_tokens=8) -> dict:
+    w = build_workload(["json"], 1, max_tokens, [1], "chat").to_json()
+    req = {**request([[0.1, 1], [0.2, 8]]), "category": "json", "index": 0, "max_tokens": max_tokens}
+    return {"started": "2026-01-01T00:00:00+00:00", "workload": w, "partial": partial, "error": None,
+            "sides": {n: {"name": n, "label": n, "url": f"http://{n}"} for n in side_names},
+            "phases": [{"side": n, "concurrency": 1, "wall_s": 0.3, "requests": [req]} for n in side_names]}
+
+
+def test_saved_runs_round_trip_and_stand_in_for_a_side(tmp_path):
+    run = saved_run()
+    path = tmp_path / "results.json"
+    path.write_text(saved.dumps(run))
+    assert saved.load_run(path) == run
+    assert path.read_text().count("\n") < 40  # one line per request, not per chunk value
+    assert saved.common_workload({"a.json": run, "b.json": saved_run()}).prompts[0].category == "json"
+    report = {"sides": {"A": {"name": "A", "label": "A"}}, "phases": []}
+    saved.merge(report, "B", run, path, None)
+    assert list(report["sides"]) == ["A", "B"] and report["sides"]["B"]["label"] == "B"
+    assert report["sides"]["B"]["saved_from"] == str(path) and report["phases"][0]["side"] == "B"
+
+
+@pytest.mark.parametrize("run, message", [
+    (saved_run(partial=True), "a partial run"),
+    (saved_run(("A", "B")), "a head-to-head run of 2 sides"),
+])
+def test_a_saved_side_must_be_one_complete_endpoint(run, message):
+    with pytest.raises(saved.SavedRunError, match=message):
+        saved.one_side(run, "x.json")
+
+
+def test_saved_runs_with_different_workloads_are_refused():
+    with pytest.raises(saved.SavedRunError, match="measured with different workloads"):
+        saved.common_workload({"a.json": saved_run(), "b.json": saved_run(max_tokens=9)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -49,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let a request end at the model's end-of-text (default: exactly the asked length on vLLM)")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured requests per side first (default 2)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+                   help="the server's API key (default: $VLLM_API_KEY, as the appliance's .env sets it)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="seconds per request")
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="S",
                    help="seconds to wait for a server to finish others' requests before a phase")
@@ -75,29 +78,19 @@ def _render(report: dict, out: Path, plots: bool, console, err_console) -> list[
     return written
 
 
-def _saved_runs(specs: dict[str, str]) -> dict[str, dict]:
-    from ..servebench.saved import load_run
-
-    return {name: load_run(spec) for name, spec in specs.items() if not _is_url(spec)}
-
-
 def _workload(a: argparse.Namespace, specs: dict[str, str], saved: dict[str, dict], err_console):
-    """The options' workload, or the saved side's (both sides must send the same requests)."""
-    from ..servebench.saved import workload_of
+    """The options' workload, or the saved sides' (both sides must send the same requests)."""
+    from ..servebench.saved import common_workload
     from ..servebench.workload import build_workload
 
     if not saved:
         return build_workload(a.categories.split(",") if a.categories else None, a.prompts, a.max_tokens,
                               sorted(set(a.concurrency)), a.api, a.seed, a.ignore_eos, a.warmup)
-    loaded = {name: workload_of(run, specs[name]) for name, run in saved.items()}
-    first, *others = loaded.values()
-    if any(w.to_json() != first.to_json() for w in others):
-        raise ValueError(f"{' and '.join(specs[n] for n in saved)} were measured with different workloads; "
-                         "a head-to-head compares the same requests")
+    workload = common_workload({specs[name]: run for name, run in saved.items()})
     err_console.print(f"workload: the saved run's ({', '.join(specs[n] for n in saved)}): "
-                      f"{len(first.prompts)} prompts, concurrency {','.join(map(str, first.concurrency))}; "
+                      f"{len(workload.prompts)} prompts, concurrency {','.join(map(str, workload.concurrency))}; "
                       "the workload options are not used", highlight=False)
-    return first
+    return workload
 
 
 def run(a: argparse.Namespace) -> int:
@@ -123,11 +116,11 @@ def run(a: argparse.Namespace) -> int:
                          "one and the server of the other)", 2)
     specs = {"A": a.a, **({"B": a.b} if a.b else {})}
     try:
-        saved = _saved_runs(specs)
-        workload = _workload(a, specs, saved, err_console)
+        saved = {name: saved_runs.load_run(spec) for name, spec in specs.items() if not _is_url(spec)}
         for name, run_ in saved.items():
             saved_runs.one_side(run_, specs[name])  # refuse before measuring the other side
-    except ValueError as e:  # WorkloadError, SavedRunError, or workloads that differ
+        workload = _workload(a, specs, saved, err_console)
+    except ValueError as e:  # WorkloadError, SavedRunError
         raise UsageError(str(e), 2) from e
     out = Path(a.out or f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}")
     try:
@@ -136,7 +129,7 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError(f"-o {out}: cannot create the output folder: {e.strerror}") from e
     urls = {name: spec for name, spec in specs.items() if name not in saved}
     labels = {"A": a.a_label, "B": a.b_label}
-    opts = runner.Options(request_timeout_s=a.request_timeout, idle_timeout_s=a.idle_timeout)
+    opts = runner.Options(request_timeout_s=a.request_timeout, idle_timeout_s=a.idle_timeout, api_key=a.api_key)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

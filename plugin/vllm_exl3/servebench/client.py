@@ -75,7 +75,7 @@ def _why(e: aiohttp.ClientConnectorError) -> str:
     return os.strerror(err.errno).lower() if err is not None and err.errno else str(err or e)
 
 
-def _error_text(raw: bytes) -> str:
+def error_text(raw: bytes) -> str:
     text = raw.decode("utf-8", "replace").strip()
     try:
         doc = json.loads(text)
@@ -98,7 +98,7 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
     try:
         async with session.post(base_url + path, json=_payload(workload, prompt, model, vllm)) as resp:
             if resp.status != 200:
-                r.error = f"HTTP {resp.status} from {base_url}{path}: {_error_text(await resp.read())}"
+                r.error = f"HTTP {resp.status} from {base_url}{path}: {error_text(await resp.read())}"
                 return r
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").strip()
@@ -110,7 +110,7 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
                 now = time.perf_counter() - t0
                 doc = json.loads(data)
                 if "error" in doc:
-                    r.error = f"the server reported an error mid-stream: {_error_text(data.encode())}"
+                    r.error = f"the server reported an error mid-stream: {error_text(data.encode())}"
                     return r
                 usage = doc.get("usage")
                 choices = doc.get("choices") or []

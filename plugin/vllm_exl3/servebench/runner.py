@@ -52,6 +52,7 @@ class Options:
     request_timeout_s: float = 600.0
     idle_timeout_s: float = 120.0
     scrape_timeout_s: float = 10.0
+    api_key: str | None = None  # sent as a bearer token (vLLM's --api-key guards /v1, not /metrics)
 
 
 class RunStopped(Exception):
@@ -75,8 +76,12 @@ async def probe(session: aiohttp.ClientSession, side: Side, opts: Options) -> No
     """Fill in the model (from /v1/models, which must answer), and what /metrics says when it exists."""
     url = side.url + "/v1/models"
     status, text = await client.get(session, url, opts.scrape_timeout_s)
+    if status == 401:
+        raise EndpointError(f"{url} answered HTTP 401: the server wants an API key ("
+                            + ("the one given was refused)" if opts.api_key else "give it with --api-key or "
+                               "VLLM_API_KEY)"))
     if status != 200:
-        raise EndpointError(f"{url} answered HTTP {status}: {client._error_text(text.encode())} "
+        raise EndpointError(f"{url} answered HTTP {status}: {client.error_text(text.encode())} "
                             "(an OpenAI-compatible server lists its models there)")
     try:
         models = json.loads(text)["data"]
@@ -192,7 +197,8 @@ class _PhaseFailed(RunStopped):
 async def _run(sides: list[Side], workload: Workload, opts: Options, progress: ProgressFn, report: dict) -> None:
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s, sock_connect=opts.scrape_timeout_s)
     connector = aiohttp.TCPConnector(limit=max(workload.concurrency + [workload.warmup, 1]) + 4)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
         for side in sides:
             progress(f"{side.name}: probing", 0)
             await probe(session, side, opts)

@@ -51,6 +51,15 @@ def workload_of(run: dict, path: str | Path) -> Workload:
         raise SavedRunError(f"{path}: its workload is not one this version reads ({e})") from e
 
 
+def common_workload(runs: dict[str, dict]) -> Workload:
+    """The workload of saved runs (path -> run), which must all have measured the same one."""
+    loaded = [workload_of(run, path) for path, run in runs.items()]
+    if any(w.to_json() != loaded[0].to_json() for w in loaded[1:]):
+        raise SavedRunError(f"{' and '.join(runs)} were measured with different workloads; a head-to-head "
+                            "compares the same requests")
+    return loaded[0]
+
+
 def one_side(run: dict, path: str | Path) -> tuple[dict, list[dict]]:
     """The single side of a complete one-endpoint run, and its phases."""
     if run["partial"]:
