@@ -203,8 +203,8 @@ def test_server_stopped_mid_run_leaves_a_partial_report(servers, tmp_path):
     assert proc.returncode == 3 and "Traceback" not in out + err, err
     assert [line for line in err.splitlines() if line.startswith("error:")], err
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["partial"] and results["error"]
+    assert results["partial"] and server.base_url in results["error"], results["error"]
+    # the stop shows in a request that breaks, or (vLLM lets running requests finish) in the next scrape
     (phase,) = results["phases"]
-    assert phase.get("incomplete") and any(r["ok"] for r in phase["requests"])
-    assert any(not r["ok"] for r in phase["requests"])
+    assert phase.get("incomplete") and sum(r["ok"] for r in phase["requests"]) >= 2, results["error"]
     assert "PARTIAL REPORT" in (tmp_path / "report.md").read_text()

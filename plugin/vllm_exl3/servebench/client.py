@@ -62,11 +62,14 @@ def _payload(workload: Workload, prompt: Prompt, model: str, vllm: bool) -> dict
     return body
 
 
-def _chunk_text(choice: dict) -> str:
+def _carries_token(choice: dict) -> bool:
+    """Without the server's running count: every chunk of a choice is one token, text or not (a token whose text
+    the detokenizer holds back, half a UTF-8 character, comes as an empty chunk), except chat's opening chunk that
+    only announces the assistant's role."""
     delta = choice.get("delta")
-    if isinstance(delta, dict):  # chat: content, or a reasoning model's reasoning text
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
-    return choice.get("text") or ""
+    if isinstance(delta, dict) and delta.get("role"):
+        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"))
+    return True
 
 
 def _why(e: aiohttp.ClientConnectorError) -> str:
@@ -110,7 +113,7 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
                 now = time.perf_counter() - t0
                 doc = json.loads(data)
                 if "error" in doc:
-                    r.error = f"the server reported an error mid-stream: {error_text(data.encode())}"
+                    r.error = f"{base_url}{path} reported an error mid-stream: {error_text(data.encode())}"
                     return r
                 usage = doc.get("usage")
                 choices = doc.get("choices") or []
@@ -121,7 +124,7 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
                 if choices and usage and usage.get("completion_tokens") is not None:
                     r.token_counts = "usage"
                     n = usage["completion_tokens"]
-                elif choices and _chunk_text(choices[0]):
+                elif choices and _carries_token(choices[0]):
                     n = counted + 1
                 else:
                     n = counted

@@ -163,24 +163,31 @@ async def measure(session: aiohttp.ClientSession, side: Side, workload: Workload
     by_category = {}
     phase = {"side": side.name, "concurrency": concurrency, "wall_s": 0.0, "requests": [], "summary": None,
              "server": None, "server_by_category": None}
-    for category, window in _windows(workload, concurrency, side):
-        before = await _wait_idle(session, side, opts)
-        got, seconds = await _send_all(session, side, workload, window, concurrency, progress, t0)
-        results += got
-        wall += seconds
-        phase["requests"] = [r.to_json() for r in results]
-        phase["wall_s"] = wall
-        phase["summary"] = stats.summarize(phase["requests"], wall)
-        failed = next((r for r in got if not r.ok), None)
-        if failed:
-            phase["incomplete"] = True
-            raise _PhaseFailed(phase, f"{side.name}: {failed.error}")
-        after = await _wait_idle(session, side, opts)
-        first = first or before
-        last = after
-        if category and before is not None and after is not None:
-            server = server_metrics.difference(before, after, seconds)
-            by_category[category] = server.to_json() if server else None
+    try:
+        for category, window in _windows(workload, concurrency, side):
+            before = await _wait_idle(session, side, opts)
+            got, seconds = await _send_all(session, side, workload, window, concurrency, progress, t0)
+            results += got
+            wall += seconds
+            phase["requests"] = [r.to_json() for r in results]
+            phase["wall_s"] = wall
+            phase["summary"] = stats.summarize(phase["requests"], wall)
+            failed = next((r for r in got if not r.ok), None)
+            if failed:
+                raise RunStopped(f"{side.name}: {failed.error}")
+            after = await _wait_idle(session, side, opts)
+            first = first or before
+            last = after
+            if category and before is not None and after is not None:
+                server = server_metrics.difference(before, after, seconds)
+                by_category[category] = server.to_json() if server else None
+    except (RunStopped, EndpointError) as e:
+        if not phase["requests"]:
+            raise
+        # keep what this phase measured: its requests, and the categories the server accounted for
+        phase["incomplete"] = True
+        phase["server_by_category"] = by_category or None
+        raise _PhaseFailed(phase, str(e)) from e
     if first is not None and last is not None:
         server = server_metrics.difference(first, last, wall)
         phase["server"] = server.to_json() if server else None
