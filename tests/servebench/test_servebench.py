@@ -39,6 +39,7 @@ def test_workload_selection_and_overrides():
     ({"categories": ["poetry"]}, "unknown category poetry; the shipped ones are coding, prose"),
     ({"prompts_per_category": 0}, "--prompts must be at least 1"),
     ({"max_tokens": 1}, "--max-tokens must be at least 2"),
+    ({"warmup": -1}, "--warmup must be 0 or more"),
 ])
 def test_workload_refusals(kwargs, message):
     args = {"categories": None, "prompts_per_category": None, "max_tokens": None, "concurrency": [1],
@@ -135,6 +136,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["--a", "http://127.0.0.1:9", "--b", "http://127.0.0.1:9/"], 2, "--a and --b are the same"),
     (["--a", "http://127.0.0.1:9", "--categories", "coding,poetry"], 2, "unknown category poetry"),
     (["--a", "http://127.0.0.1:9", "--concurrency", "1,0"], 2, "not a comma-separated list of positive integers"),
+    (["--a", "http://127.0.0.1:9", "--request-timeout", "0"], 2, "'0' is not a positive number of seconds"),
 ])
 def test_cli_refuses_bad_options_in_one_line(args, code, message, tmp_path):
     r = cli(*args, "-o", str(tmp_path / "out"))

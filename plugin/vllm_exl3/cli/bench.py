@@ -17,6 +17,16 @@ RESULTS, REPORT, CATEGORIES_PNG, CONCURRENCY_PNG = "results.json", "report.md", 
 EXIT_PARTIAL = 3
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def _is_url(text: str) -> bool:
     u = urlparse(text)
     return u.scheme in ("http", "https") and bool(u.netloc)
@@ -30,9 +40,9 @@ def _side(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--a", metavar="URL", type=_side,
+    p.add_argument("--a", metavar="URL|RESULTS_JSON", type=_side,
                    help=f"the endpoint (e.g. http://spark:8000), side A; or a saved one-endpoint run's {RESULTS}")
-    p.add_argument("--b", metavar="URL", type=_side,
+    p.add_argument("--b", metavar="URL|RESULTS_JSON", type=_side,
                    help=f"a second endpoint, side B, measured head to head with A; or a saved run's {RESULTS} (its "
                         "workload is then used for both sides)")
     p.add_argument("--a-label", default=None, help="a name for side A in the report (default A)")
@@ -52,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured requests per side first (default 2)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
                    help="the server's API key (default: $VLLM_API_KEY, as the appliance's .env sets it)")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="seconds per request")
-    p.add_argument("--idle-timeout", type=float, default=120.0, metavar="S",
+    p.add_argument("--request-timeout", type=_seconds, default=600.0, metavar="S", help="seconds per request")
+    p.add_argument("--idle-timeout", type=_seconds, default=120.0, metavar="S",
                    help="seconds to wait for a server to finish others' requests before a phase")
     p.add_argument("-o", "--out", metavar="DIR", help="output folder (default ./bench-<UTC time>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

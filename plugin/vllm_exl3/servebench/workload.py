@@ -101,6 +101,8 @@ def build_workload(categories: list[str] | None, prompts_per_category: int | Non
     if max_tokens is not None and max_tokens < 2:
         raise WorkloadError(f"--max-tokens must be at least 2 (decode speed needs tokens after the first), "
                             f"found {max_tokens}")
+    if warmup < 0:
+        raise WorkloadError(f"--warmup must be 0 or more, found {warmup}")
     prompts = []
     for name in chosen:
         cat = known[name]
