@@ -66,6 +66,7 @@ def check_sane(results: dict, sides: list[str], levels: list[int]) -> None:
         assert server["generation_tokens"] == sum(r["tokens"] for r in reqs) == 8 * TOKENS
         assert server["requests"] == 8
         assert all(finite(server[k]) and server[k] > 0 for k in ("ms_per_step", "tokens_per_s", "ttft_ms"))
+        assert server["tokens_per_step"] == 1  # no speculative decoding: one token per decode step
         if phase["concurrency"] == 1:  # one request at a time: the server's account of each category too
             by_category = phase["server_by_category"]
             assert list(by_category) == results["workload"]["categories"]

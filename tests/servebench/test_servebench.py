@@ -90,6 +90,7 @@ def test_metrics_difference_is_the_servers_account_of_a_phase():
     assert d.generation_tokens == 50 and d.requests == 2
     assert d.ms_per_step == pytest.approx(1000 * 0.2 / 40)
     assert d.tokens_per_s == pytest.approx(25) and d.decode_tokens_per_s == pytest.approx(48 / 0.2)
+    assert d.tokens_per_step == pytest.approx(48 / 40)
     assert server_metrics.difference(server_metrics.parse(""), after, 1.0) is None
 
 

@@ -129,8 +129,8 @@ def concurrency_table(report: dict) -> list[str]:
     lines = ["Per concurrency level (client: all requests of the phase; server: its /metrics before and after):", "",
              ("| side | concurrency | requests | tok/s (all) | tok/s per request | TTFT p50 / p99 ms | "
               "ITL p50 / p90 / p99 ms | E2E p50 ms | server tok/s | server ms/step | server tok/s per request | "
-              "tokens: received / server |"),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "server tokens/step | tokens: received / server |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in sorted(report["phases"], key=lambda p: (p["concurrency"], p["side"])):
         s, srv = summary(p), p.get("server") or {}
         itl, ttft = s["itl_ms_pct"], s["ttft_ms_pct"]
@@ -140,6 +140,7 @@ def concurrency_table(report: dict) -> list[str]:
             f"{_f(ttft['p50'])} / {_f(ttft['p99'])} | {_f(itl['p50'], 2)} / {_f(itl['p90'], 2)} / "
             f"{_f(itl['p99'], 2)} | {_f(s['e2e_ms_pct']['p50'])} | {_f(srv.get('tokens_per_s'))} | "
             f"{_f(srv.get('ms_per_step'), 2)} | {_f(srv.get('decode_tokens_per_s'))} | "
+            f"{_f(srv.get('tokens_per_step'), 2)} | "
             f"{s['tokens']} / {srv.get('generation_tokens', '–')} |")
     return lines
 

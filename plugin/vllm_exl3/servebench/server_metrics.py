@@ -91,6 +91,7 @@ class ServerPhase:
     e2e_ms: float | None
     tokens_per_s: float | None  # generation tokens over the phase's wall time
     decode_tokens_per_s: float | None  # tokens after the first over the decode time, all requests together
+    tokens_per_step: float | None  # tokens after the first per decode step: 1 unless speculative decoding
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -109,9 +110,11 @@ def difference(before: Snapshot, after: Snapshot, wall_s: float) -> ServerPhase 
     gen = round(d[GENERATION_TOKENS])
     first = round(d.get(f"{TIME_TO_FIRST_TOKEN}_count", 0))
     decode_s = d.get(f"{INTER_TOKEN_LATENCY}_sum", 0.0)
+    decode_steps = d.get(f"{INTER_TOKEN_LATENCY}_count", 0.0)
     return ServerPhase(
         generation_tokens=gen, prompt_tokens=round(d.get(PROMPT_TOKENS, 0)),
         steps=round(d.get(f"{ITERATION_TOKENS}_count", 0)), requests=first,
         ms_per_step=_mean_ms(d, INTER_TOKEN_LATENCY), ttft_ms=_mean_ms(d, TIME_TO_FIRST_TOKEN),
         e2e_ms=_mean_ms(d, E2E_LATENCY), tokens_per_s=gen / wall_s if wall_s > 0 else None,
-        decode_tokens_per_s=(gen - first) / decode_s if decode_s > 0 else None)
+        decode_tokens_per_s=(gen - first) / decode_s if decode_s > 0 else None,
+        tokens_per_step=(gen - first) / decode_steps if decode_steps > 0 else None)
