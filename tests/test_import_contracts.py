@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE = ["vllm_exl3.appliance." + m for m in ("health", "launch", "memory_plan", "preflight", "supervisor_listener",
                                                    "settings")] + \
     ["vllm_exl3.format." + m for m in ("constants", "errors", "headers", "records", "pack", "index", "contract",
-                                        "geometry", "units", "summary")] + ["vllm_exl3.kernels.choice"]
+                                        "geometry", "units", "summary")] + ["vllm_exl3.kernels.choice"] + \
+    ["vllm_exl3.servebench." + m for m in ("workload", "client", "server_metrics", "stats", "runner", "report",
+                                           "plots")] + ["vllm_exl3.cli.bench"]
 
 
 def test_import_linter_contracts_hold():

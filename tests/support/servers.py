@@ -56,27 +56,52 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-@contextmanager
-def vllm_server(model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
+def _start(model: Path | str, log_dir: Path, args: tuple[str, ...], env: dict[str, str] | None,
+           taken: set[int]) -> Server:
     port = free_port()
+    while port in taken:  # a port handed out for a server that has not bound it yet
+        port = free_port()
+    taken.add(port)
     log = log_dir / f"vllm-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(server_argv(model, port, *args), stdout=out, stderr=subprocess.STDOUT,
                                 env=env or cpu_env(), start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    return Server(model, f"http://127.0.0.1:{port}", proc, log)
+
+
+def _wait_healthy(server: Server, deadline: float) -> None:
+    proc, log, base = server.proc, server.log, server.base_url
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode} while starting:\n{log.read_text()[-6000:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM not healthy after {BOOT_TIMEOUT_S}s:\n{log.read_text()[-6000:]}")
+        time.sleep(1)
+
+
+@contextmanager
+def vllm_servers(count: int, model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
+    """`count` servers of the same model on their own loopback ports, booted side by side (one boot's wait)."""
+    servers: list[Server] = []
+    taken: set[int] = set()
     try:
+        for _ in range(count):
+            servers.append(_start(model, log_dir, args, env, taken))
         deadline = time.monotonic() + BOOT_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {proc.returncode} while starting:\n{log.read_text()[-6000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM not healthy after {BOOT_TIMEOUT_S}s:\n{log.read_text()[-6000:]}")
-            time.sleep(1)
-        yield Server(model, base, proc, log)
+        for server in servers:
+            _wait_healthy(server, deadline)
+        yield servers
     finally:
-        stop(proc)
+        for server in servers:
+            stop(server.proc)
+
+
+@contextmanager
+def vllm_server(model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
+    with vllm_servers(1, model, log_dir, *args, env=env) as (server,):
+        yield server

@@ -361,6 +361,17 @@ def _print_parity(report: dict | None) -> None:
         console.print("  no layer checked (the torch reference serves every layer type)")
 
 
+@command("bench")
+def _bench(p: argparse.ArgumentParser):
+    """Serving benchmark of an OpenAI-compatible endpoint, or two head to head (--a URL --b URL): eight prompt
+    categories, streaming, TTFT, decode tok/s, ITL, E2E per concurrency level, with the server's own /metrics beside
+    the client's numbers; writes raw JSON, a Markdown report and PNG plots (docs/bench.md)."""
+    from . import bench
+
+    bench.add_arguments(p)
+    return bench.run
+
+
 @command("load-bench")
 def _load_bench(p: argparse.ArgumentParser):
     """Cold-cache read GB/s of a pack on this disk: raw sequential reads, then `--load-format exl3_parallel`'s

@@ -1,0 +1,112 @@
+"""The workload: prompt categories shipped as data files (`categories/*.toml`), each with a fixed output length,
+and the sampling settings every request of a run shares (temperature 0, a seed, ignore_eos)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+CATEGORY_DIR = "categories"
+# The order of the report's rows: the prior art's eight categories.
+CATEGORY_ORDER = ("coding", "prose", "reasoning", "summary", "format", "json", "html", "narrative")
+
+
+class WorkloadError(ValueError):
+    """A category file or a workload option that cannot be used (the message names which and why)."""
+
+
+@dataclass(frozen=True)
+class Category:
+    name: str
+    description: str
+    max_tokens: int
+    prompts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request of the workload: which category, which prompt of it, the text and the output length."""
+
+    category: str
+    index: int
+    text: str
+    max_tokens: int
+
+
+@dataclass
+class Workload:
+    """Everything that must be equal on both sides of a head-to-head run (stored in the raw JSON)."""
+
+    categories: list[str]
+    prompts_per_category: int
+    max_tokens: int | None  # None: each category's own length
+    concurrency: list[int]
+    api: str  # "chat" or "completions"
+    seed: int = 0
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    warmup: int = 2
+    prompts: list[Prompt] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["prompts"] = [asdict(p) for p in self.prompts]
+        return d
+
+
+def _check_category(name: str, raw: dict) -> Category:
+    where = f"servebench/{CATEGORY_DIR}/{name}.toml"
+    max_tokens, prompts = raw.get("max_tokens"), raw.get("prompts")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise WorkloadError(f"{where}: max_tokens must be a positive integer, found {max_tokens!r}")
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise WorkloadError(f"{where}: prompts must be a non-empty list of non-empty strings")
+    return Category(name, str(raw.get("description", "")), max_tokens, tuple(prompts))
+
+
+def load_categories() -> dict[str, Category]:
+    """Every category file shipped with the package, in the report's order (unknown names after, sorted)."""
+    folder = resources.files(__package__) / CATEGORY_DIR
+    found = {}
+    for entry in folder.iterdir():
+        if entry.name.endswith(".toml"):
+            name = entry.name[: -len(".toml")]
+            try:
+                found[name] = _check_category(name, tomllib.loads(entry.read_text(encoding="utf-8")))
+            except tomllib.TOMLDecodeError as e:
+                raise WorkloadError(f"servebench/{CATEGORY_DIR}/{entry.name}: not valid TOML: {e}") from e
+    order = [n for n in CATEGORY_ORDER if n in found] + sorted(set(found) - set(CATEGORY_ORDER))
+    return {n: found[n] for n in order}
+
+
+def build_workload(categories: list[str] | None, prompts_per_category: int | None, max_tokens: int | None,
+                   concurrency: list[int], api: str, seed: int = 0, ignore_eos: bool = True,
+                   warmup: int = 2) -> Workload:
+    """The prompts of a run: the first `prompts_per_category` prompts of each chosen category (all when None),
+    each with its category's output length unless `max_tokens` overrides it."""
+    known = load_categories()
+    chosen = categories or list(known)
+    unknown = [c for c in chosen if c not in known]
+    if unknown:
+        raise WorkloadError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                            f"the shipped ones are {', '.join(known)}")
+    if prompts_per_category is not None and prompts_per_category < 1:
+        raise WorkloadError(f"--prompts must be at least 1, found {prompts_per_category}")
+    if max_tokens is not None and max_tokens < 2:
+        raise WorkloadError(f"--max-tokens must be at least 2 (decode speed needs tokens after the first), "
+                            f"found {max_tokens}")
+    if warmup < 0:
+        raise WorkloadError(f"--warmup must be 0 or more, found {warmup}")
+    prompts = []
+    for name in chosen:
+        cat = known[name]
+        for i, text in enumerate(cat.prompts[:prompts_per_category]):
+            prompts.append(Prompt(name, i, text, max_tokens or cat.max_tokens))
+    return Workload(chosen, prompts_per_category or max(len(known[c].prompts) for c in chosen), max_tokens,
+                    concurrency, api, seed, 0.0, ignore_eos, warmup, prompts)
