@@ -141,7 +141,7 @@ def test_every_command_parses_with_vllms_own_serve_parser(preset, role):
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    spec = apply_plan(build_spec(role, load_preset(preset, {}), TWO_NODE_ENV), 4096, 0.8)
+    spec = apply_plan(build_spec(role, load_preset(preset, {}), TWO_NODE_ENV | {"VLLM_API_KEY": "k"}), 4096, 0.8)
     parser = FlexibleArgumentParser()
     ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
     args = parser.parse_args(spec.argv()[1:])
@@ -149,6 +149,9 @@ def test_every_command_parses_with_vllms_own_serve_parser(preset, role):
     assert args.tensor_parallel_size == ROLES[role].nnodes and args.nnodes == ROLES[role].nnodes
     assert args.headless == ROLES[role].headless and args.long_prefill_token_threshold == 1024
     assert args.max_model_len == 4096 and args.gpu_memory_utilization == 0.8
+    assert args.shutdown_timeout == load_preset(preset, {}).vllm["shutdown-timeout"]
+    if not ROLES[role].headless:  # the key then covers every path (api_guard.py)
+        assert args.middleware == ["vllm_exl3.appliance.api_guard.GuardAllPaths"] and args.host == "0.0.0.0"
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import preflight
+from . import exposure, preflight
 from .health import PID_FILE
 from .memory_plan import MemoryFigures, PlanSettings, Request
 from .settings import default
@@ -65,7 +65,6 @@ TOPOLOGY_FLAGS = {"tensor-parallel-size", "pipeline-parallel-size", "data-parall
 # Flags the launcher derives from the environment: (variable, flag, only for multi-node, only with an API server).
 ENV_FLAGS = (
     ("VLLM_EXL3_SERVED_NAME", "served-model-name", False, True),
-    ("VLLM_EXL3_HOST", "host", False, True),
     ("VLLM_EXL3_PORT", "port", False, True),
     ("VLLM_EXL3_HEAD_ADDR", "master-addr", True, False),
     ("VLLM_EXL3_MASTER_PORT", "master-port", True, False),
@@ -75,7 +74,7 @@ PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
 # of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
 # (VLLM_EXL3_KERNEL, ...) stay.
 APPLIANCE_VARIABLES = {var for var, *_ in ENV_FLAGS} | {
-    "VLLM_EXL3_ROLE", "VLLM_EXL3_PRESET", "VLLM_EXL3_PRESET_DIR", "VLLM_EXL3_MODEL", "VLLM_EXL3_EXTRA_ARGS",
+    "VLLM_EXL3_HOST", "VLLM_EXL3_ALLOW_OPEN_API", "VLLM_EXL3_ROLE", "VLLM_EXL3_PRESET", "VLLM_EXL3_PRESET_DIR", "VLLM_EXL3_MODEL", "VLLM_EXL3_EXTRA_ARGS",
     "VLLM_EXL3_HEAD_WAIT", "VLLM_EXL3_RUN_DIR", "VLLM_EXL3_SUPERVISOR_D", "VLLM_EXL3_RENDEZVOUS_GRACE",
     "VLLM_EXL3_HEALTH_TIMEOUT"}
 
@@ -204,6 +203,11 @@ def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_arg
     for var, flag, multi_only, api_only in ENV_FLAGS:
         if env.get(var) and (multi or not multi_only) and (not role.headless or not api_only):
             flags[flag] = env[var]
+    if not role.headless:
+        # Always explicit: vLLM's own default is every interface (exposure.py has the rule).
+        flags["host"] = exposure.api_host(env)
+        if exposure.has_key(env):
+            flags["middleware"] = exposure.GUARD_MIDDLEWARE  # the key then covers every path
     flags["tensor-parallel-size"] = role.nnodes
     if multi:
         if not env.get("VLLM_EXL3_HEAD_ADDR"):
@@ -274,6 +278,9 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
             report.checks += preflight.check_head_reachable(head, port, env.get("VLLM_HOST_IP"), head_wait_s, log)
         else:
             report.checks.append(preflight.check_head_is_local(head))
+        local = head if not spec.role.headless else env.get("VLLM_HOST_IP") or preflight.route_source(head, port)
+        if local:
+            report.checks.append(preflight.check_point_to_point(local, head if spec.role.headless else None, root))
     if pack is None:
         return report, spec
     if meminfo is None and not preflight.gpu_present(root):
@@ -352,17 +359,23 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         out(f"{me}: {e}")
         return 2
     out(f"{me}: role {spec.role.name}, preset {preset.name} ({preset.path}), pack {spec.model}")
-    refused = False
+    # Not skipped by --no-preflight: an open API is a safety matter, not a check that might be wrong.
+    open_api = None if spec.role.headless else exposure.refusal(str(spec.value("host") or ""), env)
+    if open_api:
+        out(f"{me}: REFUSED: {open_api}")
+    elif not spec.role.headless:
+        out(f"{me}: {exposure.describe(str(spec.value('host')), env)}")
+    refused = open_api is not None
     if not args.no_preflight:
         report, spec = run_preflight(spec, env, args.meminfo, None if args.dry_run else args.head_wait)
         for line in report.lines():
             out(line)
-        refused = not report.ok
+        refused = refused or not report.ok
     argv = spec.argv()
     print(shlex.join(argv), flush=True)
     if refused:
-        out(f"{me}: refused before starting vLLM; fix the FAIL/REFUSED lines above "
-            "(or pass --no-preflight to `vllm-exl3 launch` to start anyway)")
+        out(f"{me}: refused before starting vLLM; fix the FAIL/REFUSED lines above"
+            + ("" if open_api else " (or pass --no-preflight to `vllm-exl3 launch` to start anyway)"))
         return EXIT_REFUSED
     if args.dry_run:
         return 0

@@ -45,7 +45,9 @@ appliance | VLLM_EXL3_PRESET               | -              | preset name or .to
 appliance | VLLM_EXL3_PRESET_DIR           | -              | extra preset directories (os.pathsep-separated), searched before the packaged ones
 appliance | VLLM_EXL3_EXTRA_ARGS           | -              | extra `vllm serve` arguments (shell words)
 appliance | VLLM_EXL3_SERVED_NAME          | -              | --served-model-name (default: the model path)
-appliance | VLLM_EXL3_HOST                 | -              | API bind address (empty: all)
+appliance | VLLM_EXL3_HOST                 | -              | API bind address (empty: 127.0.0.1 without VLLM_API_KEY, every interface with it)
+appliance | VLLM_EXL3_ALLOW_OPEN_API       | 0              | 1: start even though the API listens beyond loopback with no VLLM_API_KEY (refused otherwise)
+appliance | VLLM_EXL3_OPEN_PATHS           | /health,/metrics | with VLLM_API_KEY: the paths served without the key (vLLM's own check guards only /v1, /v2, /inference, /cohere)
 appliance | VLLM_EXL3_PORT                 | 8000           | API port
 appliance | VLLM_EXL3_HEAD_ADDR            | -              | worker: the head's IP on the fabric link
 appliance | VLLM_EXL3_MASTER_PORT          | 29501          | the head's rendezvous port (vLLM's --master-port default)
