@@ -207,12 +207,41 @@ def watch(env, log=stderr_log) -> int:
         time.sleep(interval)
 
 
+def monitor(env, log=stderr_log, stop=None, sleep=time.sleep, rounds: int | None = None) -> int:
+    """Liveness, acted on: Docker only reports `unhealthy`, it never restarts a container for it. A vLLM process
+    that runs but fails liveness VLLM_EXL3_LIVENESS_FAILURES times in a row (an engine that died under a live API
+    server: /health 5xx) ends the container: supervisord is stopped (vLLM gets its graceful stop) and Docker's
+    restart policy starts a fresh one. A missing process is not counted: restarting it is supervisord's job
+    (supervisor_listener.py)."""
+    limit = int(env.get("VLLM_EXL3_LIVENESS_FAILURES") or default("VLLM_EXL3_LIVENESS_FAILURES"))
+    interval = float(env.get("VLLM_EXL3_LIVENESS_INTERVAL") or default("VLLM_EXL3_LIVENESS_INTERVAL"))
+    supervisord = os.getppid()
+    stop = stop or (lambda: os.kill(supervisord, signal.SIGTERM))
+    failures = 0
+    while rounds is None or rounds > 0:
+        rounds = None if rounds is None else rounds - 1
+        code, message = check("liveness", env)
+        if code == UNHEALTHY and vllm_pid(env) is not None:
+            failures += 1
+            log(f"monitor: liveness failed ({failures} of {limit} in a row): {message}")
+            if failures >= limit:
+                log("monitor: ending the container (stopping supervisord) so Docker's restart policy replaces it")
+                stop()
+                return UNHEALTHY
+        else:
+            failures = 0
+        sleep(interval)
+    return HEALTHY
+
+
 def main(argv: list[str]) -> int:
     mode = argv[1] if len(argv) > 1 else "readiness"
     if mode == "watch":
         return watch(os.environ)
+    if mode == "monitor":
+        return monitor(os.environ)
     if mode not in ("liveness", "readiness"):
-        print(f"usage: {argv[0]} [liveness|readiness|watch]", file=sys.stderr)
+        print(f"usage: {argv[0]} [liveness|readiness|watch|monitor]", file=sys.stderr)
         return UNHEALTHY
     code, message = check(mode, os.environ)
     print(message)

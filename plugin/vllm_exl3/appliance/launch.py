@@ -25,7 +25,7 @@ from typing import Any
 from . import exposure, preflight
 from .health import PID_FILE
 from .memory_plan import MemoryFigures, PlanSettings, Request
-from .settings import default
+from .settings import SETTINGS, default
 
 try:
     import tomllib
@@ -73,10 +73,8 @@ PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
 # The appliance's own variables, consumed by the launcher, supervisord and the health checks. They are taken out
 # of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
 # (VLLM_EXL3_KERNEL, ...) stay.
-APPLIANCE_VARIABLES = {var for var, *_ in ENV_FLAGS} | {
-    "VLLM_EXL3_HOST", "VLLM_EXL3_ALLOW_OPEN_API", "VLLM_EXL3_ROLE", "VLLM_EXL3_PRESET", "VLLM_EXL3_PRESET_DIR", "VLLM_EXL3_MODEL", "VLLM_EXL3_EXTRA_ARGS",
-    "VLLM_EXL3_HEAD_WAIT", "VLLM_EXL3_RUN_DIR", "VLLM_EXL3_SUPERVISOR_D", "VLLM_EXL3_RENDEZVOUS_GRACE",
-    "VLLM_EXL3_HEALTH_TIMEOUT"}
+APPLIANCE_VARIABLES = {s.name for s in SETTINGS if s.area == "appliance"} - {
+    "VLLM_EXL3_OPEN_PATHS"}  # read inside vLLM's API server by api_guard.py
 
 
 class LaunchError(ValueError):

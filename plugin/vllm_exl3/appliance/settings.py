@@ -54,6 +54,12 @@ appliance | VLLM_EXL3_MASTER_PORT          | 29501          | the head's rendezv
 appliance | VLLM_EXL3_HEAD_WAIT            | 900            | worker: seconds to wait for the head's rendezvous before giving up
 appliance | VLLM_EXL3_RENDEZVOUS_GRACE     | 30             | worker: seconds without the head before the watchdog stops vLLM
 appliance | VLLM_EXL3_HEALTH_TIMEOUT       | 5              | seconds per health-check request
+appliance | VLLM_EXL3_LIVENESS_FAILURES    | 3              | liveness failures in a row (vLLM running, engine dead) after which the container ends, so Docker restarts it
+appliance | VLLM_EXL3_LIVENESS_INTERVAL    | 10             | seconds between the liveness monitor's checks
+appliance | VLLM_EXL3_RESTART_BACKOFF      | 10             | seconds before restarting a vLLM that exited on its own; doubles with each exit in the window
+appliance | VLLM_EXL3_RESTART_BACKOFF_MAX  | 300            | the longest such wait
+appliance | VLLM_EXL3_CRASH_LIMIT          | 5              | this many exits of vLLM within VLLM_EXL3_CRASH_WINDOW end the container (a crash loop) instead of another restart
+appliance | VLLM_EXL3_CRASH_WINDOW         | 1800           | seconds over which exits are counted
 appliance | VLLM_EXL3_RUN_DIR              | /run/vllm-exl3 | the launcher's pid file and supervisord's socket
 appliance | VLLM_EXL3_SUPERVISOR_D         | -              | directory of extra supervisord programs (*.conf)
 tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
