@@ -221,19 +221,41 @@ def plan_request(spec: LaunchSpec) -> Request:
     """What the memory plan is asked: the preset's wishes, or the user's explicit values to check."""
     user_len = flag_value(spec.extra_args, "max-model-len")
     user_util = flag_value(spec.extra_args, "gpu-memory-utilization")
+    user_kv = flag_value(spec.extra_args, "kv-cache-memory-bytes")
     length = spec.value("max-model-len")
     return Request(
         tp=spec.role.nnodes,
         max_model_len=int(length) if length not in (None, True) else None,
         max_model_len_pinned=user_len not in (None, True),
         gpu_memory_utilization=float(user_util) if user_util not in (None, True) else None,
+        kv_cache_memory_bytes=parse_bytes(user_kv) if user_kv not in (None, True) else None,
+        enforce_eager=spec.value("enforce-eager") not in (None, False, "false", "False"),
         kv_cache_dtype=str(spec.value("kv-cache-dtype") or "auto"),
         max_num_batched_tokens=int(spec.value("max-num-batched-tokens") or Request.max_num_batched_tokens),
         max_num_seqs=int(spec.value("max-num-seqs") or Request.max_num_seqs),
     )
 
 
-def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: float | None = None) -> LaunchSpec:
+# vLLM's human_readable_int (vllm/utils/argparse_utils.py): lower case decimal, upper case binary, no decimals
+# with a binary suffix.
+BYTE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as vLLM's --kv-cache-memory-bytes takes it: 34359738368, 32G (binary) or 34.3g (decimal)."""
+    t = str(text).strip()
+    try:
+        if t[-1:] in BYTE_SUFFIXES:
+            number = t[:-1]
+            return int(float(number) * BYTE_SUFFIXES[t[-1]]) if t[-1].islower() else int(number) * BYTE_SUFFIXES[t[-1]]
+        return int(t)
+    except ValueError:
+        raise LaunchError(f"--kv-cache-memory-bytes {text!r}: not a byte count (e.g. 34359738368, 32G = 32 GiB, "
+                          "34.4g = 34.4e9)") from None
+
+
+def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: float | None = None,
+               kv_cache_memory_bytes: int | None = None) -> LaunchSpec:
     """Put the planned figures into the command (explicit extra arguments still come last and win).
 
     The long-prefill threshold must not exceed the context (vLLM refuses that), so it follows a smaller context.
@@ -242,6 +264,8 @@ def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: flo
     flags["max-model-len"] = max_model_len
     if gpu_memory_utilization is not None:
         flags["gpu-memory-utilization"] = gpu_memory_utilization
+    if kv_cache_memory_bytes:
+        flags["kv-cache-memory-bytes"] = kv_cache_memory_bytes
     pinned = flag_value(spec.extra_args, "max-model-len")
     length = int(pinned) if pinned not in (None, True) else max_model_len
     threshold = flags.get("long-prefill-token-threshold")
@@ -292,7 +316,8 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
     report.plan = preflight.memory_plan(pack, plan_request(spec), spec.preset.memory, mem)
     if not report.plan.fits:
         return report, spec
-    return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization)
+    return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization,
+                              report.plan.kv_cache_memory_bytes)
 
 
 def write_pid_file(env: Mapping[str, str]) -> None:
@@ -365,7 +390,11 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         out(f"{me}: {exposure.describe(str(spec.value('host')), env)}")
     refused = open_api is not None
     if not args.no_preflight:
-        report, spec = run_preflight(spec, env, args.meminfo, None if args.dry_run else args.head_wait)
+        try:
+            report, spec = run_preflight(spec, env, args.meminfo, None if args.dry_run else args.head_wait)
+        except LaunchError as e:
+            out(f"{me}: {e}")
+            return 2
         for line in report.lines():
             out(line)
         refused = refused or not report.ok
