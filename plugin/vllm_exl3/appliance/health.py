@@ -131,11 +131,29 @@ def worker_connected(pid: int, head: str, port: int) -> bool:
 
 
 # --- the checks ---------------------------------------------------------------------------------------------------
+MEMORY_STATE_FRESH_S = 15.0  # an older memory-watchdog.json means the watchdog is not running: ignore it
+
+
+def memory_pressure(env) -> str | None:
+    """The memory watchdog's verdict when it is not `ok` (watchdog.py writes it every second), else None."""
+    from .watchdog import read_state
+
+    state = read_state(env)
+    if not isinstance(state, dict) or state.get("state") in (None, "ok"):
+        return None
+    if not isinstance(state.get("time"), (int, float)) or time.time() - state["time"] > MEMORY_STATE_FRESH_S:
+        return None
+    return (f"memory {state['state']}: MemAvailable {state.get('mem_available_bytes', 0) / 2**30:.2f} GiB, soft "
+            f"floor {state.get('soft_floor_bytes', 0) / 2**30:.2f} GiB, PSI full avg10 {state.get('psi_full_avg10')}")
+
+
 def check(mode: str, env) -> tuple[int, str]:
     role = env.get("VLLM_EXL3_ROLE", "single")
     pid = vllm_pid(env)
     if pid is None:
         return UNHEALTHY, f"{role}: no running vLLM process (pid file {env.get('VLLM_EXL3_RUN_DIR', DEFAULT_RUN_DIR)}/{PID_FILE})"
+    if mode == "readiness" and (pressure := memory_pressure(env)):
+        return UNHEALTHY, f"{role}: vLLM pid {pid} running, but {pressure}"
 
     if role == "worker":
         if mode == "liveness":
@@ -165,15 +183,15 @@ def check(mode: str, env) -> tuple[int, str]:
     return HEALTHY, f"{role}: serving {name!r}"
 
 
-def stop_process_group(pid: int, log) -> None:
-    """SIGTERM vLLM's process group (supervisord made vLLM its leader), SIGKILL if it outlives STOP_TIMEOUT_S."""
+def stop_process_group(pid: int, log, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM vLLM's process group (supervisord made vLLM its leader), SIGKILL if it outlives `timeout` seconds."""
     try:
         os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             os.kill(pid, 0)
-            time.sleep(1)
-        log(f"watch: pid {pid} ignored SIGTERM for {STOP_TIMEOUT_S:.0f}s; SIGKILL")
+            time.sleep(0.2)
+        log(f"stop: pid {pid} ignored SIGTERM for {timeout:.0f}s; SIGKILL")
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
