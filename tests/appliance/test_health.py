@@ -100,7 +100,7 @@ MODELS = json.dumps({"data": [{"id": "demo"}]}).encode()
     (None, 0, 1, "booting"),  # nothing listens yet
 ])
 def test_api_roles(tmp_path, routes, live, ready, says):
-    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "head", "VLLM_EXL3_SERVED_NAME": "demo"}
+    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "single", "VLLM_EXL3_SERVED_NAME": "demo"}
     if routes is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

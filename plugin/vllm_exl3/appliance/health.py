@@ -11,6 +11,9 @@ Python, and must not depend on anything that can be broken when the server is (v
               (connection refused = still booting = alive)
   worker      the vLLM process runs                           ... and its process tree holds an established TCP
                                                               connection to the head's rendezvous port
+  head                                                        ... and the worker's heartbeat says it is alive
+                                                              (peer.py)
+  every role                                                  ... and the memory watchdog reports `ok` (watchdog.py)
 
 Environment (set by compose and the image): VLLM_EXL3_ROLE, VLLM_EXL3_RUN_DIR (the launcher's vllm.pid),
 VLLM_EXL3_HOST and VLLM_EXL3_PORT (8000), VLLM_API_KEY (sent to /v1/models when set), VLLM_EXL3_SERVED_NAME
@@ -180,6 +183,11 @@ def check(mode: str, env) -> tuple[int, str]:
         served = []
     if name not in served:
         return UNHEALTHY, f"{role}: /v1/models lists {served or 'nothing'}, not {name!r}"
+    if role == "head":  # TP across two boxes: serving needs the worker too (peer.py's heartbeat)
+        from .peer import peer_verdict
+
+        if (verdict := peer_verdict(env)) is not None:
+            return UNHEALTHY, f"head: serving {name!r} but {verdict}"
     return HEALTHY, f"{role}: serving {name!r}"
 
 

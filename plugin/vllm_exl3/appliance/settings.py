@@ -53,6 +53,9 @@ appliance | VLLM_EXL3_HEAD_ADDR            | -              | worker: the head's
 appliance | VLLM_EXL3_MASTER_PORT          | 29501          | the head's rendezvous port (vLLM's --master-port default)
 appliance | VLLM_EXL3_HEAD_WAIT            | 900            | worker: seconds to wait for the head's rendezvous before giving up
 appliance | VLLM_EXL3_RENDEZVOUS_GRACE     | 30             | worker: seconds without the head before the watchdog stops vLLM
+appliance | VLLM_EXL3_HEARTBEAT_PORT       | 29601          | two nodes: the UDP port on the head's fabric address where the worker's heartbeats arrive
+appliance | VLLM_EXL3_HEARTBEAT_INTERVAL   | 2              | worker: seconds between heartbeats to the head
+appliance | VLLM_EXL3_PEER_TIMEOUT         | 15             | head: seconds without a ready heartbeat after which the worker counts as dead (readiness red)
 appliance | VLLM_EXL3_HEALTH_TIMEOUT       | 5              | seconds per health-check request
 appliance | VLLM_EXL3_LIVENESS_FAILURES    | 3              | liveness failures in a row (vLLM running, engine dead) after which the container ends, so Docker restarts it
 appliance | VLLM_EXL3_LIVENESS_INTERVAL    | 10             | seconds between the liveness monitor's checks
