@@ -21,6 +21,7 @@ import requests
 from support.appliance import SERVED_NAME, appliance_env, required, supervised, tail, tool, wait_until
 from support.servers import free_port
 from vllm_exl3.appliance.health import descendants
+from vllm_exl3.appliance.settings import default
 
 pytestmark = pytest.mark.e2e
 KEY = "resilience-test-key"
@@ -117,8 +118,8 @@ def tree_rss(pid: int) -> int:
 
 
 def test_bounded_streaming_load_without_errors_and_flat_memory(box):
-    seconds = float(os.environ.get("VLLM_EXL3_TEST_LOAD_SECONDS", "30"))
-    clients = int(os.environ.get("VLLM_EXL3_TEST_LOAD_CLIENTS", "16"))
+    seconds = float(os.environ.get("VLLM_EXL3_TEST_LOAD_SECONDS") or default("VLLM_EXL3_TEST_LOAD_SECONDS"))
+    clients = int(os.environ.get("VLLM_EXL3_TEST_LOAD_CLIENTS") or default("VLLM_EXL3_TEST_LOAD_CLIENTS"))
     stream(box.base, 8)  # warm
     deadline = time.monotonic() + seconds
     done, errors, lock = [0], [], threading.Lock()

@@ -75,6 +75,8 @@ appliance | VLLM_EXL3_MEM_PSI_FULL_SOFT    | 10             | memory watchdog: P
 appliance | VLLM_EXL3_MEM_STOP_GRACE       | 10             | memory watchdog: seconds between its SIGTERM to vLLM and SIGKILL
 tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
 tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GPU tests write their observed error bounds to
+tests     | VLLM_EXL3_TEST_LOAD_SECONDS    | 30             | tests/e2e/test_appliance_resilience.py: seconds of streaming load (longer by hand)
+tests     | VLLM_EXL3_TEST_LOAD_CLIENTS    | 16             | the same test's concurrent streaming clients
 tests     | VLLM_EXL3_TEST_REPORT_MOE      | -              | the same for the routed-expert GPU tests
 setup     | VLLM_EXL3_VENV                 | -              | scripts/bootstrap: the virtualenv to create (default: .venv in the checkout)
 setup     | VLLM_EXL3_TORCH_VERSION        | 2.13.0         | scripts/bootstrap: the CPU torch version
