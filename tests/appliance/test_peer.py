@@ -112,5 +112,5 @@ def test_head_stops_the_engine_its_worker_left_and_only_that_one(tmp_path):
 
     # A head engine that never had its worker (restarted, waiting for it to join) is left alone.
     stopped.clear()
-    run_head(env | {"VLLM_EXL3_HEARTBEAT_PORT": str(free_udp_port())}, log.append, 4, stop=stopped.append)
+    run_head(env | {"VLLM_EXL3_HEARTBEAT_PORT": str(free_udp_port())}, log.append, 3, stop=stopped.append)
     assert not stopped

