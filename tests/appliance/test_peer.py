@@ -110,7 +110,26 @@ def test_head_stops_the_engine_its_worker_left_and_only_that_one(tmp_path):
     assert stopped == [vllm.pid], log  # once, after the grace
     assert any("worker lost 2s ago; stopping the head's vLLM" in ln for ln in log)
 
-    # A head engine that never had its worker (restarted, waiting for it to join) is left alone.
+    # The head's vLLM was restarted meanwhile (a new engine, still waiting for its worker): left alone.
     stopped.clear()
-    run_head(env | {"VLLM_EXL3_HEARTBEAT_PORT": str(free_udp_port())}, log.append, 3, stop=stopped.append)
-    assert not stopped
+    newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    (tmp_path / "vllm.pid").write_text(f"{os.getpid()}\n")  # the engine the worker is in: this process
+    head = threading.Thread(target=run_head, args=(env, log.append, 7), kwargs={"stop": stopped.append})
+    head.start()
+    try:
+        state = tmp_path / "state" / "peer.json"
+        state.unlink()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _ in range(25):  # until the head saw it (a few seconds at most)
+                if state.exists() and json.loads(state.read_text())["alive"]:
+                    break
+                s.sendto(json.dumps({"role": "worker", "ready": True}).encode(), ("127.0.0.1", port))
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"the head never saw the worker alive: {log}")
+        (tmp_path / "vllm.pid").write_text(f"{newer.pid}\n")  # restarted before the grace ran out
+        head.join(30)
+    finally:
+        newer.kill()
+        newer.wait()
+    assert not stopped, log

@@ -131,7 +131,9 @@ def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | N
                        f"no ready heartbeat for {timeout:g}s") + ")"))
                 was_alive = alive
             if alive:
-                paired, lost_since = vllm_pid(env) or paired, None  # the engine the worker is part of
+                # The engine the worker joined: fixed when it joins, not followed (a head vLLM restarted while the
+                # last heartbeat is still fresh is a new engine the worker is not part of).
+                paired, lost_since = paired or vllm_pid(env), None
             elif paired is not None:
                 lost_since = lost_since or now
             # Only the engine that had the worker: a new one (restarted) is still waiting for it to join.
