@@ -8,7 +8,8 @@ Python, and must not depend on anything that can be broken when the server is (v
 
               liveness (the process is worth keeping)          readiness (it is doing its job)
   single/head the vLLM process runs and /health is not 5xx    /health is 200 and /v1/models lists the model
-              (connection refused = still booting = alive)
+              (connection refused = still booting = alive;
+              accepted but no answer = hung = not alive)
   worker      the vLLM process runs                           ... and its process tree holds an established TCP
                                                               connection to the head's rendezvous port
   head                                                        ... and the worker's heartbeat says it is alive
@@ -174,6 +175,9 @@ def check(mode: str, env) -> tuple[int, str]:
     if mode == "liveness":
         if status is not None and status >= 500:
             return UNHEALTHY, f"{role}: /health answers {status} (engine dead)"
+        if status is None and accepts_connections(base, timeout):
+            # vLLM opens its port only once the engine is up: a port that accepts but does not answer is hung.
+            return UNHEALTHY, f"{role}: the API accepts connections but /health gave no answer within {timeout:g}s (hung)"
         return HEALTHY, f"{role}: vLLM pid {pid} running, /health " + (str(status) if status else "not up yet (booting)")
     if status != 200:
         return UNHEALTHY, f"{role}: /health " + (f"answers {status}" if status else "not answering (booting?)")
@@ -191,6 +195,15 @@ def check(mode: str, env) -> tuple[int, str]:
         if (verdict := peer_verdict(env)) is not None:
             return UNHEALTHY, f"head: serving {name!r} but {verdict}"
     return HEALTHY, f"{role}: serving {name!r}"
+
+
+def accepts_connections(base_url: str, timeout: float) -> bool:
+    host, _, port = base_url.removeprefix("http://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def stop_process_group(pid: int, log, timeout: float = STOP_TIMEOUT_S) -> None:
