@@ -160,9 +160,14 @@ def test_a_stop_during_a_stream_lets_it_finish(box):
     started = threading.Event()
     result: dict = {}
 
+    def on_chunk(n: int) -> None:
+        result["last_chunk"] = time.monotonic()
+        if n == 5:
+            started.set()
+
     def client():
         try:
-            result["out"] = stream(box.base, 400, on_chunk=lambda n: n == 5 and started.set())
+            result["out"] = stream(box.base, 1000, on_chunk=on_chunk)  # the demo model's context is 1024
         except Exception as e:  # noqa: BLE001
             result["error"] = repr(e)
         started.set()
@@ -171,11 +176,15 @@ def test_a_stop_during_a_stream_lets_it_finish(box):
     t.start()
     assert started.wait(120)
     pid = box.vllm_pid
+    stop_issued = time.monotonic()
     stop = subprocess.run([*ctl, "stop", "vllm"], capture_output=True, text=True, timeout=180)
     t.join(180)
     assert "error" not in result, (result, tail(box.log))
     text, finish, chunks = result["out"]
-    assert finish == "length" and chunks >= 300, (finish, chunks)  # every token, not an aborted stream
+    assert finish == "length" and chunks >= 900, (finish, chunks)  # every token, not an aborted stream
+    drained = result["last_chunk"] - stop_issued
+    print(f"stop during a stream: tokens kept coming for {drained:.1f}s after the stop")
+    assert drained > 0  # the stream was still running when the stop came
     assert stop.returncode == 0 and "vllm: stopped" in stop.stdout, stop.stdout + stop.stderr
     wait_until("vLLM gone", lambda: not Path(f"/proc/{pid}").exists() or box.vllm_pid != pid, 30)
     log = box.log.read_text()
