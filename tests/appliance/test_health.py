@@ -100,7 +100,7 @@ MODELS = json.dumps({"data": [{"id": "demo"}]}).encode()
     (None, 0, 1, "booting"),  # nothing listens yet
 ])
 def test_api_roles(tmp_path, routes, live, ready, says):
-    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "head", "VLLM_EXL3_SERVED_NAME": "demo"}
+    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "single", "VLLM_EXL3_SERVED_NAME": "demo"}
     if routes is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -112,6 +112,16 @@ def test_api_roles(tmp_path, routes, live, ready, says):
             results = run_check("liveness", env), run_check("readiness", env)
     assert [r.returncode for r in results] == [live, ready], [r.stdout for r in results]
     assert any(says in r.stdout for r in results)
+
+
+def test_an_api_that_accepts_but_never_answers_fails_liveness(tmp_path):
+    env = pid_file(tmp_path, os.getpid()) | {"VLLM_EXL3_ROLE": "single", "VLLM_EXL3_HEALTH_TIMEOUT": "1"}
+    with socket.socket() as hung:  # the kernel completes the handshake; nothing ever reads or answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        env["VLLM_EXL3_PORT"] = str(hung.getsockname()[1])
+        r = run_check("liveness", env)
+    assert r.returncode == 1 and "gave no answer within 1s (hung)" in r.stdout, r.stdout
 
 
 def test_api_key_is_sent_to_v1(tmp_path):

@@ -141,7 +141,8 @@ def test_every_command_parses_with_vllms_own_serve_parser(preset, role):
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    spec = apply_plan(build_spec(role, load_preset(preset, {}), TWO_NODE_ENV), 4096, 0.8)
+    spec = apply_plan(build_spec(role, load_preset(preset, {}), TWO_NODE_ENV | {"VLLM_API_KEY": "k"}), 4096, 0.8,
+                      12 * 2**30)
     parser = FlexibleArgumentParser()
     ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
     args = parser.parse_args(spec.argv()[1:])
@@ -149,6 +150,10 @@ def test_every_command_parses_with_vllms_own_serve_parser(preset, role):
     assert args.tensor_parallel_size == ROLES[role].nnodes and args.nnodes == ROLES[role].nnodes
     assert args.headless == ROLES[role].headless and args.long_prefill_token_threshold == 1024
     assert args.max_model_len == 4096 and args.gpu_memory_utilization == 0.8
+    assert args.kv_cache_memory_bytes == 12 * 2**30
+    assert args.shutdown_timeout == load_preset(preset, {}).vllm["shutdown-timeout"]
+    if not ROLES[role].headless:  # the key then covers every path (api_guard.py)
+        assert args.middleware == ["vllm_exl3.appliance.api_guard.GuardAllPaths"] and args.host == "0.0.0.0"
 
 
 # --- the CLI ---------------------------------------------------------------------------------------------------
@@ -169,11 +174,23 @@ def test_dry_run_prints_the_checked_command():
 
 def test_dry_run_with_a_memory_figure_that_cannot_boot_is_refused(tmp_path):
     meminfo = tmp_path / "meminfo"  # a Spark with almost everything in use, much of it page cache
-    meminfo.write_text("MemTotal:       125000000 kB\nMemFree:          6000000 kB\nMemAvailable:    60000000 kB\n")
+    meminfo.write_text("MemTotal:       125000000 kB\nMemFree:          6000000 kB\nMemAvailable:     9000000 kB\n")
     r = launch("--role", "single", "--dry-run", "--meminfo", str(meminfo))
     assert r.returncode == EXIT_REFUSED
-    assert "memory plan: REFUSED" in r.stderr and "drop_caches" in r.stderr
+    assert "memory plan: REFUSED" in r.stderr and "host reserve 6.0 GiB -> 2.6 GiB usable" in r.stderr
     assert "refused before starting vLLM" in r.stderr
+
+
+def test_dry_run_on_unified_memory_hands_vllm_an_exact_kv_size(tmp_path):
+    meminfo = tmp_path / "meminfo"  # an idle Spark
+    meminfo.write_text("MemTotal:       125000000 kB\nMemFree:        100000000 kB\nMemAvailable:   120000000 kB\n")
+    r = launch("--role", "single", "--dry-run", "--meminfo", str(meminfo))
+    assert r.returncode == 0, r.stderr
+    f = pairs(r.stdout.split())
+    assert f["gpu-memory-utilization"] == "0.88" and int(f["kv-cache-memory-bytes"]) > 0
+    assert f"--kv-cache-memory-bytes {f['kv-cache-memory-bytes']} " in r.stderr  # the plan's line says the same
+    r = launch("--role", "single", "--dry-run", "--meminfo", str(meminfo), "--", "--kv-cache-memory-bytes", "lots")
+    assert r.returncode == 2 and "not a byte count" in r.stderr
 
 
 def test_cli_usage_errors():

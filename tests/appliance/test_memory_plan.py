@@ -18,7 +18,8 @@ from vllm_exl3.appliance.preflight import model_shape
 
 # What a DGX Spark reports: ~119.7 GiB of 128 GB visible to the OS.
 SPARK_TOTAL = int(119.7 * GIB)
-NO_SLACK = PlanSettings(max_gpu_memory_utilization=0.9, headroom_gib=0, runtime_overhead_gib=0, min_context=1)
+NO_SLACK = PlanSettings(max_gpu_memory_utilization=0.9, headroom_gib=0, runtime_overhead_gib=0, cuda_graph_gib=0,
+                        min_context=1)
 
 
 def spark(free_gib: float, available_gib: float | None = None) -> MemoryFigures:
@@ -68,6 +69,34 @@ def test_fixture_pack_on_an_idle_spark_gets_the_cap_and_the_models_context():
     assert p.max_model_len == 1024  # the model's max_position_embeddings
 
 
+def test_budget_is_mem_available_minus_the_host_reserve_and_kv_is_handed_over_exactly():
+    """20 GiB free but 60 GiB available (40 GiB page cache): vLLM 0.32 counts MemAvailable as free on an
+    integrated GPU, so the plan does too; the KV cache gets exactly what is left, in whole blocks."""
+    shape = model_shape(Pack.open(demo.PACK))
+    settings = PlanSettings()  # 6 GiB reserve, 3 GiB overhead, 1 GiB CUDA graphs
+    p = plan(spark(20, 60), shape, Request(max_model_len=1024), settings)
+    assert p.fits and p.gpu_memory_utilization == 0.45  # floor((60 - 6) / 119.7, 2)
+    budget = int(0.45 * SPARK_TOTAL)
+    fixed = (shape.weight_bytes + shape.activation_bytes(1, 2048, 256) + shape.moe_workspace_bytes(1, 2048)
+             + 4 * GIB)
+    per_token = shape.kv_bytes_per_token(1)
+    assert p.kv_cache_memory_bytes == (budget - fixed) // per_token // 16 * 16 * per_token
+    assert p.kv_cache_memory_bytes % (16 * per_token) == 0 and budget - fixed - p.kv_cache_memory_bytes < 16 * per_token
+    assert p.flags()["kv-cache-memory-bytes"] == p.kv_cache_memory_bytes
+    eager = plan(spark(20, 60), shape, Request(max_model_len=1024, enforce_eager=True), settings)
+    assert eager.kv_cache_memory_bytes - p.kv_cache_memory_bytes == pytest.approx(GIB, abs=16 * per_token)
+    reserve = plan(spark(20, 60), shape, Request(max_model_len=1024), replace(settings, headroom_gib=30))
+    assert reserve.gpu_memory_utilization == 0.25  # floor((60 - 30) / 119.7, 2)
+
+
+def test_explicit_kv_bytes_are_checked():
+    shape = large_moe(40)
+    ok = plan(spark(100), shape, Request(kv_cache_memory_bytes=8 * GIB), NO_SLACK)
+    assert ok.fits and ok.kv_cache_memory_bytes == 8 * GIB // 1536 // 16 * 16 * 1536
+    too_big = plan(spark(100), shape, Request(kv_cache_memory_bytes=80 * GIB), NO_SLACK)
+    assert not too_big.fits and "--kv-cache-memory-bytes 85899345920 (80.0 GiB) does not fit" in too_big.problems[0]
+
+
 def test_utilization_follows_free_memory():
     shape = model_shape(Pack.open(demo.PACK))
     p = plan(spark(60), shape, Request(max_model_len=1024), PlanSettings())
@@ -102,7 +131,8 @@ def test_too_big_for_one_spark_is_refused_with_advice_and_fits_on_two():
     one = plan(spark(112, 118), large_moe(110), Request(max_model_len=131072), settings)
     assert not one.fits
     assert "exceed" in one.problems[0]
-    assert any("drop_caches" in a for a in one.advice)  # 6 GiB of page cache is reclaimable
+    assert not any("drop_caches" in a for a in one.advice)  # page cache already counts as available
+    assert any("headroom-gib (the 6.0 GiB host reserve)" in a for a in one.advice)
     assert any("two Sparks" in a for a in one.advice)
     assert not any("fp8" in a for a in one.advice)  # weights alone do not fit: KV settings would not help
     two = plan(spark(112), large_moe(110), Request(tp=2, max_model_len=131072), settings)
@@ -122,7 +152,7 @@ def test_explicit_values_are_checked_not_replaced():
 
 def test_below_the_minimum_context_is_refused():
     settings = PlanSettings(max_gpu_memory_utilization=0.9, headroom_gib=0, runtime_overhead_gib=0,
-                            min_context=100_000)
+                            cuda_graph_gib=0, min_context=100_000)
     p = plan(spark(100), large_moe(99.3), Request(max_model_len=131072), settings)
     assert not p.fits and "below the preset's minimum of 100000" in p.problems[0]
 

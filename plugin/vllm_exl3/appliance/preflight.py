@@ -14,6 +14,7 @@ fixture packs, the machine's own loopback interface and fake sysfs trees or memi
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -40,6 +41,7 @@ class Check:
     ok: bool
     detail: str
     checked: bool = True  # False: deliberately not checked (the detail says why); does not fail the report
+    warning: bool = False  # ok, but worth the operator's attention (printed as WARN)
 
 
 @dataclass
@@ -53,7 +55,8 @@ class Report:
         return all(c.ok for c in self.checks) and (self.plan is None or self.plan.fits)
 
     def lines(self) -> list[str]:
-        out = [f"preflight: {'--  ' if not c.checked else 'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}"
+        out = [f"preflight: {'--  ' if not c.checked else 'FAIL' if not c.ok else 'WARN' if c.warning else 'ok  '} "
+               f"{c.name}: {c.detail}"
                for c in self.checks]
         out += [f"preflight: note {n}" for n in self.notes]
         if self.plan is not None:
@@ -192,6 +195,60 @@ def check_network(env: Mapping[str, str], root: Path = Path("/"),
         else:
             checks.append(Check("VLLM_HOST_IP", True, f"{host_ip} on {', '.join(owners)}"))
     return checks
+
+
+def interface_networks() -> dict[str, list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]]:
+    """Addresses with their prefixes, by interface name."""
+    import psutil
+
+    out: dict[str, list] = {}
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and a.netmask:
+                try:
+                    out.setdefault(name, []).append(ipaddress.ip_interface(f"{a.address.split('%')[0]}/{a.netmask}"))
+                except ValueError:
+                    continue
+    return out
+
+
+def arp_neighbours(root: Path, iface: str) -> set[str]:
+    """IPv4 neighbours the kernel has resolved on iface (/proc/net/arp, flags 0x2 = complete)."""
+    try:
+        rows = (root / "proc/net/arp").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    return {c[0] for c in (r.split() for r in rows) if len(c) >= 6 and c[5] == iface and int(c[2], 16) & 0x2}
+
+
+# A point-to-point subnet: two hosts and nothing else (RFC 3021 /31, the classic /30; /127 for IPv6, RFC 6164).
+POINT_TO_POINT_PREFIX = {4: 30, 6: 126}
+
+
+def check_point_to_point(local_addr: str, peer_addr: str | None, root: Path = Path("/"),
+                         networks: Callable[[], dict[str, list]] = interface_networks) -> Check:
+    """The fabric link should reach only the peer: the rendezvous port (and NCCL's) accept anyone who can connect,
+    with no authentication. A /30 or /31 subnet, or exactly one neighbour on the interface, is a point-to-point
+    link; anything else is a warning (the firewall snippet in docs/appliance.md closes the ports)."""
+    try:
+        local = ipaddress.ip_address(local_addr)
+    except ValueError:
+        return Check("point-to-point link", True, f"{local_addr!r} is not an IP address: not checked", checked=False)
+    for iface, addrs in networks().items():
+        for net in addrs:
+            if net.ip != local:
+                continue
+            if net.network.prefixlen >= POINT_TO_POINT_PREFIX[net.version]:
+                return Check("point-to-point link", True, f"{local_addr} on {iface} is in {net.network}")
+            neighbours = arp_neighbours(root, iface)
+            if len(neighbours) == 1 and (peer_addr is None or neighbours == {peer_addr}):
+                return Check("point-to-point link", True, f"{iface} ({net.network}) has one neighbour, "
+                                                           f"{next(iter(neighbours))}")
+            return Check("point-to-point link", True, warning=True, detail=(
+                f"{local_addr} on {iface} is in {net.network} with {len(neighbours)} neighbour(s) seen: the "
+                "unauthenticated rendezvous and NCCL ports are reachable by more than the peer. Use a /30 or /31 "
+                "on the direct cable, or admit only the peer with the host firewall (docs/appliance.md)"))
+    return Check("point-to-point link", True, f"{local_addr} is on no interface here: not checked", checked=False)
 
 
 def route_source(addr: str, port: int) -> str | None:

@@ -45,17 +45,38 @@ appliance | VLLM_EXL3_PRESET               | -              | preset name or .to
 appliance | VLLM_EXL3_PRESET_DIR           | -              | extra preset directories (os.pathsep-separated), searched before the packaged ones
 appliance | VLLM_EXL3_EXTRA_ARGS           | -              | extra `vllm serve` arguments (shell words)
 appliance | VLLM_EXL3_SERVED_NAME          | -              | --served-model-name (default: the model path)
-appliance | VLLM_EXL3_HOST                 | -              | API bind address (empty: all)
+appliance | VLLM_EXL3_HOST                 | -              | API bind address (empty: 127.0.0.1 without VLLM_API_KEY, every interface with it)
+appliance | VLLM_EXL3_ALLOW_OPEN_API       | 0              | 1: start even though the API listens beyond loopback with no VLLM_API_KEY (refused otherwise)
+appliance | VLLM_EXL3_OPEN_PATHS           | /health,/metrics | with VLLM_API_KEY: the paths served without the key (vLLM's own check guards only /v1, /v2, /inference, /cohere)
 appliance | VLLM_EXL3_PORT                 | 8000           | API port
 appliance | VLLM_EXL3_HEAD_ADDR            | -              | worker: the head's IP on the fabric link
 appliance | VLLM_EXL3_MASTER_PORT          | 29501          | the head's rendezvous port (vLLM's --master-port default)
 appliance | VLLM_EXL3_HEAD_WAIT            | 900            | worker: seconds to wait for the head's rendezvous before giving up
 appliance | VLLM_EXL3_RENDEZVOUS_GRACE     | 30             | worker: seconds without the head before the watchdog stops vLLM
+appliance | VLLM_EXL3_HEARTBEAT_PORT       | 29601          | two nodes: the UDP port on the head's fabric address where the worker's heartbeats arrive
+appliance | VLLM_EXL3_HEARTBEAT_INTERVAL   | 2              | worker: seconds between heartbeats to the head
+appliance | VLLM_EXL3_PEER_TIMEOUT         | 15             | head: seconds without a ready heartbeat after which the worker counts as dead (readiness red)
 appliance | VLLM_EXL3_HEALTH_TIMEOUT       | 5              | seconds per health-check request
+appliance | VLLM_EXL3_LIVENESS_FAILURES    | 3              | liveness failures in a row (vLLM running, engine dead) after which the container ends, so Docker restarts it
+appliance | VLLM_EXL3_LIVENESS_INTERVAL    | 10             | seconds between the liveness monitor's checks
+appliance | VLLM_EXL3_RESTART_BACKOFF      | 10             | seconds before restarting a vLLM that exited on its own; doubles with each exit in the window
+appliance | VLLM_EXL3_RESTART_BACKOFF_MAX  | 300            | the longest such wait
+appliance | VLLM_EXL3_CRASH_LIMIT          | 5              | this many exits of vLLM within VLLM_EXL3_CRASH_WINDOW end the container (a crash loop) instead of another restart
+appliance | VLLM_EXL3_CRASH_WINDOW         | 1800           | seconds over which exits are counted
 appliance | VLLM_EXL3_RUN_DIR              | /run/vllm-exl3 | the launcher's pid file and supervisord's socket
 appliance | VLLM_EXL3_SUPERVISOR_D         | -              | directory of extra supervisord programs (*.conf)
+appliance | VLLM_EXL3_STATE_DIR            | /tmp/vllm-exl3-state | where the appliance's programs publish their state as JSON (memory-watchdog.json) for health checks and metrics
+appliance | VLLM_EXL3_MEMINFO              | /proc/meminfo  | memory watchdog: the meminfo file it reads
+appliance | VLLM_EXL3_PSI                  | /proc/pressure/memory | memory watchdog: the memory pressure (PSI) file it reads (missing: no PSI)
+appliance | VLLM_EXL3_WATCHDOG_INTERVAL    | 1              | memory watchdog: seconds between readings
+appliance | VLLM_EXL3_MEM_SOFT_FLOOR_GIB   | 4              | memory watchdog: MemAvailable below this turns readiness red
+appliance | VLLM_EXL3_MEM_HARD_FLOOR_GIB   | 2              | memory watchdog: MemAvailable below this stops vLLM before the OOM killer acts
+appliance | VLLM_EXL3_MEM_PSI_FULL_SOFT    | 10             | memory watchdog: PSI `full avg10` (percent) at or above this also turns readiness red
+appliance | VLLM_EXL3_MEM_STOP_GRACE       | 10             | memory watchdog: seconds between its SIGTERM to vLLM and SIGKILL
 tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
 tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GPU tests write their observed error bounds to
+tests     | VLLM_EXL3_TEST_LOAD_SECONDS    | 30             | tests/e2e/test_appliance_resilience.py: seconds of streaming load (longer by hand)
+tests     | VLLM_EXL3_TEST_LOAD_CLIENTS    | 16             | the same test's concurrent streaming clients
 tests     | VLLM_EXL3_TEST_REPORT_MOE      | -              | the same for the routed-expert GPU tests
 setup     | VLLM_EXL3_VENV                 | -              | scripts/bootstrap: the virtualenv to create (default: .venv in the checkout)
 setup     | VLLM_EXL3_TORCH_VERSION        | 2.13.0         | scripts/bootstrap: the CPU torch version

@@ -1,0 +1,70 @@
+"""Who can reach the API: the bind address the launcher gives vLLM, and the rule that refuses an open one.
+
+vLLM binds every interface unless told otherwise, and its `--api-key` / `VLLM_API_KEY` guards only paths under
+/v1, /v2, /inference and /cohere (vllm/entrypoints/serve/middleware/authenticate.py, GUARDED_PREFIX): /invocations
+(which runs completions), /tokenize, /detokenize, /metrics, /ping, /health, /version stay open. So:
+
+- no `VLLM_EXL3_HOST`: loopback (127.0.0.1) without a key, every interface (0.0.0.0) with one;
+- a non-loopback bind without a key is refused at launch unless `VLLM_EXL3_ALLOW_OPEN_API=1` says the operator
+  means it (a trusted, isolated network);
+- with a key, the launcher adds `api_guard.GuardAllPaths` as vLLM middleware: every path needs the key except
+  `VLLM_EXL3_OPEN_PATHS` (default /health and /metrics, for Docker's health check and Prometheus).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+
+from .settings import default
+
+LOOPBACK_BIND = "127.0.0.1"
+ALL_INTERFACES = "0.0.0.0"
+GUARD_MIDDLEWARE = "vllm_exl3.appliance.api_guard.GuardAllPaths"
+TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+def has_key(env: Mapping[str, str]) -> bool:
+    return bool(env.get("VLLM_API_KEY", "").strip())
+
+
+def open_api_allowed(env: Mapping[str, str]) -> bool:
+    return env.get("VLLM_EXL3_ALLOW_OPEN_API", default("VLLM_EXL3_ALLOW_OPEN_API")).strip().lower() in TRUE_WORDS
+
+
+def api_host(env: Mapping[str, str]) -> str:
+    """The address vLLM binds: the configured one, else loopback without a key and every interface with one."""
+    configured = env.get("VLLM_EXL3_HOST", "").strip()
+    if configured:
+        return configured
+    return ALL_INTERFACES if has_key(env) else LOOPBACK_BIND
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def refusal(host: str, env: Mapping[str, str]) -> str | None:
+    """Why this bind must not start, or None. The message says both ways out."""
+    if is_loopback(host) or has_key(env) or open_api_allowed(env):
+        return None
+    where = "every interface" if host in ("", ALL_INTERFACES, "::") else host
+    return (f"the API would listen on {where} with no key: anyone who reaches port "
+            f"{env.get('VLLM_EXL3_PORT', default('VLLM_EXL3_PORT'))} could use the model. Set VLLM_API_KEY "
+            "(clients send `Authorization: Bearer <key>`), or bind loopback (API_HOST=127.0.0.1, "
+            "VLLM_EXL3_HOST in the container), or set ALLOW_OPEN_API=1 (VLLM_EXL3_ALLOW_OPEN_API) on a "
+            "network you trust")
+
+
+def describe(host: str, env: Mapping[str, str]) -> str:
+    if has_key(env):
+        paths = env.get("VLLM_EXL3_OPEN_PATHS", default("VLLM_EXL3_OPEN_PATHS"))
+        return f"API on {host}, key required on every path except {paths or 'none'}"
+    if is_loopback(host):
+        return f"API on {host} (loopback only), no key"
+    return f"API on {host} with NO key (VLLM_EXL3_ALLOW_OPEN_API=1)"

@@ -1,0 +1,193 @@
+"""The two-node pair's heartbeat (a supervisord program, standard library only): the head's readiness sees its worker.
+
+A headless TP worker that dies leaves the head's API answering /health and /v1/models: vLLM notices the lost rank
+only when the next request's collective fails or hangs. So the worker's container sends the head a UDP datagram
+every VLLM_EXL3_HEARTBEAT_INTERVAL seconds (2) on the fabric link, to HEAD_ADDR:VLLM_EXL3_HEARTBEAT_PORT, saying
+whether its vLLM holds its connection to the head's rendezvous (the worker's own readiness, health.py). The head
+counts its worker alive while such a datagram saying "ready" came within VLLM_EXL3_PEER_TIMEOUT seconds (15);
+its readiness is red otherwise, so a dead worker (process, container or box) turns the head red within
+VLLM_EXL3_PEER_TIMEOUT + one check interval.
+
+Once the worker had been alive, a head that has been without it for VLLM_EXL3_RENDEZVOUS_GRACE seconds stops its
+own vLLM (its engine still waits for a rank that is gone): the exit-on-fatal listener restarts it, and the worker,
+restarted by its own rendezvous watchdog, joins the new engine.
+
+Both sides rewrite $VLLM_EXL3_STATE_DIR/peer.json every second (atomically): {"time": float, "role": "head" |
+"worker", "peer": "<addr>", "alive": bool, "last_seen": float | null}. On the worker, `alive` is its own
+rendezvous connection and `last_seen` the last time it held it. The datagrams carry no secret: the fabric link
+is meant to be point-to-point (preflight warns otherwise; docs/appliance.md has the firewall rules).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .health import check, stderr_log, stop_process_group, vllm_pid
+from .settings import default
+from .watchdog import write_atomically
+
+STATE_FILE = "peer.json"
+HEALTHY = 0
+MAX_DATAGRAM = 1024
+
+
+def setting(env: Mapping[str, str], name: str) -> str:
+    return env.get(name) or default(name)
+
+
+def state_path(env: Mapping[str, str]) -> Path:
+    return Path(setting(env, "VLLM_EXL3_STATE_DIR")) / STATE_FILE
+
+
+def read_state(env: Mapping[str, str]) -> dict | None:
+    try:
+        doc = json.loads(state_path(env).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def peer_verdict(env: Mapping[str, str], now: float | None = None) -> str | None:
+    """For the head's readiness: None when its worker is alive, else why not."""
+    doc = read_state(env)
+    now = time.time() if now is None else now
+    if doc is None:
+        return f"no heartbeat state ({state_path(env)}): is the peer-heartbeat program running?"
+    if not isinstance(doc.get("time"), (int, float)) or now - doc["time"] > float(setting(env, "VLLM_EXL3_PEER_TIMEOUT")):
+        return f"heartbeat state {state_path(env)} is stale: is the peer-heartbeat program running?"
+    if doc.get("alive") is True:
+        return None
+    seen = doc.get("last_seen")
+    return ("worker not alive: " + (f"last ready heartbeat {now - seen:.0f}s ago" if isinstance(seen, (int, float))
+                                    else "no ready heartbeat yet") + (f" from {doc['peer']}" if doc.get("peer") else ""))
+
+
+@dataclass
+class HeadView:
+    """What the head knows of its worker (pure: times are arguments)."""
+
+    timeout: float
+    peer: str = ""
+    last_seen: float | None = None  # the last heartbeat that said "ready"
+    ready: bool = False  # what the latest heartbeat said
+    detail: str = ""
+
+    def heard(self, sender: str, message: dict, now: float) -> None:
+        self.peer, self.ready, self.detail = sender, message.get("ready") is True, str(message.get("detail", ""))
+        if self.ready:
+            self.last_seen = now
+
+    def alive(self, now: float) -> bool:
+        return self.ready and self.last_seen is not None and now - self.last_seen <= self.timeout
+
+    def document(self, now: float) -> dict:
+        return {"time": now, "role": "head", "peer": self.peer, "alive": self.alive(now), "last_seen": self.last_seen}
+
+
+def heartbeat_port(env: Mapping[str, str]) -> int:
+    return int(setting(env, "VLLM_EXL3_HEARTBEAT_PORT"))
+
+
+def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | None = None,
+             stop: Callable[[int], None] | None = None) -> int:
+    bind = env.get("VLLM_EXL3_HEAD_ADDR") or "0.0.0.0"
+    timeout = float(setting(env, "VLLM_EXL3_PEER_TIMEOUT"))
+    grace = float(setting(env, "VLLM_EXL3_RENDEZVOUS_GRACE"))
+    stop = stop or (lambda pid: stop_process_group(pid, log))
+    view = HeadView(timeout)
+    lost_since: float | None = None
+    paired: int | None = None  # the head's vLLM pid while its worker was alive
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.bind((bind, heartbeat_port(env)))
+        sock.settimeout(1.0)
+        log(f"peer-heartbeat: head listening on {bind}:{heartbeat_port(env)}/udp; the worker counts as alive for "
+            f"{timeout:g}s after a ready heartbeat")
+        was_alive = False
+        while rounds is None or rounds > 0:
+            rounds = None if rounds is None else rounds - 1
+            deadline = time.monotonic() + 1.0
+            while (left := deadline - time.monotonic()) > 0:  # drain what came in this second
+                sock.settimeout(left)
+                try:
+                    data, (sender, *_) = sock.recvfrom(MAX_DATAGRAM)
+                    message = json.loads(data)
+                except (socket.timeout, ValueError, OSError):
+                    continue
+                if isinstance(message, dict) and message.get("role") == "worker":
+                    view.heard(sender, message, time.time())
+            now = time.time()
+            alive = view.alive(now)
+            if alive != was_alive:
+                log(f"peer-heartbeat: worker {view.peer or '?'} is " + ("alive" if alive else "not alive ("
+                    + (f"it reports: {view.detail}" if not view.ready and view.detail else
+                       f"no ready heartbeat for {timeout:g}s") + ")"))
+                was_alive = alive
+            if alive:
+                # The engine the worker joined: fixed when it joins, not followed (a head vLLM restarted while the
+                # last heartbeat is still fresh is a new engine the worker is not part of).
+                paired, lost_since = paired or vllm_pid(env), None
+            elif paired is not None:
+                lost_since = lost_since or now
+            # Only the engine that had the worker: a new one (restarted) is still waiting for it to join.
+            if lost_since is not None and now - lost_since >= grace:
+                if vllm_pid(env) == paired:
+                    log(f"peer-heartbeat: worker lost {grace:.0f}s ago; stopping the head's vLLM (pid {paired}) so "
+                        "it restarts and the worker can join a new engine")
+                    stop(paired)
+                paired, lost_since = None, None
+            try:
+                write_atomically(state_path(env), view.document(now))
+            except OSError as e:
+                log(f"peer-heartbeat: cannot write {state_path(env)}: {e}")
+    return 0
+
+
+def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int | None = None,
+               sleep: Callable[[float], None] = time.sleep) -> int:
+    head = env.get("VLLM_EXL3_HEAD_ADDR", "")
+    interval = float(setting(env, "VLLM_EXL3_HEARTBEAT_INTERVAL"))
+    target = (head, heartbeat_port(env))
+    family = socket.AF_INET6 if ":" in head else socket.AF_INET
+    last_seen: float | None = None
+    log(f"peer-heartbeat: worker reporting to {head}:{heartbeat_port(env)}/udp every {interval:g}s")
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        while rounds is None or rounds > 0:
+            rounds = None if rounds is None else rounds - 1
+            code, detail = check("readiness", env)
+            now = time.time()
+            ready = code == HEALTHY
+            last_seen = now if ready else last_seen
+            try:
+                sock.sendto(json.dumps({"role": "worker", "ready": ready, "detail": detail, "time": now}).encode(),
+                            target)
+            except OSError as e:  # no route yet: the head's box may be down; keep trying
+                detail = f"{detail}; heartbeat not sent: {e}"
+            try:
+                write_atomically(state_path(env), {"time": now, "role": "worker", "peer": head, "alive": ready,
+                                                   "last_seen": last_seen})
+            except OSError as e:
+                log(f"peer-heartbeat: cannot write {state_path(env)}: {e}")
+            sleep(interval)
+    return 0
+
+
+def main(env: Mapping[str, str] = os.environ) -> int:
+    role = env.get("VLLM_EXL3_ROLE")
+    if role == "head":
+        return run_head(env, stderr_log)
+    if role == "worker":
+        return run_worker(env, stderr_log)
+    stderr_log(f"peer-heartbeat: role {role}: no peer")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Safe network defaults: the API's bind address and key rule (exposure.py), the middleware that makes the key cover
+every path (api_guard.py), and preflight's point-to-point check of the fabric link."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import subprocess
+import sys
+
+import pytest
+
+from vllm_exl3 import demo
+from vllm_exl3.appliance import exposure
+from vllm_exl3.appliance.api_guard import GuardAllPaths
+from vllm_exl3.appliance.launch import EXIT_REFUSED, build_spec, load_preset
+from vllm_exl3.appliance.preflight import check_point_to_point
+
+
+@pytest.mark.parametrize("env,host", [
+    ({}, "127.0.0.1"),
+    ({"VLLM_API_KEY": "k"}, "0.0.0.0"),
+    ({"VLLM_API_KEY": "  "}, "127.0.0.1"),  # a blank key is no key
+    ({"VLLM_EXL3_HOST": "10.0.0.5"}, "10.0.0.5"),
+    ({"VLLM_EXL3_HOST": "10.0.0.5", "VLLM_API_KEY": "k"}, "10.0.0.5"),
+])
+def test_bind_address(env, host):
+    assert exposure.api_host(env) == host
+    flags = build_spec("single", load_preset("spark-1x", {}), env).flags
+    assert flags["host"] == host  # always explicit: vLLM's default is every interface
+    assert (flags.get("middleware") == exposure.GUARD_MIDDLEWARE) == bool(env.get("VLLM_API_KEY", "").strip())
+
+
+@pytest.mark.parametrize("host,env,refused", [
+    ("127.0.0.1", {}, False), ("::1", {}, False), ("localhost", {}, False), ("127.0.0.2", {}, False),
+    ("0.0.0.0", {}, True), ("192.168.1.5", {}, True), ("::", {}, True), ("spark.lan", {}, True),
+    ("0.0.0.0", {"VLLM_API_KEY": "k"}, False),
+    ("0.0.0.0", {"VLLM_EXL3_ALLOW_OPEN_API": "1"}, False), ("0.0.0.0", {"VLLM_EXL3_ALLOW_OPEN_API": "no"}, True),
+])
+def test_open_bind_without_key_is_refused(host, env, refused):
+    why = exposure.refusal(host, env)
+    assert (why is not None) == refused
+    if why:
+        assert "VLLM_API_KEY" in why and "ALLOW_OPEN_API" in why and "127.0.0.1" in why
+
+
+def launch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    base = {"PATH": "/usr/bin:/bin", "VLLM_EXL3_MODEL": str(demo.PACK)}
+    return subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "launch", "--role", "single", "--dry-run", *args],
+                          capture_output=True, text=True, env=base | env, timeout=120)
+
+
+def test_launch_refuses_an_open_api_even_without_preflight():
+    r = launch({"VLLM_EXL3_HOST": "0.0.0.0"}, "--no-preflight")
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert "REFUSED: the API would listen on every interface with no key" in r.stderr
+    assert "--no-preflight" not in r.stderr.split("refused before starting vLLM")[1]  # it is no way out here
+    r = launch({"VLLM_EXL3_HOST": "0.0.0.0", "VLLM_EXL3_ALLOW_OPEN_API": "1"}, "--no-preflight")
+    assert r.returncode == 0 and "--host 0.0.0.0" in r.stdout and "with NO key" in r.stderr
+    r = launch({"VLLM_API_KEY": "k"}, "--no-preflight")
+    assert r.returncode == 0 and "--host 0.0.0.0" in r.stdout
+    assert f"--middleware {exposure.GUARD_MIDDLEWARE}" in r.stdout
+    assert "key required on every path except /health,/metrics" in r.stderr
+
+
+# --- the middleware, driven as an ASGI server would -----------------------------------------------------------
+def call(guard: GuardAllPaths, path: str, headers=(), method="GET", kind="http"):
+    sent, reached = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request"}
+
+    guard.app = app
+    scope = {"type": kind, "path": path, "method": method, "root_path": "", "headers": list(headers)}
+    asyncio.run(guard(scope, receive, send))
+    return (200 if reached else sent[0].get("status", sent[0]["type"])), sent
+
+
+@pytest.mark.parametrize("path", ["/invocations", "/tokenize", "/detokenize", "/metrics/", "/version", "/v1/models",
+                                  "/ping", "/anything"])
+def test_guard_refuses_every_path_without_the_key(path):
+    guard = GuardAllPaths(None, key="s3cret", opened="/health")
+    status, sent = call(guard, path)
+    assert status == 401 and b"Bearer" in sent[1]["body"]
+    assert call(guard, path, [(b"authorization", b"Bearer s3cret")])[0] == 200
+    assert call(guard, path, [(b"authorization", b"Bearer wrong")])[0] == 401
+    assert call(guard, path, [(b"authorization", b"Basic s3cret")])[0] == 401
+
+
+def test_guard_open_paths_and_pass_through():
+    guard = GuardAllPaths(None, key="s3cret", opened="/health, /metrics /static/")
+    assert call(guard, "/health")[0] == 200 and call(guard, "/metrics")[0] == 200
+    assert call(guard, "/static/x.css")[0] == 200
+    assert call(guard, "/healthz")[0] == 401  # exact paths, not prefixes
+    assert call(guard, "/v1/models", method="OPTIONS")[0] == 200  # CORS preflight carries no credentials
+    assert call(guard, "/ws", kind="websocket")[0] == "websocket.close"
+    assert call(GuardAllPaths(None, key="", opened=""), "/invocations")[0] == 200  # no key: vLLM's behaviour
+
+
+# --- the fabric link -------------------------------------------------------------------------------------------
+ARP_HEADER = "IP address       HW type     Flags       HW address            Mask     Device\n"
+
+
+def networks(cidr: str, iface: str = "enp1s0f1np1"):
+    return lambda: {"lo": [ipaddress.ip_interface("127.0.0.1/8")], iface: [ipaddress.ip_interface(cidr)]}
+
+
+def arp(tmp_path, *rows: str):
+    (tmp_path / "proc/net").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "proc/net/arp").write_text(ARP_HEADER + "".join(rows))
+    return tmp_path
+
+
+def row(ip: str, iface: str = "enp1s0f1np1", flags: str = "0x2") -> str:
+    return f"{ip}  0x1  {flags}  aa:bb:cc:dd:ee:ff  *  {iface}\n"
+
+
+@pytest.mark.parametrize("cidr", ["192.168.100.10/31", "192.168.100.10/30", "fd00::1/127"])
+def test_point_to_point_subnets_pass(tmp_path, cidr):
+    local = cidr.split("/")[0]
+    c = check_point_to_point(local, None, arp(tmp_path), networks(cidr))
+    assert c.ok and not c.warning and c.checked and "enp1s0f1np1" in c.detail
+
+
+def test_one_neighbour_passes_more_warn(tmp_path):
+    root = arp(tmp_path, row("192.168.100.11"), row("10.0.0.1", iface="wlan0"), row("192.168.100.12", flags="0x0"))
+    c = check_point_to_point("192.168.100.10", "192.168.100.11", root, networks("192.168.100.10/24"))
+    assert c.ok and not c.warning and "one neighbour, 192.168.100.11" in c.detail  # incomplete entries don't count
+    c = check_point_to_point("192.168.100.10", "192.168.100.99", root, networks("192.168.100.10/24"))
+    assert c.ok and c.warning  # the one neighbour is not the peer
+    root = arp(tmp_path, row("192.168.100.11"), row("192.168.100.12"))
+    c = check_point_to_point("192.168.100.10", None, root, networks("192.168.100.10/24"))
+    assert c.ok and c.warning and "2 neighbour(s)" in c.detail and "firewall" in c.detail
+
+
+def test_point_to_point_not_checkable(tmp_path):
+    assert not check_point_to_point("10.9.9.9", None, arp(tmp_path), networks("192.168.100.10/31")).checked
+    assert not check_point_to_point("spark-a", None, arp(tmp_path), networks("192.168.100.10/31")).checked
