@@ -54,6 +54,9 @@ appliance | VLLM_EXL3_RENDEZVOUS_GRACE     | 30             | worker: seconds wi
 appliance | VLLM_EXL3_HEALTH_TIMEOUT       | 5              | seconds per health-check request
 appliance | VLLM_EXL3_RUN_DIR              | /run/vllm-exl3 | the launcher's pid file and supervisord's socket
 appliance | VLLM_EXL3_SUPERVISOR_D         | -              | directory of extra supervisord programs (*.conf)
+appliance | VLLM_EXL3_STATE_DIR            | /tmp/vllm-exl3-state | where the workers, the memory watchdog and the heartbeat publish their state (JSON) for the metrics exporter
+appliance | VLLM_EXL3_METRICS_HOST         | 127.0.0.1      | the metrics exporter's bind address (two Sparks: the worker's fabric IP, so the head's Prometheus reaches it)
+appliance | VLLM_EXL3_METRICS_PORT         | 9469           | the metrics exporter's port (`vllm-exl3 metrics`)
 tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
 tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GPU tests write their observed error bounds to
 tests     | VLLM_EXL3_TEST_REPORT_MOE      | -              | the same for the routed-expert GPU tests
