@@ -62,6 +62,8 @@ def appliance_env(role: str, run_dir: Path, **extra: str) -> dict[str, str]:
         VLLM_EXL3_SERVED_NAME=SERVED_NAME, VLLM_EXL3_HOST="127.0.0.1",
         VLLM_EXL3_SUPERVISOR_D=str(ROOT / "deploy" / "supervisor.d"),
         VLLM_EXL3_EXTRA_ARGS="--enforce-eager",  # a CI box has 2 cores: skip torch.compile
+        # the metrics exporter (deploy/supervisor.d/): a free port and this run's own state directory
+        VLLM_EXL3_METRICS_PORT=str(free_port()), VLLM_EXL3_STATE_DIR=str(run_dir / "state"),
     )
     env.pop("VLLM_CPU_SIM_MULTI_NUMA", None)  # each "node" binds its own core instead (see two_node_env)
     env.update(extra)
