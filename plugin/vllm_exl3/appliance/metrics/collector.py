@@ -57,7 +57,7 @@ _SPECS = [
     Spec("vllm_exl3_native_build_info", "gauge", ("archs", "version") + WORKER,
          "the native CUDA extension's SASS architectures (archs=\"\" without it)"),
     Spec("vllm_exl3_parity_checks", "gauge", LAYER + ("backend", "result") + WORKER,
-         "parity-gate checks per backend and layer variant, by result (pass | fail)"),
+         "parity-gate checks per backend and layer variant, by result (pass | fail)", gpu_only=True),
     Spec("vllm_exl3_parity_failed_checks", "gauge", WORKER, "parity-gate checks that failed (0 when all passed)"),
     Spec("vllm_exl3_parity_worst_relative_error", "gauge", LAYER + ("backend",) + WORKER,
          "the largest relative error the parity gate measured against the torch reference", gpu_only=True),
