@@ -16,13 +16,22 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ... import __version__
 from .gpu import read_gpus
 from .pack import pack_summary
 from .state import (PEER_FILE, WATCHDOG_FILE, WATCHDOG_STATES, StateError, read_peer, read_watchdog, read_worker,
                     worker_files)
 
 logger = logging.getLogger("vllm_exl3.metrics")
+
+
+def _version() -> str:
+    """The installed distribution's version (the package root would pull in the vLLM plugin's imports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-exl3")
+    except PackageNotFoundError:
+        return "unknown"
 
 WORKER = ("rank", "role")
 LAYER = ("layer_type", "variant", "device")  # "linear:mul1:4b:cuda" -> linear, mul1:4b, cuda
@@ -141,7 +150,7 @@ class Exl3Collector:
 
     def collect(self):
         f = Families()
-        f.add("vllm_exl3_exporter_info", {"version": __version__, "role": self.role}, 1)
+        f.add("vllm_exl3_exporter_info", {"version": _version(), "role": self.role}, 1)
         self._workers(f)
         self._pack(f)
         self._health(f)
