@@ -195,3 +195,11 @@ def test_exporter_serves_http_and_refuses_a_taken_port(published):
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out  # SIGTERM is a clean stop (supervisord's stopsignal)
+
+
+def test_docs_list_every_metric_and_alert():
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    assert [m for m in collector.METRICS if f"`{m}`" not in doc] == []
+    alerts = [r["alert"] for g in yaml.safe_load((ROOT / "deploy/prometheus/rules/alerts.yml").read_text())["groups"]
+              for r in g["rules"]]
+    assert [a for a in alerts if f"`{a}`" not in doc] == []
