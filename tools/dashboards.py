@@ -128,6 +128,20 @@ EXL3 = Dashboard("vllm-exl3-exl3", "vLLM EXL3: kernels, load, pack, parity",
         Panel("Bytes read", (q("vllm_exl3_weight_load_bytes", "rank {{rank}}"),), "bytes", kind="stat", width=6),
         Panel("Reader threads", (q("vllm_exl3_weight_load_workers", "rank {{rank}}"),), kind="stat", width=6),
     )),
+    Row("Memory plan (the launcher's, per node) and what was allocated", (
+        Panel("Planned weights and KV cache", (q("vllm_exl3_memory_plan_weights_bytes", "weights " + BY_NODE),
+                                               q("vllm_exl3_memory_plan_kv_bytes", "KV cache " + BY_NODE)), "bytes",
+              kind="stat", width=6, needs="gpu"),
+        Panel("Planned context and KV tokens", (q("vllm_exl3_memory_plan_max_model_len_tokens", "context " + BY_NODE),
+                                                q("vllm_exl3_memory_plan_kv_tokens", "KV tokens " + BY_NODE)),
+              kind="stat", width=6, needs="gpu"),
+        Panel("GPU memory allocated once the layers were bound", (
+            q("vllm_exl3_device_allocated_bytes", "allocated, rank {{rank}}"),
+            q("vllm_exl3_memory_plan_weights_bytes", "planned weights " + BY_NODE)), "bytes", kind="stat", width=6,
+            needs="gpu"),
+        Panel("KV cache as vLLM allocated it", (q("max by (instance, num_gpu_blocks, block_size, cache_dtype) "
+                                                  "(vllm:cache_config_info)"),), kind="table", width=6),
+    )),
     Row("Pack", (
         Panel("Pack", (q("max by (pack, architecture, codebooks, bits) (vllm_exl3_pack_info)"),), kind="table",
               width=8),

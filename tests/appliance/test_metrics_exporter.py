@@ -55,7 +55,6 @@ def published(tmp_path, monkeypatch) -> Path:
     from vllm_exl3.kernels.specs import LinearSpec
 
     monkeypatch.setenv("VLLM_EXL3_STATE_DIR", str(tmp_path))
-    monkeypatch.setenv("VLLM_EXL3_ROLE", "head")
     choose_linear_backend(LinearSpec("mul1", 4, 256, 256, torch.float16, "cpu"))
     path = telemetry.publish()
     assert path == tmp_path / "exl3-rank0.json"
@@ -63,7 +62,7 @@ def published(tmp_path, monkeypatch) -> Path:
 
 
 def test_worker_state_round_trip(published):
-    s = scrape(published)
+    s = scrape(published, role="head")
     ids = {"rank": "0", "role": "head"}
     assert value(s, "vllm_exl3_worker_up", **ids) == 1
     assert value(s, "vllm_exl3_backend_info", layer_type="linear", backend="torch", **ids) == 1
@@ -84,7 +83,7 @@ def test_a_finished_worker_is_down_and_exports_nothing_else(published):
     dead.wait()
     data["pid"] = dead.pid  # a process that has exited
     path.write_text(json.dumps(data))
-    s = scrape(published)
+    s = scrape(published, role="head")
     assert value(s, "vllm_exl3_worker_up", rank="0", role="head") == 0
     assert not [k for k in s if k[0] == "vllm_exl3_backend_info"]
 
@@ -176,7 +175,7 @@ def test_every_metric_the_dashboards_and_rules_use_is_exported():
 def test_exporter_serves_http_and_refuses_a_taken_port(published):
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_exl3.cli", "metrics", "--host", "127.0.0.1", "--port", str(port),
-           "--state-dir", str(published), "--model", str(demo.PACK)]
+           "--state-dir", str(published), "--model", str(demo.PACK), "--role", "head"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -199,7 +198,26 @@ def test_exporter_serves_http_and_refuses_a_taken_port(published):
 
 def test_docs_list_every_metric_and_alert():
     doc = (ROOT / "docs" / "observability.md").read_text()
-    assert [m for m in collector.METRICS if f"`{m}`" not in doc] == []
+    assert collector.markdown_table() in doc, "paste vllm_exl3.appliance.metrics.collector.markdown_table() there"
     alerts = [r["alert"] for g in yaml.safe_load((ROOT / "deploy/prometheus/rules/alerts.yml").read_text())["groups"]
               for r in g["rules"]]
     assert [a for a in alerts if f"`{a}`" not in doc] == []
+
+
+def test_memory_plan_written_by_the_launcher_is_exported(tmp_path):
+    """The launcher's real plan for the demo pack on a 128 GiB machine, through the writer it uses."""
+    from vllm_exl3.appliance import preflight
+    from vllm_exl3.appliance.memory_plan import MemoryFigures, PlanSettings, Request
+    from vllm_exl3.appliance.metrics.state import write_memory_plan
+    from vllm_exl3.format.pack import Pack
+
+    gib = 1024 ** 3
+    plan = preflight.memory_plan(Pack.open(demo.PACK), Request(), PlanSettings(),
+                                 MemoryFigures(128 * gib, 120 * gib, 120 * gib))
+    assert plan.fits and plan.weights_bytes > 0 and plan.kv_bytes > 0
+    write_memory_plan(tmp_path, plan)
+    s = scrape(tmp_path)
+    assert value(s, "vllm_exl3_memory_plan_weights_bytes") == plan.weights_bytes
+    assert value(s, "vllm_exl3_memory_plan_kv_tokens") == plan.kv_tokens
+    assert value(s, "vllm_exl3_memory_plan_max_model_len_tokens") == plan.max_model_len
+    assert value(s, "vllm_exl3_memory_plan_gpu_memory_utilization_ratio") == plan.gpu_memory_utilization

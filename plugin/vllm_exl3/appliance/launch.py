@@ -25,6 +25,7 @@ from typing import Any
 from . import preflight
 from .health import PID_FILE
 from .memory_plan import MemoryFigures, PlanSettings, Request
+from .metrics.state import state_dir, write_memory_plan
 from .settings import default
 
 try:
@@ -77,7 +78,7 @@ PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
 APPLIANCE_VARIABLES = {var for var, *_ in ENV_FLAGS} | {
     "VLLM_EXL3_ROLE", "VLLM_EXL3_PRESET", "VLLM_EXL3_PRESET_DIR", "VLLM_EXL3_MODEL", "VLLM_EXL3_EXTRA_ARGS",
     "VLLM_EXL3_HEAD_WAIT", "VLLM_EXL3_RUN_DIR", "VLLM_EXL3_SUPERVISOR_D", "VLLM_EXL3_RENDEZVOUS_GRACE",
-    "VLLM_EXL3_HEALTH_TIMEOUT"}
+    "VLLM_EXL3_HEALTH_TIMEOUT", "VLLM_EXL3_METRICS_HOST", "VLLM_EXL3_METRICS_PORT"}
 
 
 class LaunchError(ValueError):
@@ -290,6 +291,14 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
     return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization)
 
 
+def _publish_plan(plan, env: Mapping[str, str]) -> None:
+    """The plan for the metrics exporter (docs/observability.md); metrics never stop a launch."""
+    try:
+        write_memory_plan(state_dir(env), plan)
+    except OSError as e:
+        preflight.log_stderr(f"vllm-exl3 launch: cannot write the memory plan for the metrics exporter ({e})")
+
+
 def write_pid_file(env: Mapping[str, str]) -> None:
     run_dir = env.get("VLLM_EXL3_RUN_DIR")
     if run_dir:
@@ -366,6 +375,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         return EXIT_REFUSED
     if args.dry_run:
         return 0
+    if not args.no_preflight and report.plan is not None:
+        _publish_plan(report.plan, env)
     write_pid_file(env)
     target = exec_argv(argv)
     os.execvpe(target[0], target, {k: v for k, v in env.items() if k not in APPLIANCE_VARIABLES})

@@ -73,6 +73,7 @@ def snapshot() -> dict[str, Any]:
             {"layer": c.layer, "layer_type": c.layer_type, "backend": c.backend, "error": c.error,
              "bound": c.bound, "passed": c.passed} for c in parity.checks()]},
         "load": receipt.to_json() if receipt is not None else None,
+        "device_allocated_bytes": torch.cuda.memory_allocated() if torch.cuda.is_initialized() else None,
     }
 
 

@@ -18,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .gpu import read_gpus
 from .pack import pack_summary
-from .state import (PEER_FILE, WATCHDOG_FILE, WATCHDOG_STATES, StateError, read_peer, read_watchdog, read_worker,
-                    worker_files)
+from .state import (PEER_FILE, PLAN_FILE, WATCHDOG_FILE, WATCHDOG_STATES, StateError, read_memory_plan, read_peer,
+                    read_watchdog, read_worker, worker_files)
 
 logger = logging.getLogger("vllm_exl3.metrics")
 
@@ -80,6 +80,17 @@ _SPECS = [
     Spec("vllm_exl3_weight_load_files", "gauge", WORKER, "files read by the last weight load"),
     Spec("vllm_exl3_weight_load_tensors", "gauge", WORKER, "tensors read by the last weight load"),
     Spec("vllm_exl3_weight_load_direct_io", "gauge", WORKER, "1 if the last load used O_DIRECT for every file"),
+    Spec("vllm_exl3_device_allocated_bytes", "gauge", WORKER,
+         "GPU memory torch had allocated in the worker once its layers were bound (weights and their buffers)",
+         gpu_only=True),
+    # -- the launcher's memory plan (appliance/memory_plan.py), per node: it plans where a GPU is visible --
+    Spec("vllm_exl3_memory_plan_weights_bytes", "gauge", (), "weights per node, as planned", gpu_only=True),
+    Spec("vllm_exl3_memory_plan_kv_bytes", "gauge", (), "memory planned for the KV cache", gpu_only=True),
+    Spec("vllm_exl3_memory_plan_kv_tokens", "gauge", (), "tokens of KV cache planned", gpu_only=True),
+    Spec("vllm_exl3_memory_plan_max_model_len_tokens", "gauge", (), "the context length the plan chose",
+         gpu_only=True),
+    Spec("vllm_exl3_memory_plan_gpu_memory_utilization_ratio", "gauge", (), "the --gpu-memory-utilization chosen",
+         gpu_only=True),
     # -- the pack (format/summary.py) --
     Spec("vllm_exl3_pack_info", "gauge", ("pack", "architecture", "codebooks", "bits"),
          "the pack being served: name (folder), architecture, codebooks and bit widths present"),
@@ -104,6 +115,15 @@ _SPECS = [
     Spec("vllm_exl3_gpu_power_watts", "gauge", ("gpu", "name"), "GPU power draw", gpu_only=True),
 ]
 METRICS: dict[str, Spec] = {s.name: s for s in _SPECS}
+
+
+def markdown_table() -> str:
+    """The catalogue as docs/observability.md shows it (a test keeps the two equal)."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for s in METRICS.values():
+        labels = ", ".join(f"`{label}`" for label in s.labels) or "–"
+        rows.append(f"| `{s.name}` | {s.kind} | {labels} | {s.help}{' (GPU hosts only)' if s.gpu_only else ''} |")
+    return "\n".join(rows) + "\n"
 
 
 def split_layer_type(layer_type: str) -> tuple[str, str, str]:
@@ -176,7 +196,8 @@ class Exl3Collector:
                 self._invalid(f, e)
                 continue
             self._file_ok(f, path, w.time)
-            ids = {"rank": str(w.rank), "role": w.role}
+            # the node's role, which the exporter knows (the launcher keeps VLLM_EXL3_ROLE from vLLM's processes)
+            ids = {"rank": str(w.rank), "role": self.role}
             f.add("vllm_exl3_worker_up", ids, int(w.alive))
             if w.alive:
                 worker_metrics(f, w.data, ids)
@@ -197,7 +218,8 @@ class Exl3Collector:
             f.add("vllm_exl3_pack_bits_per_weight", {"group": group}, g.bits_per_weight)
 
     def _health(self, f: Families) -> None:
-        for reader, on, name in ((read_watchdog, watchdog_metrics, WATCHDOG_FILE), (read_peer, peer_metrics, PEER_FILE)):
+        for reader, on, name in ((read_watchdog, watchdog_metrics, WATCHDOG_FILE), (read_peer, peer_metrics, PEER_FILE),
+                                 (read_memory_plan, plan_metrics, PLAN_FILE)):
             try:
                 value = reader(self.state_dir)
             except StateError as e:
@@ -246,6 +268,8 @@ def worker_metrics(f: Families, data: dict, ids: dict[str, str]) -> None:
     for key, (error, bound) in worst.items():
         f.add("vllm_exl3_parity_worst_relative_error", {**_layer(key), "backend": key[3], **ids}, error)
         f.add("vllm_exl3_parity_bound", {**_layer(key), "backend": key[3], **ids}, bound)
+    if data.get("device_allocated_bytes") is not None:
+        f.add("vllm_exl3_device_allocated_bytes", ids, data["device_allocated_bytes"])
     load = data.get("load")
     if load:
         for name, value in (("seconds", load["seconds"]), ("bytes", load["bytes"]),
@@ -274,3 +298,11 @@ def peer_metrics(f: Families, p) -> None:
     f.add("vllm_exl3_peer_alive", {"peer": p.peer}, int(p.alive))
     if p.last_seen is not None:
         f.add("vllm_exl3_peer_last_seen_timestamp_seconds", {"peer": p.peer}, p.last_seen)
+
+
+def plan_metrics(f: Families, p) -> None:
+    f.add("vllm_exl3_memory_plan_weights_bytes", {}, p.weights_bytes)
+    f.add("vllm_exl3_memory_plan_kv_bytes", {}, p.kv_bytes)
+    f.add("vllm_exl3_memory_plan_kv_tokens", {}, p.kv_tokens)
+    f.add("vllm_exl3_memory_plan_max_model_len_tokens", {}, p.max_model_len)
+    f.add("vllm_exl3_memory_plan_gpu_memory_utilization_ratio", {}, p.gpu_memory_utilization)

@@ -3,6 +3,7 @@
 - `exl3-rank<N>.json`, one per worker rank (written by integration/telemetry.py; keys documented there).
 - `memory-watchdog.json`, the memory watchdog's last reading and verdict.
 - `peer.json`, the two-Spark heartbeat: whether this node sees its peer.
+- `memory-plan.json`, the launcher's memory plan for this node (written here, by `write_memory_plan`).
 
 A file that is missing is simply not exported; a file that is present but wrong raises `StateError` naming the
 file, the field, what was expected and what was found (the exporter logs it and exports the file as invalid).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ STATE_DIR_ENV = "VLLM_EXL3_STATE_DIR"
 WORKER_FILE = re.compile(r"^exl3-rank(\d+)\.json$")  # integration/telemetry.py's worker_file()
 WATCHDOG_FILE = "memory-watchdog.json"
 PEER_FILE = "peer.json"
+PLAN_FILE = "memory-plan.json"
 WATCHDOG_STATES = ("ok", "soft", "hard")
 NUMBER = (int, float)
 
@@ -122,6 +125,40 @@ def read_peer(directory: Path) -> Peer | None:
                 _field(path, data, "peer", str, "the peer's address or name"),
                 _field(path, data, "alive", bool, "true or false"),
                 _field(path, data, "last_seen", NUMBER, "a number (Unix time) or null", optional=True))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    time: float
+    fits: bool
+    gpu_memory_utilization: float
+    max_model_len: int
+    kv_tokens: int
+    weights_bytes: int
+    kv_bytes: int
+
+
+def write_memory_plan(directory: Path, plan) -> Path:
+    """The launcher's plan (appliance/memory_plan.py's Plan) for the exporter; atomically (temp file + rename)."""
+    body = {"time": time.time(), "fits": plan.fits, "gpu_memory_utilization": plan.gpu_memory_utilization,
+            "max_model_len": plan.max_model_len, "kv_tokens": plan.kv_tokens, "weights_bytes": plan.weights_bytes,
+            "kv_bytes": plan.kv_bytes}
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{PLAN_FILE}.{os.getpid()}.partial"
+    tmp.write_text(json.dumps(body))
+    tmp.replace(directory / PLAN_FILE)
+    return directory / PLAN_FILE
+
+
+def read_memory_plan(directory: Path) -> MemoryPlan | None:
+    path = directory / PLAN_FILE
+    data = _load(path)
+    if data is None:
+        return None
+    return MemoryPlan(_field(path, data, "time", NUMBER), _field(path, data, "fits", bool),
+                      _field(path, data, "gpu_memory_utilization", NUMBER),
+                      *(_field(path, data, k, int) for k in ("max_model_len", "kv_tokens", "weights_bytes",
+                                                             "kv_bytes")))
 
 
 @dataclass(frozen=True)
