@@ -98,8 +98,8 @@ OVERVIEW = Dashboard("vllm-exl3-overview", "vLLM EXL3: overview",
         Panel("KV cache usage", (q("max(vllm:kv_cache_usage_perc)", "used"),), "percentunit"),
         Panel("Preemptions (5 min)", (q("sum(increase(vllm:num_preemptions_total[5m]))", "preemptions"),), "short"),
         Panel("Prompt tokens from the prefix cache",
-              (q("sum(rate(vllm:prefix_cache_hits_total[5m])) / clamp_min(sum(rate(vllm:prefix_cache_queries_total[5m])), 1)",
-                 "hit ratio"),), "percentunit"),
+              (q("sum(rate(vllm:prefix_cache_hits_total[5m]))"
+                 " / clamp_min(sum(rate(vllm:prefix_cache_queries_total[5m])), 1)", "hit ratio"),), "percentunit"),
     )),
 ))
 
@@ -109,7 +109,8 @@ EXL3 = Dashboard("vllm-exl3-exl3", "vLLM EXL3: kernels, load, pack, parity",
     Row("Kernel backends", (
         Panel("Backend per layer type", (q("max by (rank, role, layer_type, backend) (vllm_exl3_backend_info)"),),
               kind="table", width=8),
-        Panel("Layers per backend", (q("sum by (rank, layer_type, variant, device, backend) (vllm_exl3_backend_layers)"),),
+        Panel("Layers per backend",
+              (q("sum by (rank, layer_type, variant, device, backend) (vllm_exl3_backend_layers)"),),
               kind="table", width=8),
         Panel("Fallback layers", (q("sum by (rank) (vllm_exl3_fallback_layers)", "rank {{rank}}"),), kind="stat",
               width=8, description="Layers served by a later backend although an earlier available one was preferred."),

@@ -7,7 +7,6 @@ running vLLM, a real Prometheus) is tests/e2e/test_observability_e2e.py."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys

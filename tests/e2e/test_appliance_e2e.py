@@ -49,8 +49,8 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
         assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
 
 
-BACKEND_INFO = re.compile(r'^vllm_exl3_backend_info\{backend="(\w+)",layer_type="(\w+)",rank="(\d+)",role="(\w+)"\} 1\.0$',
-                          re.M)
+BACKEND_INFO = re.compile(
+    r'^vllm_exl3_backend_info\{backend="(\w+)",layer_type="(\w+)",rank="(\d+)",role="(\w+)"\} 1\.0$', re.M)
 
 
 def exported_backends(env: dict[str, str]) -> set[tuple[str, str, str, str]]:

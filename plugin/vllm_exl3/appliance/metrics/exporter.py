@@ -61,7 +61,8 @@ def serve(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
-    p = argparse.ArgumentParser(prog="python -m vllm_exl3.appliance.metrics.exporter", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m vllm_exl3.appliance.metrics.exporter",
+                                description=__doc__.splitlines()[0])
     return serve(add_arguments(p).parse_args(argv))
 
 
