@@ -136,6 +136,11 @@ def test_a_bad_worker_file_names_the_field(published):
     with pytest.raises(StateError, match=r"exl3-rank0.json: decisions\[0\].layers: expected an integer, found 'many'"):
         read_worker(path)
     data["decisions"][0]["layers"] = 1
+    data["decisions"][0]["skipped"] = [{"backend": "native"}]
+    path.write_text(json.dumps(data))
+    with pytest.raises(StateError, match=r"decisions\[0\].skipped\[0\].reason: expected a string, found nothing"):
+        read_worker(path)
+    data["decisions"][0]["skipped"] = []
     data["rank"] = 3
     path.write_text(json.dumps(data))
     with pytest.raises(StateError, match=r"rank: expected 0 \(as the file name says\), found 3"):

@@ -262,7 +262,7 @@ def worker_metrics(f: Families, data: dict, ids: dict[str, str]) -> None:
         result = "pass" if c["passed"] else "fail"
         counts[key + (result,)] = counts.get(key + (result,), 0) + 1
         if key not in worst or c["error"] > worst[key][0]:
-            worst[key] = (c["error"], c.get("bound", 0.0))
+            worst[key] = (c["error"], c["bound"])
     for key, n in counts.items():
         f.add("vllm_exl3_parity_checks", {**_layer(key), "backend": key[3], "result": key[4], **ids}, n)
     for key, (error, bound) in worst.items():

@@ -205,13 +205,20 @@ def read_worker(path: Path) -> Worker:
     expected_rank = int(WORKER_FILE.match(path.name).group(1))
     if rank != expected_rank:
         raise StateError(path, "rank", f"{expected_rank} (as the file name says)", repr(rank))
-    _list_of_objects(path, data, "decisions", {"layer_type": str, "backend": str, "layers": int, "skipped": list})
+    decisions = _list_of_objects(path, data, "decisions", {"layer_type": str, "backend": str, "layers": int})
+    for i, d in enumerate(decisions):
+        _list_of_objects(path, d, "skipped", {"backend": str, "reason": str}, f"decisions[{i}].")
     _list_of_objects(path, data, "backends", {"name": str, "available": bool, "reason": str})
-    _field(path, data, "native_archs", list, "a list of architectures")
-    _field(path, data, "served", dict, "an object (layer type -> backend)")
+    for i, arch in enumerate(_field(path, data, "native_archs", list, "a list of architectures")):
+        if not isinstance(arch, str):
+            raise StateError(path, f"native_archs[{i}]", "a string", repr(arch))
+    for layer_type, backend in _field(path, data, "served", dict, "an object (layer type -> backend)").items():
+        if not isinstance(backend, str):
+            raise StateError(path, f"served.{layer_type}", "a backend name", repr(backend))
+    _field(path, data, "device_allocated_bytes", int, "an integer or null", optional=True)
     parity = _field(path, data, "parity", dict, "an object")
-    _list_of_objects(path, parity, "checks", {"layer_type": str, "backend": str, "error": NUMBER, "passed": bool},
-                     "parity.")
+    _list_of_objects(path, parity, "checks", {"layer_type": str, "backend": str, "error": NUMBER, "bound": NUMBER,
+                                              "passed": bool}, "parity.")
     load = _field(path, data, "load", dict, "an object or null", optional=True)
     if load is not None:
         for k in ("bytes", "seconds", "workers", "files", "tensors", "wait_seconds"):
