@@ -16,7 +16,8 @@ from vllm_exl3.appliance.launch import build_spec, load_preset
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 VLLM_PROFILES = {"single": "single", "head": "head", "worker": "worker"}  # profile -> role
-ALL_PROFILES = [*VLLM_PROFILES, *(f"{p}-exllamav3" for p in VLLM_PROFILES), "metrics"]
+METRICS_PROFILES = {"metrics": {"prometheus", "grafana", "node-exporter"}, "metrics-node": {"node-exporter"}}
+ALL_PROFILES = [*VLLM_PROFILES, *(f"{p}-exllamav3" for p in VLLM_PROFILES), *METRICS_PROFILES]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def configs(compose, env_file) -> dict[str, dict]:
 
 def test_each_profile_runs_exactly_its_services(configs):
     for profile in ALL_PROFILES:
-        expected = {"prometheus", "grafana"} if profile == "metrics" else {profile}
+        expected = METRICS_PROFILES.get(profile, {profile})
         assert set(configs[profile]["services"]) == expected, profile
 
 
@@ -116,14 +117,34 @@ def test_the_services_environment_launches_the_intended_command(configs, profile
 
 def test_metrics_profile(configs):
     services = configs["metrics"]["services"]
-    prom, grafana = services["prometheus"], services["grafana"]
+    prom, grafana, node = services["prometheus"], services["grafana"], services["node-exporter"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
-    assert "--web.listen-address=:9090" in prom["command"]
     mounts = {v["target"]: v for v in prom["volumes"] + grafana["volumes"]}
     assert Path(mounts["/etc/prometheus"]["source"]) == ROOT / "deploy" / "prometheus"
     assert Path(mounts["/etc/grafana/provisioning"]["source"]) == ROOT / "deploy" / "grafana" / "provisioning"
+    assert Path(mounts["/var/lib/grafana/dashboards"]["source"]) == ROOT / "deploy" / "grafana" / "dashboards"
     assert grafana["environment"]["PROMETHEUS_PORT"] == "9090"  # the provisioned data source reads it
-    assert ":latest" not in prom["image"] and ":latest" not in grafana["image"]
+    for svc in services.values():
+        assert ":latest" not in svc["image"] and svc["network_mode"] == "host"
+    # loopback by default, every one of them
+    assert "--web.listen-address=127.0.0.1:9090" in prom["command"]
+    assert "--web.listen-address=127.0.0.1:9100" in node["command"]
+    assert grafana["environment"]["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    # no admin/admin: the admin password is read from a secret file, and nothing else can set or skip it
+    env = grafana["environment"]
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env and env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    (secret,) = grafana["secrets"]
+    assert secret["source"] == "grafana_admin_password"
+    assert Path(configs["metrics"]["secrets"]["grafana_admin_password"]["file"]).name == "grafana-admin-password"
+    # the node exporter reads the host's /proc and /sys, with memory pressure on
+    assert "--path.rootfs=/host" in node["command"] and "--collector.pressure" in node["command"]
+    assert node["pid"] == "host" and any(v["source"] == "/" and v["read_only"] for v in node["volumes"])
+
+
+def test_exporter_settings_reach_the_appliance(configs):
+    env = configs["single"]["services"]["single"]["environment"]
+    assert env["VLLM_EXL3_METRICS_HOST"] == "127.0.0.1" and env["VLLM_EXL3_METRICS_PORT"] == "9469"
 
 
 def test_every_variable_is_documented_in_env_example():

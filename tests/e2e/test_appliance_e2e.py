@@ -7,6 +7,7 @@ engine with `--nnodes 2` over gloo/TCP (TP 2, one rank per "node", each bound to
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -33,6 +34,7 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
             completion(port)
         text = completion(port, api_key=key)["choices"][0]["text"]
         assert text
+        assert exported_backends(env) == {("linear", "torch", "0", "single"), ("moe", "torch", "0", "single")}
         first = box.vllm_pid
         assert health(env, "liveness").returncode == 0
 
@@ -45,6 +47,17 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
         log = box.log.read_text()
         assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
         assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
+
+
+BACKEND_INFO = re.compile(
+    r'^vllm_exl3_backend_info\{backend="(\w+)",layer_type="(\w+)",rank="(\d+)",role="(\w+)"\} 1\.0$', re.M)
+
+
+def exported_backends(env: dict[str, str]) -> set[tuple[str, str, str, str]]:
+    """(layer_type, backend, rank, role) of vllm_exl3_backend_info from the box's metrics exporter
+    (deploy/supervisor.d/metrics-exporter.conf)."""
+    text = requests.get(f"http://127.0.0.1:{env['VLLM_EXL3_METRICS_PORT']}/metrics", timeout=10).text
+    return {(layer_type, backend, rank, role) for backend, layer_type, rank, role in BACKEND_INFO.findall(text)}
 
 
 def test_fatal_program_ends_supervisord(tmp_path):
@@ -85,6 +98,9 @@ def test_two_nodes_tp2_serve_and_rejoin_after_head_crash(tmp_path):
         wlog = worker.log.read_text()
         assert "--nnodes 2 --node-rank 1 --headless" in wlog and "head rendezvous: 127.0.0.1" in wlog
         assert "--nnodes 2 --node-rank 0" in head.log.read_text()
+        # each "Spark" exports its own rank through its own exporter, the headless worker included
+        assert {b[2:] for b in exported_backends(head_env)} == {("0", "head")}
+        assert {b[2:] for b in exported_backends(worker_env)} == {("1", "worker")}
 
         head_vllm, worker_vllm = head.vllm_pid, worker.vllm_pid
         kill_group(head_vllm, signal.SIGKILL)  # the head box's vLLM dies

@@ -64,6 +64,7 @@ def appliance_env(role: str, run_dir: Path, **extra: str) -> dict[str, str]:
         VLLM_EXL3_EXTRA_ARGS="--enforce-eager",  # a CI box has 2 cores: skip torch.compile
         VLLM_EXL3_RESTART_BACKOFF="1",  # the listener's restart delay after a crash (10 s in a container)
         VLLM_EXL3_STATE_DIR=str(run_dir / "state"),  # per "container": the default is one path per machine
+        VLLM_EXL3_METRICS_PORT=str(free_port()),  # the metrics exporter (deploy/supervisor.d/): a free port
         # The memory watchdog runs for real on this machine's /proc; floors far below a CI box's memory keep it
         # from judging the box instead of the appliance (test_watchdog.py drives it with fake readings).
         VLLM_EXL3_MEM_SOFT_FLOOR_GIB="0.25", VLLM_EXL3_MEM_HARD_FLOOR_GIB="0.125", VLLM_EXL3_MEM_PSI_FULL_SOFT="101",

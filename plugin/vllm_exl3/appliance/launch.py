@@ -25,6 +25,7 @@ from typing import Any
 from . import exposure, preflight
 from .health import PID_FILE
 from .memory_plan import MemoryFigures, PlanSettings, Request
+from .metrics.state import state_dir, write_memory_plan
 from .settings import SETTINGS, default
 
 try:
@@ -74,7 +75,8 @@ PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
 # of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
 # (VLLM_EXL3_KERNEL, ...) stay.
 APPLIANCE_VARIABLES = {s.name for s in SETTINGS if s.area == "appliance"} - {
-    "VLLM_EXL3_OPEN_PATHS"}  # read inside vLLM's API server by api_guard.py
+    "VLLM_EXL3_OPEN_PATHS",  # read inside vLLM's API server by api_guard.py
+    "VLLM_EXL3_STATE_DIR"}  # vLLM's workers publish their state there (integration/telemetry.py)
 
 
 class LaunchError(ValueError):
@@ -320,6 +322,14 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
                               report.plan.kv_cache_memory_bytes)
 
 
+def _publish_plan(plan, env: Mapping[str, str]) -> None:
+    """The plan for the metrics exporter (docs/observability.md); metrics never stop a launch."""
+    try:
+        write_memory_plan(state_dir(env), plan)
+    except OSError as e:
+        preflight.log_stderr(f"vllm-exl3 launch: cannot write the memory plan for the metrics exporter ({e})")
+
+
 def write_pid_file(env: Mapping[str, str]) -> None:
     run_dir = env.get("VLLM_EXL3_RUN_DIR")
     if run_dir:
@@ -406,6 +416,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         return EXIT_REFUSED
     if args.dry_run:
         return 0
+    if not args.no_preflight and report.plan is not None:
+        _publish_plan(report.plan, env)
     write_pid_file(env)
     target = exec_argv(argv)
     os.execvpe(target[0], target, {k: v for k, v in env.items() if k not in APPLIANCE_VARIABLES})

@@ -222,6 +222,7 @@ class Plan:
     lines: list[str] = field(default_factory=list)  # the arithmetic, for the log
     problems: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
+    weights_bytes: int = 0  # per node (the metrics exporter shows them next to what was allocated)
 
     def flags(self) -> dict[str, Any]:
         return {"gpu-memory-utilization": self.gpu_memory_utilization, "max-model-len": self.max_model_len,
@@ -313,4 +314,4 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
         lines.append(f"plan: --gpu-memory-utilization {util:.2f} --kv-cache-memory-bytes {kv_exact} "
                      f"({gib(kv_exact)}) --max-model-len {max_len} "
                      f"({kv_tokens // max(max_len, 1)} full-length sequences fit in KV)")
-    return Plan(not problems, round(util, 2), max_len, kv_tokens, kv_exact, lines, problems, advice)
+    return Plan(not problems, round(util, 2), max_len, kv_tokens, kv_exact, lines, problems, advice, weights)

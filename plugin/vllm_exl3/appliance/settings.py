@@ -65,7 +65,7 @@ appliance | VLLM_EXL3_CRASH_LIMIT          | 5              | this many exits of
 appliance | VLLM_EXL3_CRASH_WINDOW         | 1800           | seconds over which exits are counted
 appliance | VLLM_EXL3_RUN_DIR              | /run/vllm-exl3 | the launcher's pid file and supervisord's socket
 appliance | VLLM_EXL3_SUPERVISOR_D         | -              | directory of extra supervisord programs (*.conf)
-appliance | VLLM_EXL3_STATE_DIR            | /tmp/vllm-exl3-state | where the appliance's programs publish their state as JSON (memory-watchdog.json) for health checks and metrics
+appliance | VLLM_EXL3_STATE_DIR            | /tmp/vllm-exl3-state | where the workers, the memory watchdog and the heartbeat publish their state (JSON) for readiness and the metrics exporter
 appliance | VLLM_EXL3_MEMINFO              | /proc/meminfo  | memory watchdog: the meminfo file it reads
 appliance | VLLM_EXL3_PSI                  | /proc/pressure/memory | memory watchdog: the memory pressure (PSI) file it reads (missing: no PSI)
 appliance | VLLM_EXL3_WATCHDOG_INTERVAL    | 1              | memory watchdog: seconds between readings
@@ -73,6 +73,8 @@ appliance | VLLM_EXL3_MEM_SOFT_FLOOR_GIB   | 4              | memory watchdog: M
 appliance | VLLM_EXL3_MEM_HARD_FLOOR_GIB   | 2              | memory watchdog: MemAvailable below this stops vLLM before the OOM killer acts
 appliance | VLLM_EXL3_MEM_PSI_FULL_SOFT    | 10             | memory watchdog: PSI `full avg10` (percent) at or above this also turns readiness red
 appliance | VLLM_EXL3_MEM_STOP_GRACE       | 10             | memory watchdog: seconds between its SIGTERM to vLLM and SIGKILL
+appliance | VLLM_EXL3_METRICS_HOST         | 127.0.0.1      | the metrics exporter's bind address (two Sparks: the worker's fabric IP, so the head's Prometheus reaches it)
+appliance | VLLM_EXL3_METRICS_PORT         | 9469           | the metrics exporter's port (`vllm-exl3 metrics`)
 tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
 tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GPU tests write their observed error bounds to
 tests     | VLLM_EXL3_TEST_LOAD_SECONDS    | 30             | tests/e2e/test_appliance_resilience.py: seconds of streaming load (longer by hand)

@@ -309,6 +309,24 @@ def _serve(p: argparse.ArgumentParser):
     return run
 
 
+@command("metrics")
+def _metrics(p: argparse.ArgumentParser):
+    """Serve the EXL3 and Spark-health metrics for Prometheus (docs/observability.md); runs until stopped."""
+    from ..appliance.metrics.exporter import add_arguments
+
+    add_arguments(p)
+
+    def run(a: argparse.Namespace) -> int:
+        import logging
+
+        from ..appliance.metrics.exporter import serve
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+        return serve(a)
+
+    return run
+
+
 @command("info")
 def _info(p: argparse.ArgumentParser):
     """Kernel backends this install can run (and why not), the native build's targets, the CUDA devices."""

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from . import compat
+from . import compat, telemetry
 from ..format.index import LinearMeta
 from ..format.constants import MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
@@ -163,6 +163,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         self._bind(layer, MoESpec(codebooks, bits, self.hidden_span.block_size, self.inter_span.block_size,
                                   len(self.local_to_global), activation, layer.params_dtype,
                                   layer.w13_trellis.device.type))
+        telemetry.publish()  # the metrics exporter's view of this worker (integration/telemetry.py)
 
     def _bind(self, layer, spec: MoESpec) -> None:
         """Choose the backend, prepare it, then let the parity gate compare it with the torch reference (which

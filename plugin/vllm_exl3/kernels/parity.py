@@ -107,6 +107,12 @@ def checks() -> list[Check]:
         return list(_checks)
 
 
+def served() -> dict[str, str]:
+    """Layer type -> the backend its layers are bound to now (after any fallback the gate caused)."""
+    with _lock:
+        return dict(_served)
+
+
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     y, ref = y.float(), ref.float()
     if not bool(torch.isfinite(y).all()):
