@@ -232,3 +232,28 @@ def test_every_rule_is_loaded_and_evaluates_without_error(stack):
     # a healthy CPU demo: no rank down, no GPU layer on torch, no parity failure, no stall, no target down
     assert not firing & {"Exl3RankDown", "Exl3GpuLayerOnTorchBackend", "Exl3ParityGateFailed", "VllmDecodeStalled",
                          "TargetDown", "Exl3PeerLost", "SparkMemoryWatchdogTripped"}, firing
+
+
+def test_the_serving_bench_reports_the_backends_the_exporter_exports(stack):
+    """`vllm-exl3 bench` names each side's kernel backends from that node's exporter (vLLM's own /metrics has none)."""
+    import asyncio
+
+    import aiohttp
+
+    from vllm_exl3.servebench import runner
+
+    exporter = f"http://127.0.0.1:{stack.ports['vllm-exl3']}"
+    log = stack.server.log.read_text(errors="replace")
+    logged = {kind: backend for kind, backend in re.findall(r"EXL3 (linear|moe):\S+ -> (\w+) backend", log)}
+
+    async def probe(exporter_url):
+        side = runner.Side("A", stack.server.base_url, "A", exporter=exporter_url)
+        async with aiohttp.ClientSession() as session:
+            await runner.probe(session, side, runner.Options())
+        return side
+
+    found = asyncio.run(probe(exporter))
+    assert found.backends == {kind: [backend] for kind, backend in logged.items()}
+    assert found.gpu == runner.UNKNOWN  # no GPU here: the exporter names none
+    absent = asyncio.run(probe(f"http://127.0.0.1:{free_port()}"))  # no exporter there: not an error
+    assert absent.backends == {} and absent.reached

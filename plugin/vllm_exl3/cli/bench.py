@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b", metavar="URL|RESULTS_JSON", type=_side,
                    help=f"a second endpoint, side B, measured head to head with A; or a saved run's {RESULTS} (its "
                         "workload is then used for both sides)")
+    p.add_argument("--a-exporter", metavar="URL", default=None,
+                   help="side A's EXL3 metrics exporter (`vllm-exl3 metrics`), where its kernel backends and GPU "
+                        "are reported (default: A's host, port 9469; absent: reported as unknown)")
+    p.add_argument("--b-exporter", metavar="URL", default=None, help="the same for side B")
     p.add_argument("--a-label", default=None, help="a name for side A in the report (default A)")
     p.add_argument("--b-label", default=None, help="a name for side B in the report (default B)")
     p.add_argument("--concurrency", type=worker_counts, default=DEFAULT_CONCURRENCY,
@@ -148,7 +152,8 @@ def run(a: argparse.Namespace) -> int:
     task = prog.add_task("bench", total=runner.total_requests(len(urls), workload))
     with prog:
         report = runner.run(urls, labels, workload, opts,
-                            progress=lambda what, n: prog.update(task, description=what, advance=n)) \
+                            progress=lambda what, n: prog.update(task, description=what, advance=n),
+                            exporters={"A": a.a_exporter, "B": a.b_exporter}) \
             if urls else runner.new_report(workload)
     for name, run_ in saved.items():
         saved_runs.merge(report, name, run_, specs[name], labels[name])

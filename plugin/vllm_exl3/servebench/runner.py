@@ -11,6 +11,7 @@ import datetime
 import json
 import platform
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -21,6 +22,8 @@ from . import client, server_metrics, stats
 from .client import EndpointError
 from .workload import Workload
 
+# Seconds to wait for a side's EXL3 exporter, which is optional.
+EXPORTER_TIMEOUT_S = 3.0
 # Seconds between two `/metrics` scrapes while waiting for the server to become idle.
 IDLE_POLL_S = 0.2
 UNKNOWN = "unknown"
@@ -40,6 +43,7 @@ class Side:
     vllm_metrics: bool = False
     backends: dict[str, list[str]] = field(default_factory=dict)
     gpu: str = UNKNOWN
+    exporter: str | None = None  # the node's EXL3 exporter, where the backends and the GPU are reported
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -95,6 +99,17 @@ async def probe(session: aiohttp.ClientSession, side: Side, opts: Options) -> No
         side.vllm_metrics = snap.is_vllm
         side.backends = snap.backends
         side.gpu = snap.gpu or UNKNOWN
+    if side.exporter and (not side.backends or side.gpu == UNKNOWN):
+        # Optional: an exporter that is not there (not started, bound to loopback on the Spark) leaves
+        # "not reported" / "unknown" in the report, never an error.
+        try:
+            status, text = await client.get(session, side.exporter.rstrip("/") + "/metrics", EXPORTER_TIMEOUT_S)
+            extra = server_metrics.parse(text) if status == 200 else None
+        except (EndpointError, server_metrics.MetricsFormatError):
+            extra = None
+        if extra is not None:
+            side.backends = side.backends or extra.backends
+            side.gpu = side.gpu if side.gpu != UNKNOWN else extra.gpu or UNKNOWN
 
 
 async def _wait_idle(session: aiohttp.ClientSession, side: Side, opts: Options) -> server_metrics.Snapshot | None:
@@ -239,13 +254,23 @@ def new_report(workload: Workload) -> dict:
             "sides": {}, "phases": [], "partial": False, "error": None}
 
 
+def default_exporter(url: str) -> str:
+    """Where a node's EXL3 exporter answers by default: the endpoint's host, the exporter's default port."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    return f"{parts.scheme or 'http'}://{'[' + host + ']' if ':' in host else host}:{server_metrics.EXPORTER_PORT}"
+
+
 def run(urls: dict[str, str], labels: dict[str, str], workload: Workload, opts: Options | None = None,
-        progress: ProgressFn | None = None) -> dict:
+        progress: ProgressFn | None = None, exporters: dict[str, str | None] | None = None) -> dict:
     """Run the workload against each endpoint (`urls`: side name -> base URL) and return the raw report: every
     request, every phase's summary and server-side numbers, the sides' identities, and `partial`/`error` when it
-    stopped early."""
+    stopped early. `exporters` (side name -> URL) says where each side's EXL3 exporter answers (default: the
+    endpoint's host on the exporter's default port)."""
     opts = opts or Options()
-    sides = [Side(name, url.rstrip("/").removesuffix("/v1"), labels.get(name) or name) for name, url in urls.items()]
+    exporters = exporters or {}
+    sides = [Side(name, url.rstrip("/").removesuffix("/v1"), labels.get(name) or name,
+                  exporter=exporters.get(name) or default_exporter(url)) for name, url in urls.items()]
     report = new_report(workload)
     try:
         asyncio.run(_run(sides, workload, opts, progress or (lambda what, n: None), report))

@@ -24,10 +24,12 @@ COUNTERS = (GENERATION_TOKENS, PROMPT_TOKENS, *(f"{h}_{s}" for h in (ITERATION_T
                                                                      TIME_TO_FIRST_TOKEN, E2E_LATENCY)
                                                 for s in ("sum", "count")))
 
-# The plugin's gauge `vllm_exl3_backend_info{layer_type,backend,rank} 1`: which kernel backend serves each layer type.
+# The appliance's EXL3 exporter (`vllm-exl3 metrics`, beside vLLM on each node) exports these, not vLLM's /metrics:
+# `vllm_exl3_backend_info{layer_type,backend,rank} 1`, which kernel backend serves each layer type, and
+# `vllm_exl3_gpu_info{gpu,name} 1` per GPU.
 BACKEND_INFO = "vllm_exl3_backend_info"
-# A gauge naming the GPU in a label (`name`, or `gpu`), when the server exports one.
 GPU_INFO = "vllm_exl3_gpu_info"
+EXPORTER_PORT = 9469  # the exporter's default port (VLLM_EXL3_METRICS_PORT, appliance/settings.py)
 GPU_LABELS = ("name", "gpu", "device")
 
 

@@ -109,6 +109,7 @@ _SPECS = [
     Spec("vllm_exl3_memory_watchdog_hard_stops_total", "counter", (), "times the watchdog stopped serving"),
     Spec("vllm_exl3_peer_alive", "gauge", ("peer",), "two Sparks: this node sees its peer (1) or not (0)"),
     Spec("vllm_exl3_peer_last_seen_timestamp_seconds", "gauge", ("peer",), "when the peer was last seen"),
+    Spec("vllm_exl3_gpu_info", "gauge", ("gpu", "name"), "a GPU of this node (1), named", gpu_only=True),
     Spec("vllm_exl3_gpu_sm_clock_hertz", "gauge", ("gpu", "name"), "GPU SM clock", gpu_only=True),
     Spec("vllm_exl3_gpu_memory_clock_hertz", "gauge", ("gpu", "name"), "GPU memory clock", gpu_only=True),
     Spec("vllm_exl3_gpu_temperature_celsius", "gauge", ("gpu", "name"), "GPU temperature", gpu_only=True),
@@ -176,6 +177,7 @@ class Exl3Collector:
         self._health(f)
         for reading in read_gpus()[0]:
             labels = {"gpu": reading.index, "name": reading.name}
+            f.add("vllm_exl3_gpu_info", labels, 1)
             for name, value in (("vllm_exl3_gpu_sm_clock_hertz", reading.sm_clock_hertz),
                                 ("vllm_exl3_gpu_memory_clock_hertz", reading.memory_clock_hertz),
                                 ("vllm_exl3_gpu_temperature_celsius", reading.temperature_celsius),
