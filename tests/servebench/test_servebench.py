@@ -189,3 +189,12 @@ def test_a_saved_side_must_be_one_complete_endpoint(run, message):
 def test_saved_runs_with_different_workloads_are_refused():
     with pytest.raises(saved.SavedRunError, match="measured with different workloads"):
         saved.common_workload({"a.json": saved_run(), "b.json": saved_run(max_tokens=9)})
+
+
+def test_the_default_exporter_port_is_the_appliance_default():
+    from vllm_exl3.appliance.settings import default
+    from vllm_exl3.servebench import runner, server_metrics
+
+    assert server_metrics.EXPORTER_PORT == int(default("VLLM_EXL3_METRICS_PORT"))
+    assert runner.default_exporter("http://10.0.0.5:8000/v1") == "http://10.0.0.5:9469"
+    assert runner.default_exporter("http://[::1]:8000") == "http://[::1]:9469"
