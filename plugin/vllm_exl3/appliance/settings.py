@@ -76,6 +76,7 @@ appliance | VLLM_EXL3_MEM_STOP_GRACE       | 10             | memory watchdog: s
 appliance | VLLM_EXL3_METRICS_HOST         | 127.0.0.1      | the metrics exporter's bind address (two Sparks: the worker's fabric IP, so the head's Prometheus reaches it)
 appliance | VLLM_EXL3_METRICS_PORT         | 9469           | the metrics exporter's port (`vllm-exl3 metrics`)
 tests     | VLLM_EXL3_REQUIRE_NATIVE       | 0              | 1: the GPU tests fail, not skip, when the native extension is missing
+tests     | VLLM_EXL3_REQUIRE_EXLLAMAV3    | 0              | 1: the exllamav3 backend's GPU tests fail, not skip, when ExLlamaV3 is missing
 tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GPU tests write their observed error bounds to
 tests     | VLLM_EXL3_TEST_LOAD_SECONDS    | 30             | tests/e2e/test_appliance_resilience.py: seconds of streaming load (longer by hand)
 tests     | VLLM_EXL3_TEST_LOAD_CLIENTS    | 16             | the same test's concurrent streaming clients
