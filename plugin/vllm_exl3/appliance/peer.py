@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..format.jsonfile import write_json
 from .health import check, stderr_log, stop_process_group, vllm_pid
 from .settings import default
-from .watchdog import write_atomically
 
 STATE_FILE = "peer.json"
 HEALTHY = 0
@@ -144,7 +144,7 @@ def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | N
                     stop(paired)
                 paired, lost_since = None, None
             try:
-                write_atomically(state_path(env), view.document(now))
+                write_json(state_path(env), view.document(now), make_parent=True)
             except OSError as e:
                 log(f"peer-heartbeat: cannot write {state_path(env)}: {e}")
     return 0
@@ -171,8 +171,8 @@ def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int |
             except OSError as e:  # no route yet: the head's box may be down; keep trying
                 detail = f"{detail}; heartbeat not sent: {e}"
             try:
-                write_atomically(state_path(env), {"time": now, "role": "worker", "peer": head, "alive": ready,
-                                                   "last_seen": last_seen})
+                write_json(state_path(env), {"time": now, "role": "worker", "peer": head, "alive": ready,
+                                             "last_seen": last_seen}, make_parent=True)
             except OSError as e:
                 log(f"peer-heartbeat: cannot write {state_path(env)}: {e}")
             sleep(interval)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..format.jsonfile import write_json
 from .health import stderr_log, stop_process_group, vllm_pid
 from .settings import default
 
@@ -133,13 +134,6 @@ class Watchdog:
                 "hard_stops_total": self.hard_stops_total}
 
 
-def write_atomically(path: Path, document: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document) + "\n")
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-
-
 def state_path(env: Mapping[str, str]) -> Path:
     return Path(setting(env, "VLLM_EXL3_STATE_DIR")) / STATE_FILE
 
@@ -183,7 +177,7 @@ def run(env: Mapping[str, str], log: Callable[[str], None] = stderr_log, rounds:
         sample = Sample(time.time(), available, total, swap, *read_psi(psi))
         dog.tick(sample)
         try:
-            write_atomically(state_path(env), dog.document(sample))
+            write_json(state_path(env), dog.document(sample), make_parent=True)
         except OSError as e:
             log(f"memory-watchdog: cannot write {state_path(env)}: {e}")
         sleep(interval)

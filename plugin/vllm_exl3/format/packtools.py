@@ -21,9 +21,10 @@ from .contract import Contract, Exl3ConfigError, layer_index
 from .errors import Exl3FormatError
 from .headers import TensorRecord, read_safetensors_header
 from .index import PackIndex
+from .jsonfile import write_json
 from .pack import Pack, tensor_group, verify_pack
-from .strict import read_json_object
 from .records import build_linear, group_exl3_tensors
+from .strict import read_json_object
 
 Progress = Callable[[str], None]  # called with a file name once that file is done
 
@@ -68,14 +69,8 @@ def index_drift(root: str | os.PathLike, weight_map: dict[str, str]) -> list[str
 def write_index(root: str | os.PathLike, weight_map: dict[str, str], total: int) -> Path:
     path = Path(root) / INDEX_FILE
     body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(path, body)
+    write_json(path, body, indent=2)
     return path
-
-
-def _write_json(path: Path, body: dict) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(body, indent=2) + "\n")
-    tmp.replace(path)
 
 
 # -- quantization_config ------------------------------------------------------------------------------------------
@@ -190,10 +185,10 @@ def write_config(root: str | os.PathLike, qc: dict[str, Any]) -> list[Path]:
     root = Path(root)
     config = read_json_object(root / "config.json")
     config["quantization_config"] = qc
-    _write_json(root / "config.json", config)
+    write_json(root / "config.json", config, indent=2)
     written = [root / "config.json"]
     if (root / SIDECAR_FILE).exists():
-        _write_json(root / SIDECAR_FILE, qc)
+        write_json(root / SIDECAR_FILE, qc, indent=2)
         written.append(root / SIDECAR_FILE)
     return written
 
@@ -313,7 +308,7 @@ def overlay(experts_root: str | os.PathLike, dense_root: str | os.PathLike, out:
     config = dict(experts.config)
     base_qc = experts.quantization_config
     config["quantization_config"] = base_qc
-    _write_json(out / "config.json", config)
+    write_json(out / "config.json", config, indent=2)
     derived = derive_config(Pack.open(out).tensors, {k: v for k, v in base_qc.items() if k != "bits"})
     write_config(out, derived.config)
     notes += derived.notes

@@ -23,7 +23,7 @@ from ..format.geometry import Span, check_padding
 from ..kernels import parity
 from ..kernels.ops import codebook_list
 from ..kernels.selection import choose_moe_backend, moe_layer_type
-from ..kernels.specs import ACTIVATIONS, PROJECTIONS, ExpertStack, MoESpec
+from ..kernels.specs import ACTIVATIONS, ExpertStack, MoESpec
 
 logger = logging.getLogger("vllm_exl3")
 

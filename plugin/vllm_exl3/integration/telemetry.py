@@ -10,7 +10,6 @@ test_metrics_state.py writes a file through `publish()` and reads it back throug
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..format.jsonfile import write_json
 from ..kernels import parity, selection
 from ..kernels.backend import REGISTRY, load_backends
 from ..kernels.choice import PREFERENCE, requested_kernel
@@ -83,11 +83,7 @@ def publish() -> Path | None:
     body = snapshot()
     path = worker_file(body["rank"])
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        tmp.write_text(json.dumps(body, indent=1))
-        tmp.replace(path)
-        return path
+        return write_json(path, body, indent=1, make_parent=True)
     except OSError as e:
         if not _warned:
             logger.warning("EXL3 metrics: cannot write %s (%s); the metrics exporter will not see this worker "

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..format.jsonfile import write_json
 from .backend import Backend
 from .selection import exclude
 from .specs import ExpertStack
@@ -187,9 +188,7 @@ def _write_report() -> None:
             "checks": [asdict(c) for c in _checks],
             "seconds": round(sum(c.seconds for c in _checks), 4)}
     try:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        tmp.write_text(json.dumps(body, indent=2))
-        tmp.replace(path)
+        write_json(path, body, indent=2)
     except OSError as e:
         logger.warning("EXL3 parity: could not write the report %s (%s)", path, e)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...format.jsonfile import write_json
 from ..settings import default
 
 STATE_DIR_ENV = "VLLM_EXL3_STATE_DIR"
@@ -143,11 +144,7 @@ def write_memory_plan(directory: Path, plan) -> Path:
     body = {"time": time.time(), "fits": plan.fits, "gpu_memory_utilization": plan.gpu_memory_utilization,
             "max_model_len": plan.max_model_len, "kv_tokens": plan.kv_tokens, "weights_bytes": plan.weights_bytes,
             "kv_bytes": plan.kv_cache_memory_bytes}
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{PLAN_FILE}.{os.getpid()}.partial"
-    tmp.write_text(json.dumps(body))
-    tmp.replace(directory / PLAN_FILE)
-    return directory / PLAN_FILE
+    return write_json(directory / PLAN_FILE, body, make_parent=True)
 
 
 def read_memory_plan(directory: Path) -> MemoryPlan | None:
