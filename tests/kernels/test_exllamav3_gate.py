@@ -31,6 +31,10 @@ def fake_exllamav3(root, version: str, entry_points=(), kwargs=("config", "key")
         class BlockSparseMLP:
             def __init__(self, {params}):
                 pass
+            def load_local(self):
+                pass
+            def forward(self, x, params):
+                pass
         """))
 
 

@@ -47,8 +47,9 @@ MAX_TOP_K = 32  # ... TEMP_ROWS_GRAPH: BlockSparseMLP refuses more experts per t
 # What this adaptor calls, checked against the installed package before any layer is built.
 EXT_ENTRY_POINTS = ("BC_BlockSparseMLP", "BC_LinearEXL3", "exl3_moe", "exl3_moe_gather", "exl3_moe_max_concurrency")
 MODULE_KWARGS = ("num_local_experts", "activation_fn", "gates", "ups", "downs", "routing_first", "routing_last")
-MODULE_ATTRS = ("load_local", "forward", "routing_fn", "bc", "fused_mode_buffers", "fused_rows", "support_fused",
-                "multi_gate", "multi_up", "multi_down", "activation_fn_idx", "act_limit", "experts_cfg")
+MODULE_METHODS = ("load_local", "forward")
+MODULE_ATTRS = ("routing_fn", "routing_gate", "bc", "fused_mode_buffers", "fused_rows", "support_fused", "multi_gate",
+                "multi_up", "multi_down", "activation_fn_idx", "act_limit", "experts_cfg")  # set by load_local
 KEY = "vllm_exl3.moe"  # ExLlamaV3 module keys (only used in its messages)
 
 
@@ -65,6 +66,7 @@ def api_reason() -> str | None:
     missing = [f"exllamav3_ext.{n}" for n in EXT_ENTRY_POINTS if not hasattr(ext, n)]
     params = inspect.signature(bsm.BlockSparseMLP.__init__).parameters
     missing += [f"BlockSparseMLP({k}=...)" for k in MODULE_KWARGS if k not in params]
+    missing += [f"BlockSparseMLP.{m}" for m in MODULE_METHODS if not hasattr(bsm.BlockSparseMLP, m)]
     if getattr(bsm, "MAX_BSZN", None) != MAX_DECODE_TOKENS:
         missing.append(f"MAX_BSZN == {MAX_DECODE_TOKENS} (found {getattr(bsm, 'MAX_BSZN', None)})")
     if missing:
@@ -155,6 +157,9 @@ def build(stack: ExpertStack, top_k: int, activation: str):
                             routing_first=0, routing_last=experts)
     module.device = device
     module.load_local()
+    if missing := [a for a in MODULE_ATTRS if not hasattr(module, a)]:
+        raise RuntimeError(f"ExLlamaV3's BlockSparseMLP lacks {', '.join(missing)} after load_local() (this backend "
+                           "was written against ExLlamaV3 1.6.x)")
     if module.bc is None:
         raise RuntimeError(f"ExLlamaV3 did not build its quantized expert path for this layer ({experts} experts, "
                            f"hidden {hidden}, intermediate {inter}, {activation})")
