@@ -325,3 +325,36 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy
         assert layer.exl3_shards[0][2][1] == "torch"  # the backend the gate moved the layer to
     finally:
         parity.reset()
+
+
+def test_kernel_choice_enters_vllms_compile_key(tmp_path, rank):
+    """vLLM hashes VllmConfig.additional_config into its torch.compile cache key and knows nothing else of our
+    backends: binding a layer records the backend chosen per layer type there (integration/compile_key.py), so a
+    boot that binds another backend gets its own cache entry instead of a graph compiled for the first."""
+    from vllm.config import get_current_vllm_config
+
+    from vllm_exl3.integration import compile_key
+    from vllm_exl3.kernels import selection
+
+    vllm_config = get_current_vllm_config()
+    vllm_config.additional_config.pop(compile_key.KEY, None)
+    before = vllm_config.compute_hash()
+    rank(0, 1)
+    w = random_weights(256, 128, 4, "mul1", seed=3)
+    cfg, tensors = make_config(tmp_path, {"l.key": w})
+    layer = vllm_linear.ColumnParallelLinear(256, 128, bias=False, quant_config=cfg, prefix="l.key",
+                                             return_bias=False)
+    load(layer, tensors)
+    key = vllm_config.additional_config[compile_key.KEY]
+    assert "linear:mul1:4b:cpu=torch" in key["layers"] and key["builds"] == {"torch": ""}
+    bound = vllm_config.compute_hash()
+    assert bound != before
+    other = selection.Decision("linear:mul1:4b:cpu", "native", ())
+    selection._record(other)  # what a process that bound the native backend has recorded
+    try:
+        compile_key.record()
+        assert vllm_config.compute_hash() not in (before, bound)
+    finally:
+        selection._decision_counts.pop(other)
+        compile_key.record()
+    assert vllm_config.compute_hash() == bound

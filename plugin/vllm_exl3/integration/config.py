@@ -24,7 +24,7 @@ from ..format.constants import SIDECAR_FILE
 from ..format.contract import POLICY_BF16_AS_STORED, Contract, Exl3ConfigError, layer_index
 from ..format.errors import Exl3FormatError
 from ..format.index import PackIndex, index_model
-from . import compat
+from . import compat, compile_key
 
 logger = logging.getLogger("vllm_exl3")
 
@@ -107,6 +107,8 @@ class Exl3Config(compat.QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from .linear import Exl3LinearMethod
         from .moe import Exl3MoEMethod
+
+        compile_key.capture(compat.current_vllm_config())
 
         if isinstance(layer, compat.RoutedExperts):
             index = self._require_index(prefix)

@@ -15,8 +15,13 @@ def _x(ratio: float | None) -> str:
 
 
 def phases(report: dict, side: str) -> dict[int, dict]:
-    """concurrency -> phase, for one side."""
-    return {p["concurrency"]: p for p in report["phases"] if p["side"] == side}
+    """concurrency -> phase, for one side (the concurrency phases; the prefill phase is prefill_phases')."""
+    return {p["concurrency"]: p for p in report["phases"] if p["side"] == side and "prefill_length" not in p}
+
+
+def prefill_phases(report: dict) -> list[dict]:
+    return sorted((p for p in report["phases"] if "prefill_length" in p),
+                  key=lambda p: (p["prefill_length"], p["side"]))
 
 
 def summary(phase: dict) -> dict:
@@ -131,7 +136,8 @@ def concurrency_table(report: dict) -> list[str]:
               "ITL p50 / p90 / p99 ms | E2E p50 ms | server tok/s | server ms/step | server tok/s per request | "
               "server tokens/step | tokens: received / server |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for p in sorted(report["phases"], key=lambda p: (p["concurrency"], p["side"])):
+    for p in sorted((p for p in report["phases"] if "prefill_length" not in p),
+                    key=lambda p: (p["concurrency"], p["side"])):
         s, srv = summary(p), p.get("server") or {}
         itl, ttft = s["itl_ms_pct"], s["ttft_ms_pct"]
         lines.append(
@@ -142,6 +148,23 @@ def concurrency_table(report: dict) -> list[str]:
             f"{_f(srv.get('ms_per_step'), 2)} | {_f(srv.get('decode_tokens_per_s'))} | "
             f"{_f(srv.get('tokens_per_step'), 2)} | "
             f"{s['tokens']} / {srv.get('generation_tokens', '–')} |")
+    return lines
+
+
+def prefill_table(report: dict) -> list[str]:
+    """The prefill phase: long prompts one at a time; the server's prefill rate is what to compare."""
+    rows = prefill_phases(report)
+    if not rows:
+        return []
+    lines = ["Prefill (one long prompt at a time, token ids, a few output tokens; server: prompt tokens over the "
+             "engine's prefill time):", "",
+             "| side | prompt tokens | requests | server prefill tok/s | server TTFT ms | client TTFT p50 ms |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for p in rows:
+        s, srv = summary(p), p.get("server") or {}
+        lines.append(f"| {p['side']}{' (incomplete)' if p.get('incomplete') else ''} | {p['prefill_length']} | "
+                     f"{s['requests'] - s['failed']}/{s['requests']} | {_f(srv.get('prefill_tokens_per_s'), 0)} | "
+                     f"{_f(srv.get('ttft_ms'))} | {_f(s['ttft_ms_pct']['p50'])} |")
     return lines
 
 
@@ -182,6 +205,8 @@ def markdown(report: dict, title: str | None = None) -> str:
               f"concurrency {', '.join(map(str, w['concurrency']))}, {w['warmup']} warm-up request(s) per side "
               "not measured; each phase starts on an idle server."), ""]
     lines += category_table(report) + [""] + concurrency_table(report) + [""]
+    if prefill := prefill_table(report):
+        lines += prefill + [""]
     remarks = notes(report)
     lines += remarks + ([""] if remarks else []) + [summary_line(report), ""]
     return "\n".join(lines)

@@ -57,6 +57,13 @@ class ExLlamaV3Backend(Backend):
             return "no CUDA device"
         return None
 
+    def build_id(self) -> str:
+        if _import_error() is not None:
+            return ""
+        from exllamav3.version import __version__ as version
+
+        return f"exllamav3 {version}"
+
     def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
         if spec.device_type != "cuda":
             return f"needs a CUDA device (layer on {spec.device_type})"
