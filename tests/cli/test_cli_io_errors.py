@@ -12,6 +12,7 @@ dequant's -o included) and nothing half-written is left behind.
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
 import shutil
@@ -184,3 +185,23 @@ def test_a_standard_output_that_cannot_be_written(argv):
         r = subprocess.run([CONSOLE, *argv, str(SOURCE)], stdout=full, stderr=subprocess.PIPE, text=True,
                            timeout=300)
     assert_refused(r.returncode, r.stderr, "the standard output", "No space left on device", " ".join(argv))
+
+
+# -- main()'s rule, wherever else such an error surfaces --------------------------------------------------------
+def test_an_unwrapped_write_is_reported_by_the_same_rule(tmp_path):
+    """`launch` writes its pid file into VLLM_EXL3_RUN_DIR before it starts vLLM; the system names the file, and
+    main() reports it as the user's environment, not as a bug."""
+    if fs_faults.unprivileged_problem():
+        pytest.skip(fs_faults.unprivileged_problem())
+    from vllm_exl3 import demo
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o555)
+    r = subprocess.run(fs_faults.unprivileged([CONSOLE, "launch", str(demo.PACK), "--role", "single"]),
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_EXL3_RUN_DIR": str(run_dir)})
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == f"error: {run_dir / 'vllm.pid'}: Permission denied; check the permissions of the file and its " \
+                   "folder, or choose another path", r.stderr
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr

@@ -1,7 +1,8 @@
 """Two demo servers on one machine, one started with vLLM's own `vllm serve` command (docs/bench.md recommends
 `vllm bench serve`, docs/vllm-notes.md §2.4 says why the command needs scripts/bootstrap's alias), the other as
 `python -m vllm.entrypoints.openai.api_server`: each keeps its own parity report, and `vllm-exl3 info` shows
-both, or one server's with --port."""
+both, or one server's with --port; the boot progress of `vllm-exl3 serve`, replayed over a real boot log, names
+what vLLM is doing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from vllm_exl3 import demo
+from vllm_exl3.cli.serve import boot_phase
 from support.servers import cpu_env, server_argv, vllm_command, vllm_serve_argv, vllm_servers
 
 pytestmark = pytest.mark.e2e
@@ -73,3 +75,19 @@ def test_each_server_keeps_its_own_parity_report(servers):
         assert f"parity gate of the server on port {port(server)}, rank 0" in text, text
     missing = info(env, "--port", "1").stdout
     assert "no report of a server on port 1 in" in missing, missing
+
+
+def test_the_boot_progress_names_what_vllm_is_doing(servers):
+    """`vllm-exl3 serve` names the boot phase from vLLM's log (cli/serve.py BOOT_PHASES), replayed here line by
+    line over a real boot. After the plugin's pack line (the API server reading the pack's config) vLLM starts
+    its engine and then its worker process, each importing vLLM again: most of a CPU boot, once shown as
+    "reading the pack" for a 2.4 MiB pack. The pack is read in the weight-loading phase."""
+    (server, _), _ = servers
+    lines = server.log.read_text().splitlines()
+    phases = [boot_phase("\n".join(lines[:i + 1])) for i in range(len(lines))]
+    sequence = [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]]
+    assert sequence == ["starting vLLM", "starting vLLM's engine process", "starting vLLM's model worker",
+                        "loading weights", "sizing the KV cache", "starting the HTTP server"], sequence
+    pack_line = next(i for i, line in enumerate(lines) if "EXL3 pack" in line)
+    first_engine_line = next(i for i, line in enumerate(lines) if "(EngineCore" in line)
+    assert pack_line < first_engine_line and phases[first_engine_line - 1] == "starting vLLM's engine process"

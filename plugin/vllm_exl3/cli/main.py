@@ -79,17 +79,29 @@ def output_file(path: str) -> str:
 
 # What the operating system can refuse about a user's file or folder, and what the user can do about it: the
 # user's environment, never a bug of ours, wherever in a command it surfaces (main() reports these as one line).
-OS_ADVICE = {
+PATH_ADVICE = {  # about the path the error names (the same errors without a path are about something else)
     errno.EACCES: "check the permissions of the file and its folder, or choose another path",
     errno.EPERM: "check the permissions of the file and its folder, or choose another path",
     errno.EROFS: "it is on a read-only filesystem: choose a path on a writable one",
+    errno.ENAMETOOLONG: "choose a shorter path",
+    errno.ELOOP: "the path runs in a loop of symbolic links",
+}
+DISK_ADVICE = {  # about a disk, even where the system names no path (a write to an open file)
     errno.ENOSPC: "the disk is full: free space, or choose a path on another disk",
     errno.EDQUOT: "the disk quota is used up: free space, or choose a path on another disk",
     errno.EFBIG: "the file would exceed the filesystem's or the shell's file-size limit (ulimit -f)",
     errno.EIO: "the device reported an I/O error: check the disk (dmesg)",
-    errno.ENAMETOOLONG: "choose a shorter path",
-    errno.ELOOP: "the path runs in a loop of symbolic links",
 }
+OS_ADVICE = {**PATH_ADVICE, **DISK_ADVICE}
+
+
+def _path_name(path) -> str:
+    return os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+
+
+def environment_error(e: OSError) -> bool:
+    """Whether an OSError is the user's environment (a file or disk refused), not a bug of ours."""
+    return e.errno in DISK_ADVICE or (e.errno in PATH_ADVICE and e.filename is not None)
 
 
 def os_error(e: OSError, path: str | os.PathLike | None = None, action: str | None = None) -> UsageError:
@@ -97,7 +109,7 @@ def os_error(e: OSError, path: str | os.PathLike | None = None, action: str | No
     reason, and what to do (OS_ADVICE). `path`, `action`: the user's own path and what the command was doing
     with it, where known (else the path the system names)."""
     target = path if path is not None else e.filename
-    what = None if target is None else f"cannot {action} {target}" if action else os.fsdecode(target)
+    what = None if target is None else f"cannot {action} {_path_name(target)}" if action else _path_name(target)
     advice = OS_ADVICE.get(e.errno)
     return UsageError((f"{what}: " if what else "") + f"{e.strerror or e}" + (f"; {advice}" if advice else ""))
 
@@ -112,7 +124,7 @@ def user_path(path: str | os.PathLike, action: str, own: Path | None = None) -> 
     except BrokenPipeError:
         raise
     except OSError as e:
-        if own is not None and e.filename is not None and \
+        if own is not None and isinstance(e.filename, (str, bytes, os.PathLike)) and \
                 not Path(os.fsdecode(e.filename)).resolve().is_relative_to(own.resolve()):
             raise
         raise os_error(e, path, action) from e
@@ -148,11 +160,11 @@ def new_output_folder(path: str, flag: str) -> Iterator[None]:
             yield
     except BaseException:
         if fresh and out.is_dir():
-            if existed:
-                for child in out.iterdir():
+            for child in out.iterdir() if existed else [out]:
+                try:
                     shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-            else:
-                shutil.rmtree(out, ignore_errors=True)
+                except OSError:
+                    pass  # the error that stopped the command is the one to report
         raise
 
 
@@ -671,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except OSError as e:
-        if e.errno not in OS_ADVICE:
+        if not environment_error(e):
             return _internal_error(e)
         err_console.print(f"[red]error:[/] {os_error(e)}", highlight=False, soft_wrap=True)
         return 1
