@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,11 +198,24 @@ def test_each_server_keeps_its_own_report_and_info_shows_them(tmp_path, monkeypa
     assert [(r.path.name, r.body["server"], r.body["rank"]) for r in reports] == [
         ("port-8011.rank0.json", "port-8011", 0), ("port-8012.rank0.json", "port-8012", 0)]
     assert [r.body["server"] for r in parity.read_reports(port=8012)] == ["port-8012"]
+    # one file named by VLLM_EXL3_PARITY_REPORT: --port still shows only that server's
+    named = {parity.REPORT_ENV: str(reports[0].path)}
+    assert [r.body["server"] for r in parity.read_reports(named, port=8011)] == ["port-8011"]
+    assert parity.read_reports(named, port=8012) == []
 
     assert main(["info", "--port", "8011"]) == 0
     out = capsys.readouterr().out
     assert "parity gate of the server on port 8011, rank 0" in out and "8012" not in out, out
     (tmp_path / parity.REPORT_DIR / "port-8013.rank0.json").write_text("{half a rep")
+    # a server that has exited: its report is kept (info --port shows it), listed in one line otherwise
+    gone = subprocess.run([sys.executable, "-c", f"import sys; sys.argv = [{API_SERVER!r}, '--port', '8014']; "
+                           "from vllm_exl3.kernels import parity; parity._write_report()"],
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    assert gone.returncode == 0, gone.stderr
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "port 8011" in out and "port 8012" in out and "port-8013.rank0.json cannot be read" in out, out
+    assert "on port 8014" not in out and "1 more report(s) of processes that have exited (port-8014)" in out, out
+    assert main(["info", "--port", "8014"]) == 0
+    out = capsys.readouterr().out
+    assert "parity gate of the server on port 8014, rank 0 (pid " in out and ", exited;" in out, out

@@ -1,4 +1,5 @@
-"""`vllm-exl3 info`: what this install can run — kernel backends (available or why not), the native build, devices."""
+"""`vllm-exl3 info`: what this install can run — kernel backends (available or why not), the native build, devices —
+and the parity gate's report of each server on this machine (kernels/parity.py), with whether its writer runs."""
 
 from __future__ import annotations
 

@@ -474,7 +474,9 @@ def _print_parity(reports: list, port: int | None) -> None:
         console.print(f"parity gate: no report{f' of a server on port {port}' if port is not None else ''} in "
                       f"{where} (each server writes its own when it loads a pack)", highlight=False)
         return
-    for r in reports:
+    # every report of the server asked for; else those of processes that still run, and a line for the rest
+    shown = reports if port is not None else [r for r in reports if r.running is not False]
+    for r in shown:
         report = r.report
         if report is None:
             console.print(f"parity gate: {r.path} cannot be read ({r.problem})", highlight=False, soft_wrap=True)
@@ -488,6 +490,11 @@ def _print_parity(reports: list, port: int | None) -> None:
         console.print(line, highlight=False, soft_wrap=True)
         console.print(checks if checks is not None else
                       "  no layer checked (the torch reference serves every layer type)")
+    exited = [str(r.report.get("server")) for r in reports if r not in shown]
+    if exited:
+        console.print(f"parity gate: {len(exited)} more report(s) of processes that have exited "
+                      f"({', '.join(exited[:8])}{', ...' if len(exited) > 8 else ''}); "
+                      "`vllm-exl3 info --port N` shows one", highlight=False, soft_wrap=True)
 
 
 def _parity_summary(report: dict, running: bool | None, path: str) -> tuple[str, Table | None]:

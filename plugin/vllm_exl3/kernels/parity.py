@@ -146,7 +146,8 @@ class Report:
 
 def read_reports(environ=None, port: int | None = None) -> list[Report]:
     """The reports `vllm-exl3 info` shows: the file VLLM_EXL3_PARITY_REPORT names, else every server's in
-    report_dir() (only the server on `port`'s when given), by name."""
+    report_dir(), by name; only the server on `port`'s when given (by file name, and by the report's own
+    `server` where it can be read)."""
     value = (os.environ if environ is None else environ).get(REPORT_ENV)
     if value:
         paths = [Path(value)] if Path(value).exists() else []
@@ -158,7 +159,8 @@ def read_reports(environ=None, port: int | None = None) -> list[Report]:
             body = json.loads(path.read_text())
             if not isinstance(body, dict):
                 raise ValueError(f"a JSON {type(body).__name__}, not an object")
-            reports.append(Report(path, body))
+            if port is None or body.get("server") == f"port-{port}":
+                reports.append(Report(path, body))
         except (OSError, ValueError) as e:
             reports.append(Report(path, None, f"{type(e).__name__}: {e}"))
     return reports
