@@ -84,6 +84,12 @@ def gpu_info() -> dict:
             "cuda": torch.version.cuda, "disk_free_gb": shutil.disk_usage("/tmp").free / 1e9}
 
 
+def gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def setup_native() -> dict:
     """The carried stable-ABI build (tools/build-kernels) if it loads, else torch's JIT build of setup.py's sources."""
     kernels = ROOT / "plugin" / "vllm_exl3" / "kernels"
@@ -510,7 +516,7 @@ def main() -> int:
         log(f"stopped servers left by the last call: {', '.join(stopped)}")
     save("machine.json", gpu_info())
     exl_build = writer = None
-    if "setup" in steps:
+    if "setup" in steps and gpu_present():
         # vllm serve's own imports, checked before any boot (the staged wheels must cover them: bench/gpu/wheels.txt)
         r = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True,
                            text=True, cwd=ROOT)
@@ -523,8 +529,8 @@ def main() -> int:
     if ("quality" in steps and wants_exl) or "exlgen" in steps:
         exl_build = start_exl_build()
     chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
-    needed = list(dict.fromkeys([e.get("pack") or e["like"] for e in chosen] if "serve" in steps else [])
-                  + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else []))
+    needed = [e.get("pack") or e["like"] for e in chosen] if "serve" in steps else []
+    needed = list(dict.fromkeys(needed + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else [])))
     if needed:
         writer = start_pack_writer(needed)
     if "quality" in steps:

