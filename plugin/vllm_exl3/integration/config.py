@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..format.architectures import NOT_CHECKED
 from ..format.constants import SIDECAR_FILE
 from ..format.contract import POLICY_BF16_AS_STORED, Contract, Exl3ConfigError, layer_index
 from ..format.errors import Exl3FormatError
@@ -67,10 +68,13 @@ class Exl3Config(compat.QuantizationConfig):
         our error naming the file and tensor."""
         try:
             self.index = index_model(model_name, revision)
-            self.contract.check_codebooks(self.index)
+            self.contract.check_codebooks(self.index.exl3)
         except (Exl3FormatError, Exl3ConfigError) as e:
             logger.error("EXL3 pack %s cannot be served: %s", model_name, e)
             raise
+        for note in self.index.notes:
+            logger.log(logging.WARNING if note.startswith(NOT_CHECKED) else logging.INFO,
+                       "EXL3 pack %s: %s", model_name, note)
         n_experts = sum(1 for k in self.index.exl3 if ".experts." in k)
         logger.info("EXL3 pack %s: %d EXL3 linears (%d routed-expert projections)", model_name,
                     len(self.index.exl3), n_experts)
