@@ -226,11 +226,16 @@ class Pack:
         if experts and top_k is not None and not 1 <= top_k <= experts:
             problems.append(Exl3FormatError(path, None, f"{where}num_experts_per_tok between 1 and the {experts} "
                                             "routed experts", str(top_k)))
-        stored = {int(m[1]) for n in self.tensors if (m := _EXPERT_IN_NAME.search(n))}
+        numbered = {n: int(m[1]) for n in self.tensors if (m := _EXPERT_IN_NAME.search(n))}
+        stored = set(numbered.values())
         if experts and stored and (max(stored) + 1 != experts or len(stored) != experts):
-            problems.append(Exl3FormatError(path, None, f"{where}{next(iter(counts))} = {experts} routed experts, "
-                                            f"numbered 0..{experts - 1} in the pack",
-                                            f"{len(stored)} numbered {min(stored)}..{max(stored)}"))
+            beyond = sorted(n for n, e in numbered.items() if e >= experts)
+            gap = next((e for e in range(min(experts, max(stored) + 1)) if e not in stored), max(stored) + 1)
+            problems.append(Exl3FormatError(
+                self.tensors[beyond[0]].file if beyond else path, beyond[0] if beyond else None,
+                f"{where}{next(iter(counts))} = {experts} routed experts, numbered 0..{experts - 1} in the pack "
+                f"({path.name})", f"a tensor of expert {numbered[beyond[0]]}" if beyond else
+                f"no tensor of expert {gap} (the pack stores {len(stored)} numbered {min(stored)}..{max(stored)})"))
         layers = tc.get("num_hidden_layers")
         stored = {int(m[1]) for n in self.tensors if (m := _LAYER_IN_NAME.search(n))}
         if layers is not None and stored:

@@ -38,7 +38,12 @@ class Exl3Config(compat.QuantizationConfig):
     def __init__(self, raw: dict[str, Any] | None = None):
         super().__init__()
         self.raw = dict(raw or {})
-        self.contract = Contract.parse(self.raw)
+        # A malformed contract is reported by `maybe_update_config`, which vLLM calls right after this and which
+        # knows the pack: for a local pack the same problem comes out of the pack check naming the file.
+        try:
+            self.contract, self._contract_error = Contract.parse(self.raw), None
+        except Exl3ConfigError as e:
+            self.contract, self._contract_error = Contract(), e
         self.index: PackIndex | None = None
         self._delegate = None
 
@@ -68,6 +73,8 @@ class Exl3Config(compat.QuantizationConfig):
         our error naming the file and tensor."""
         try:
             self.index = index_model(model_name, revision)
+            if self._contract_error is not None:
+                raise self._contract_error
             self.contract.check_codebooks(self.index.exl3)
         except (Exl3FormatError, Exl3ConfigError) as e:
             logger.error("EXL3 pack %s cannot be served: %s", model_name, e)
@@ -112,6 +119,8 @@ class Exl3Config(compat.QuantizationConfig):
         from .linear import Exl3LinearMethod
         from .moe import Exl3MoEMethod
 
+        if self._contract_error is not None:  # never built on a contract that did not parse
+            raise self._contract_error
         compile_key.capture(compat.current_vllm_config())
 
         if isinstance(layer, compat.RoutedExperts):
