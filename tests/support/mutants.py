@@ -206,7 +206,8 @@ def config_value(rng, root):
            ("num_experts_per_tok", 0), ("num_experts_per_tok", config[experts] + rng.randint(1, 8)),
            ("num_experts_per_tok", -1), (experts, config[experts] * 2), (experts, 2**40),
            ("max_position_embeddings", 0), ("max_position_embeddings", -1), ("max_position_embeddings", "4096"),
-           ("max_position_embeddings", 4096.5)]
+           ("max_position_embeddings", 4096.5), ("max_position_embeddings", float("nan")),
+           ("max_position_embeddings", float("inf")), ("max_position_embeddings", -float("inf"))]
     top += [("num_local_experts", config[experts] // 2), ("decoder_sparse_step", 0)] if experts == "num_experts" \
         else [("first_k_dense_replace", -1)]
     where, (key, value) = rng.choice([("quantization_config", kv) for kv in qc] + [("", kv) for kv in top])

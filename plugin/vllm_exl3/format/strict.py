@@ -28,6 +28,8 @@ MAX_JSON_INT = 2**64 - 1
 _MAX_JSON_INT_DIGITS = len(str(MAX_JSON_INT))
 # A \uD800-\uDFFF escape: a lone one decodes to a surrogate, a string no output stream can print.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# The key a value belongs to: `"key":` (and the opening of a list) right before it.
+_KEY_BEFORE = re.compile(r'"((?:[^"\\]|\\.){1,200})"\s*:\s*\[?\s*(?:-?\d+\s*,\s*)*$')
 
 
 def open_regular(path: str | os.PathLike, what: str = "a regular file") -> int:
@@ -80,12 +82,15 @@ class _BadNumber(ValueError):
         self.token, self.expected, self.found = token, expected, found
 
     def where(self, text: str) -> str:
-        """Line and column of the number in `text` (its first occurrence: the parser does not say which)."""
+        """The key and the line and column of the number in `text` (its first occurrence: the parser does not
+        say which)."""
         at = text.find(self.token)
         if at < 0:
             return ""
+        key = _KEY_BEFORE.search(text, max(0, at - 300), at)
         line = text.count("\n", 0, at) + 1
-        return f" at line {line} column {at - (text.rfind(chr(10), 0, at) + 1) + 1}"
+        return (f" for the key {key[1]!r}" if key else "") + \
+            f" at line {line} column {at - (text.rfind(chr(10), 0, at) + 1) + 1}"
 
 
 def _parse_int(text: str) -> int:
