@@ -143,8 +143,8 @@ def _huge(file):
                       data)
         else:
             text = (root / file).read_text()
-            (root / file).write_text(text.replace('"version": "1.6.5"', f'"version": {number}', 1)
-                                     if file == SIDECAR else text.replace('"vocab_size": 2048', f'"vocab_size": {number}'))
+            old = '"version": "1.6.5"' if file == SIDECAR else '"vocab_size": 2048'
+            (root / file).write_text(text.replace(old, f'{old.split(":")[0]}: {number}', 1))
         return Expect(file)
     return mutate
 

@@ -183,7 +183,8 @@ def unexpected_tensor(rng, root):
         name, value = f"model.layers.0.mlp.{rng.choice(['foo', 'adapter', 'lora_A'])}.weight", ("BF16", [4], bytes(8))
     else:
         prefix = rng.choice([p for p in _exl3(t) if ".self_attn." in p])
-        name, value = f"{prefix}.bias", ("F16", [t[f"{prefix}.trellis"][1][1] * 16], bytes(t[f"{prefix}.trellis"][1][1] * 32))
+        out = t[f"{prefix}.trellis"][1][1] * 16
+        name, value = f"{prefix}.bias", ("F16", [out], bytes(2 * out))
     t[name] = value
     rebuild(root / ST, t)
     return Expect(ST, (name,))

@@ -173,7 +173,8 @@ def completeness(root: Path, architecture: str, config: Mapping[str, Any], tenso
         gone = {m: [n.rpartition(".")[2] for n in names if n not in tensors] for m, names in recorded.items()}
         return [Exl3FormatError(root / SIDECAR_FILE, module, f"the {len(recorded[module])} tensor(s) the "
                                 "tensor_storage ledger records for this module", f"{', '.join(names)} missing")
-                for module, names in gone.items() if names], note + "; checked against the converter's tensor_storage ledger instead"
+                for module, names in gone.items() if names], \
+            f"{note}; checked against the converter's tensor_storage ledger instead"
     if not isinstance(config.get("num_hidden_layers"), int):
         return [Exl3FormatError(root / "config.json", None, f"num_hidden_layers, as every {architecture} config has",
                                 "none")], ""

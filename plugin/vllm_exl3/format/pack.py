@@ -22,8 +22,8 @@ from .contract import Contract, Exl3ConfigError
 from .errors import Exl3FormatError
 from .geometry import ceil_to
 from .headers import DTYPES, SafetensorsFile, TensorRecord, read_safetensors_header
-from .records import (Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem, scale_problem,
-                      tensor_group, unknown_suffix_problems)
+from .records import (EXPERT_RE, Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem,
+                      scale_problem, tensor_group, unknown_suffix_problems)
 from .strict import expect_type, optional, read_json_object
 
 __all__ = ["Pack", "tensor_group", "verify_pack"]
@@ -34,7 +34,6 @@ MAX_FILE_NAME_BYTES = 255
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 _TORCH_TO_DTYPE = {f"torch.{d.torch_name}": name for name, d in DTYPES.items()}  # the ledger's names -> ours
 _LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT_IN_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 
 @dataclass
@@ -78,9 +77,10 @@ class Pack:
                 if not name or fname in ("", ".", "..") or "/" in fname or "\0" in fname:
                     raise Exl3FormatError(index_path, name or None, "a tensor name and the name of a shard file in "
                                           "the pack directory", repr(fname)[:80])
-                if len(fname.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME_BYTES:
+                size = len(fname.encode("utf-8", "surrogatepass"))
+                if size > MAX_FILE_NAME_BYTES:
                     raise Exl3FormatError(index_path, name, f"a shard file name of at most {MAX_FILE_NAME_BYTES} "
-                                          "bytes (longer is no file name)", f"{len(fname.encode('utf-8', 'surrogatepass'))} bytes")
+                                          "bytes (longer is no file name)", f"{size} bytes")
             names = sorted(set(weight_map.values()))
             for fname in names:
                 try:
@@ -226,7 +226,7 @@ class Pack:
         if experts and top_k is not None and not 1 <= top_k <= experts:
             problems.append(Exl3FormatError(path, None, f"{where}num_experts_per_tok between 1 and the {experts} "
                                             "routed experts", str(top_k)))
-        numbered = {n: int(m[1]) for n in self.tensors if (m := _EXPERT_IN_NAME.search(n))}
+        numbered = {n: int(m[1]) for n in self.tensors if (m := EXPERT_RE.search(n))}
         stored = set(numbered.values())
         if experts and stored and (max(stored) + 1 != experts or len(stored) != experts):
             beyond = sorted(n for n, e in numbered.items() if e >= experts)

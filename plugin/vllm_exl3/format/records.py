@@ -138,12 +138,12 @@ def build_linear(prefix: str, parts: dict[str, TensorRecord]) -> Exl3Linear:
     return Exl3Linear(prefix, trellis, suh, svh, su, sv, marker, bias, bits, codebook)
 
 
-_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
+EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's index in a tensor name
 
 
 def tensor_group(name: str) -> str:
     """experts | head | dense (other EXL3 linears) for an EXL3 prefix."""
-    if _EXPERT_RE.search(name + "."):
+    if EXPERT_RE.search(name + "."):
         return "experts"
     if name == "lm_head" or name.endswith(".lm_head"):
         return "head"
