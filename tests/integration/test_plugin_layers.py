@@ -269,8 +269,17 @@ def test_codebook_declaration_contradicting_markers(tmp_path):
     ({"non_routed_exl3": {"layers": {"x.o_proj": {"bf16_shards": ["v"]}}}}, "bf16_shards must list shard indices"),
 ])
 def test_contract_errors(raw, message):
+    """A malformed contract stops the start in `maybe_update_config`, which vLLM calls right after building the
+    config (for a local pack, the pack check names config.json first: tests/cli/test_fail_closed_packs.py)."""
+    from vllm_exl3.format.contract import Contract
+
     with pytest.raises(Exl3ConfigError, match=message):
-        Exl3Config({"quant_method": "exl3", **raw})
+        Contract.parse({"quant_method": "exl3", **raw})
+    cfg = Exl3Config({"quant_method": "exl3", **raw})
+    with pytest.raises(Exl3ConfigError, match=message):
+        cfg.maybe_update_config(str(pack_dir("qwen3moe-a-exl3-mcg-b3")))
+    with pytest.raises(Exl3ConfigError, match=message):  # and a layer built without it
+        cfg.get_quant_method(None, "model.layers.0.self_attn.o_proj")
 
 
 @pytest.mark.parametrize("layer", [0, 7])

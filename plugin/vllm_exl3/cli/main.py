@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .. import __version__
@@ -53,17 +54,23 @@ def _gib(n: int) -> str:
     return format_bytes(n, binary=True, digits=2)
 
 
+def lit(value: object) -> str:
+    """`value` as text that Rich prints as it is. Tensor names, config strings, error messages and paths come from
+    a pack or the command line: a tensor named '[/]' is not markup (Rich would stop with a MarkupError)."""
+    return escape(str(value))
+
+
 def open_exl3_pack(path: str, finite: bool = False) -> Pack:
-    """Pack.open and Pack.check (what serving checks; `finite`: the scales too), plus a clear refusal of a model
-    directory that holds no EXL3 tensors (a plain HF model)."""
+    """Pack.open and Pack.check (what serving checks but the scales, unless `finite`), after a clear refusal of a
+    model directory that holds no EXL3 tensors (a plain HF model)."""
     pack = Pack.open(path)
-    pack.check(finite)
-    if not pack.linears():
+    if not pack.has_exl3_tensors:
         method = pack.quantization_config.get("quant_method")
         raise UsageError(f"{path} is not an EXL3 pack: none of its tensors is EXL3-quantized (no .trellis tensors)"
                          + (f" and its quantization_config says quant_method {method!r}" if method else
                             " and its config.json has no quantization_config")
                          + ". Convert the model with ExLlamaV3's convert.py, or point at an EXL3 download.")
+    pack.check(finite)
     return pack
 
 
@@ -193,15 +200,16 @@ def _inspect(p: argparse.ArgumentParser):
         if a.json:
             print(json.dumps(s.to_json(), indent=2))
             return 0
-        console.print(f"[bold]{s.path}[/]")
-        console.print(f"architecture {s.architecture} ({s.model_type}), {s.num_layers} layers, hidden {s.hidden_size}"
-                      + (f", {s.num_experts} experts (top-{s.experts_per_token})" if s.num_experts else ""))
-        console.print("quantization " + ", ".join(f"{k}={v}" for k, v in s.quantization.items()))
+        console.print(f"[bold]{lit(s.path)}[/]")
+        console.print(lit(f"architecture {s.architecture} ({s.model_type}), {s.num_layers} layers, hidden "
+                          f"{s.hidden_size}" + (f", {s.num_experts} experts (top-{s.experts_per_token})"
+                                                if s.num_experts else "")))
+        console.print(lit("quantization " + ", ".join(f"{k}={v}" for k, v in s.quantization.items())))
         hist = Table(title="EXL3 tensors by bits and codebook")
         hist.add_column("bits codebook")
         hist.add_column("tensors", justify="right")
         for k, v in s.bits_histogram.items():
-            hist.add_row(k, str(v))
+            hist.add_row(lit(k), str(v))
         console.print(hist)
         t = Table(title="bytes by group")
         for col in ("group", "tensors", "bytes", "bits/weight"):
@@ -228,13 +236,15 @@ def _verify(p: argparse.ArgumentParser):
 
         pack, problems = verify_pack(a.pack)
         for e in problems:
-            err_console.print(f"[red]FAIL[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]FAIL[/] {lit(e)}", highlight=False, soft_wrap=True)
         if problems:
-            err_console.print(f"{len(problems)} problem(s) in {a.pack}")
+            err_console.print(f"{len(problems)} problem(s) in {lit(a.pack)}", highlight=False, soft_wrap=True)
             return 1
         n = len(pack.linears())
-        console.print(f"[green]OK[/] {a.pack}: {len(pack.files)} file(s), {len(pack.tensors)} tensors, "
-                      f"{n} EXL3 linears")
+        console.print(f"[green]OK[/] {lit(a.pack)}: {len(pack.files)} file(s), {len(pack.tensors)} tensors, "
+                      f"{n} EXL3 linears", highlight=False, soft_wrap=True)
+        for note in pack.notes:
+            console.print(f"note: {lit(note)}", highlight=False, soft_wrap=True)
         return _verify_deep(pack) if a.deep else 0
 
     return run
@@ -259,13 +269,15 @@ def _verify_deep(pack: Pack) -> int:
             prog.advance(task)
             if c.problem:
                 bad += 1
-                err_console.print(f"[red]FAIL[/] {c.problem}", highlight=False, soft_wrap=True)
+                err_console.print(f"[red]FAIL[/] {lit(c.problem)}", highlight=False, soft_wrap=True)
             else:
-                console.print(f"ok   {c.kind:5} {c.name}  max|w| {c.max_abs:.4g}", highlight=False, soft_wrap=True)
+                console.print(lit(f"ok   {c.kind:5} {c.name}  max|w| {c.max_abs:.4g}"), highlight=False,
+                              soft_wrap=True)
     if bad:
-        err_console.print(f"{bad} tensor(s) with bad values in {pack.root}")
+        err_console.print(f"{bad} tensor(s) with bad values in {lit(pack.root)}", highlight=False, soft_wrap=True)
         return 1
-    console.print(f"[green]OK[/] every tensor of {pack.root} decodes to finite values")
+    console.print(f"[green]OK[/] every tensor of {lit(pack.root)} decodes to finite values", highlight=False,
+                  soft_wrap=True)
     return 0
 
 
@@ -296,36 +308,36 @@ def _pack(p: argparse.ArgumentParser):
                 weight_map, total = packtools.scan_shards(a.dir, progress=lambda _: prog.advance(task))
             drift = packtools.index_drift(a.dir, weight_map)
             for line in drift:
-                console.print(line, highlight=False, soft_wrap=True)
+                console.print(lit(line), highlight=False, soft_wrap=True)
             if a.check:
                 console.print(f"{len(drift)} difference(s) between the index and the shards" if drift else
                               f"[green]OK[/] the index matches the shards ({len(weight_map)} tensors)")
                 return 1 if drift else 0
             with user_path(a.dir, "write model.safetensors.index.json into the pack folder"):
                 path = packtools.write_index(a.dir, weight_map, total)
-            console.print(f"wrote {path}: {len(weight_map)} tensors, {_gib(total)}")
+            console.print(f"wrote {lit(path)}: {len(weight_map)} tensors, {_gib(total)}", highlight=False)
             return 0
         if a.pack_command == "config":
             # Headers only, no contract check: fixing a config that contradicts the tensors is this command's job.
             pack = Pack.open(a.dir)
             derived = packtools.derive_config(pack.tensors, pack.quantization_config)
             for note in derived.notes:
-                console.print(f"note: {note}", highlight=False, soft_wrap=True)
+                console.print(f"note: {lit(note)}", highlight=False, soft_wrap=True)
             diff = packtools.config_diff(pack.quantization_config, derived.config)
             console.print(diff or "quantization_config already matches the tensors", highlight=False, markup=False)
             if a.write and diff:
                 with user_path(a.dir, "write quantization_config into the pack folder"):
                     written = packtools.write_config(a.dir, derived.config)
                 for path in written:
-                    console.print(f"wrote {path}")
+                    console.print(f"wrote {lit(path)}", highlight=False)
             return 0
         prog, task = _progress(None, "linking / writing shards")
         with prog, new_output_folder(a.output, "-o"):
             result = packtools.overlay(a.experts_pack, a.dense_source, a.output, a.symlink,
                                        progress=lambda _: prog.advance(task))
         for note in result.notes:
-            console.print(f"note: {note}", highlight=False, soft_wrap=True)
-        console.print(f"[green]OK[/] {result.out}: {len(result.linked)} shard(s) "
+            console.print(f"note: {lit(note)}", highlight=False, soft_wrap=True)
+        console.print(f"[green]OK[/] {lit(result.out)}: {len(result.linked)} shard(s) "
                       f"{'symlinked' if a.symlink else 'hardlinked'}, {len(result.written)} written "
                       f"({_gib(result.copied_bytes)} copied), verified", highlight=False)
         return 0
@@ -354,13 +366,13 @@ def _dequant(p: argparse.ArgumentParser):
             pack = open_exl3_pack(a.pack, finite=True)
             items = dequant.plan(pack, a.tensor, a.rotated, a.padded)
             if not items:
-                err_console.print(f"no EXL3 linear matches {a.tensor!r} (`vllm-exl3 inspect {a.pack}` lists the "
-                                  "groups; patterns are globs such as 'model.layers.0.*')", highlight=False)
+                err_console.print(f"no EXL3 linear matches {lit(repr(a.tensor))} (`vllm-exl3 inspect {lit(a.pack)}` "
+                                  "lists the groups; patterns are globs such as 'model.layers.0.*')", highlight=False)
                 return 1
             prog, task = _progress(len(items), "dequantizing")
             with prog:
                 nbytes = dequant.write(items, partial, a.rotated, progress=lambda _: prog.advance(task))
-        console.print(f"wrote {len(items)} tensors ({_gib(nbytes)}) to {a.output}")
+        console.print(f"wrote {len(items)} tensors ({_gib(nbytes)}) to {lit(a.output)}", highlight=False)
         return 0
 
     return run
@@ -679,10 +691,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe or a full disk shows here, handled below, not at interpreter exit
         return code
     except Exl3FormatError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {lit(e)}", highlight=False, soft_wrap=True)
         return 1
     except UsageError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {lit(e)}", highlight=False, soft_wrap=True)
         return e.code
     except BrokenPipeError:
         _quiet_stdout()
@@ -692,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if not environment_error(e):
             return _internal_error(e)
-        err_console.print(f"[red]error:[/] {os_error(e)}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {lit(os_error(e))}", highlight=False, soft_wrap=True)
         return 1
     except Exception as e:
         return _internal_error(e)
@@ -703,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
 def _internal_error(e: Exception) -> int:
     """Anything but the user's input or environment is a bug: one line here, the whole trace in a file."""
     trace = _write_trace()
-    err_console.print(f"[red]internal error:[/] {type(e).__name__}: {e}", highlight=False, soft_wrap=True)
+    err_console.print(f"[red]internal error:[/] {type(e).__name__}: {lit(e)}", highlight=False, soft_wrap=True)
     err_console.print(f"the full trace is in {trace}; please include it in a bug report" if trace else
                       "(the trace could not be written to the temp folder)", highlight=False, soft_wrap=True)
     return 70  # EX_SOFTWARE
