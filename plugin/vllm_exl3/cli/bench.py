@@ -89,13 +89,15 @@ def _render(report: dict, out: Path, plots: bool, console, err_console) -> list[
     written = [out / REPORT]
     (out / REPORT).write_text(rep.markdown(report))
     if plots:
+        from ..servebench import plots as plot
+
         try:
-            from ..servebench import plots as plot
-        except ImportError as e:  # pragma: no cover - matplotlib is in the bench and test extras
-            err_console.print(f"no plots: {e}; install them with pip install 'vllm-exl3[bench]'")
-        else:
             written += [p for p in (plot.categories_png(report, out / CATEGORIES_PNG),
                                     plot.concurrency_png(report, out / CONCURRENCY_PNG)) if p]
+        except ImportError as e:  # matplotlib is in the bench and test extras, not in a plain install
+            err_console.print(f"no plots ({e.name or 'matplotlib'} is not installed: pip install "
+                              "'vllm-exl3[bench]', or --no-plots); the report and the raw JSON are written",
+                              highlight=False)
     console.print(rep.markdown(report), highlight=False, markup=False, soft_wrap=True)
     return written
 

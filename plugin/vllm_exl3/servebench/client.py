@@ -103,7 +103,11 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
     try:
         async with session.post(base_url + path, json=_payload(workload, prompt, model, vllm)) as resp:
             if resp.status != 200:
-                r.error = f"HTTP {resp.status} from {base_url}{path}: {error_text(await resp.read())}"
+                why = error_text(await resp.read())
+                r.error = f"HTTP {resp.status} from {base_url}{path}: {why}"
+                if path.endswith("/chat/completions") and "chat template" in why.lower():
+                    r.error += (" (this model has no chat template: measure it with --api completions, or give the "
+                                "server one with --chat-template)")
                 return r
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").strip()

@@ -176,14 +176,17 @@ def summary_line(report: dict) -> str:
         return f"{prefix}bench: nothing measured" + (f" ({report['error']})" if report["error"] else "")
     mean = {s: summary(phases(report, s)[c]) for s in names}
     srv = {s: _server(report, s, c, None).get("decode_tokens_per_s") for s in names}
-    parts = [f"{s} {_f(mean[s]['decode_tok_s'])} tok/s" + (f" (server {_f(srv[s])})" if srv[s] else "")
+    step = {s: _server(report, s, c, None).get("ms_per_step") for s in names}
+    # The server's counters lead (its own clock); the client's numbers follow in brackets.
+    parts = [(f"{s} server {_f(step[s], 2)} ms/step, {_f(srv[s])} tok/s (client {_f(mean[s]['decode_tok_s'])})"
+              if srv[s] and step[s] else f"{s} {_f(mean[s]['decode_tok_s'])} tok/s (client; no server metrics)")
              + f", TTFT {_f(mean[s]['ttft_ms'], 0)} ms" for s in names]
     line = f"{prefix}bench at concurrency {c}, all categories: " + "; ".join(parts)
     if len(names) == 2:
         a, b = names
-        line += f"; {b}/{a} decode speedup {_x(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']))}"
-        if srv[a] and srv[b]:
-            line += f" (server {_x(stats.speedup(srv[a], srv[b]))})"
+        client = _x(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']))
+        line += (f"; {b}/{a} decode speedup {_x(stats.speedup(srv[a], srv[b]))} (client {client})"
+                 if srv[a] and srv[b] else f"; {b}/{a} decode speedup {client} (client)")
     rates = [(summary(p)["aggregate_tok_s"], p) for p in report["phases"]]
     rate, top = max(((r, p) for r, p in rates if r), default=(None, None), key=lambda rp: rp[0])
     if top and top["concurrency"] != c:
