@@ -149,7 +149,7 @@ def test_head_to_head(servers, tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(finite(float(x.rstrip("×").replace(",", ""))) for x in cells[1:]), row
-    assert "B/A decode speedup" in r.stdout and "(server " in r.stdout
+    assert "B/A decode speedup" in r.stdout and "(client " in r.stdout and "A server " in r.stdout
     check_pngs(tmp_path)
     # the saved run renders again, to the same table
     again = bench("--report", str(tmp_path / "results.json"), "-o", str(tmp_path / "again"), "--no-plots")
