@@ -25,7 +25,7 @@ from vllm_exl3.format.constants import TILE
 from vllm_exl3.format.tensors import Exl3Weights
 
 HEAD_BITS = 6  # ExLlamaV3's default head_bits (its converter's -hb)
-SHARD_BYTES = 4 * 10**9
+SHARD_BYTES = 2 * 10**9
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,24 @@ def config_json(shape: Shape, layers: int, bits: float, codebook: str) -> dict:
     return c
 
 
-def write(out: Path, shape_name: str, bits: float, layers: int | None = None, codebook: str = "mcg") -> dict:
+def _write_shard(out: Path, name: str, shape_name: str, layers: list[int], bits: float, codebook: str,
+                 extra: dict[str, torch.Tensor] | None = None) -> tuple[str, list[str], int]:
+    """One shard file: the given layers (and `extra` tensors); runs in a worker process."""
     from safetensors.torch import save_file
+
+    shape = SHAPES[shape_name]
+    tensors = dict(extra or {})
+    for layer in layers:
+        tensors.update(layer_tensors(shape, layer, bits, codebook))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+    return name, sorted(tensors), sum(v.nbytes for v in tensors.values())
+
+
+def write(out: Path, shape_name: str, bits: float, layers: int | None = None, codebook: str = "mcg",
+          workers: int = 8) -> dict:
+    """The pack, its shards written side by side by `workers` processes (one random draw per layer is the slow
+    part: one process writes a 16 GB pack in minutes)."""
+    from concurrent.futures import ProcessPoolExecutor
 
     shape = SHAPES[shape_name]
     layers = layers or shape.layers
@@ -150,35 +166,29 @@ def write(out: Path, shape_name: str, bits: float, layers: int | None = None, co
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(1)
     head = random_weights(shape.hidden, shape.vocab, HEAD_BITS, codebook, seed=99)
-    pending = {"model.embed_tokens.weight": (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).bfloat16(),
-               "model.norm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
-               **linear_tensors("lm_head", head)}
+    outer = {"model.embed_tokens.weight": (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).bfloat16(),
+             "model.norm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+             **linear_tensors("lm_head", head)}
+    per_layer = sum(t.nbytes for t in layer_tensors(shape, shape.dense_layers, bits, codebook).values())
+    per_shard = max(1, int(SHARD_BYTES // per_layer))
+    groups = [list(range(i, min(layers, i + per_shard))) for i in range(0, layers, per_shard)]
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map: dict[str, str] = {}
-    shards: list[str] = []
     total = 0
-
-    def flush() -> None:
-        nonlocal pending, total
-        name = f"model-{len(shards) + 1:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in pending.items()}, str(out / name), metadata={"format": "pt"})
-        total += sum(v.nbytes for v in pending.values())
-        weight_map.update({k: name for k in pending})
-        shards.append(name)
-        pending = {}
-
-    for layer in range(layers):
-        pending.update(layer_tensors(shape, layer, bits, codebook))
-        if sum(v.nbytes for v in pending.values()) >= SHARD_BYTES:
-            flush()
-    if pending:
-        flush()
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(groups)))) as pool:
+        jobs = [pool.submit(_write_shard, out, name, shape_name, group, bits, codebook, outer if i == 0 else None)
+                for i, (name, group) in enumerate(zip(names, groups))]
+        for job in jobs:
+            name, keys, nbytes = job.result()
+            weight_map.update({k: name for k in keys})
+            total += nbytes
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(config_json(shape, layers, bits, codebook), indent=1))
     for name, text in tokenizer_files(shape.vocab).items():
         (out / name).write_text(text)
     return {"pack": str(out), "shape": shape_name, "layers": layers, "of_layers": shape.layers, "bits": bits,
-            "codebook": codebook, "bytes": total, "seconds": round(time.time() - t0, 1)}
+            "codebook": codebook, "bytes": total, "shards": len(names), "seconds": round(time.time() - t0, 1)}
 
 
 def main(argv: list[str]) -> int:
