@@ -79,7 +79,7 @@ def two_node_env(role: str, tmp_path, master_port: int, api_port: int) -> dict[s
         role, tmp_path / role,
         VLLM_EXL3_HEAD_ADDR="127.0.0.1", VLLM_EXL3_MASTER_PORT=str(master_port), VLLM_EXL3_PORT=str(api_port),
         VLLM_HOST_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo", VLLM_EXL3_HEAD_WAIT="240",
-        VLLM_EXL3_RENDEZVOUS_GRACE="5",
+        VLLM_EXL3_RENDEZVOUS_GRACE="5", VLLM_EXL3_PEER_SECRET="two-node-test-secret-0123",
         # one core per "node": both nodes' rank 0 would otherwise bind the same core
         VLLM_CPU_OMP_THREADS_BIND="0" if role == "head" else "1")
 
