@@ -7,6 +7,7 @@ engine with `--nnodes 2` over gloo/TCP (TP 2, one rank per "node", each bound to
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
@@ -15,6 +16,7 @@ import requests
 
 from support.appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
 from support.servers import free_port
+from vllm_exl3.appliance.health import group_members
 
 pytestmark = pytest.mark.e2e
 
@@ -38,14 +40,19 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
         first = box.vllm_pid
         assert health(env, "liveness").returncode == 0
 
-        kill_group(first, signal.SIGKILL)  # vLLM crashes: API server, engine core, all of it
+        engine = sorted(p for p in group_members(first) if p != first)
+        assert engine  # vLLM's engine core runs in the API server's process group
+        os.kill(first, signal.SIGKILL)  # the API server alone dies (kill -9, the OOM killer): its engine is orphaned
         wait_until("vLLM down", lambda: not alive(first), 30)
         assert not box.healthy()
         wait_until("a new vLLM", lambda: box.vllm_pid not in (None, first), 60, box.proc, box.log)
+        # The new vLLM started only once the old group was gone: nothing of it runs beside the new one.
+        assert not group_members(first), group_members(first)
         box.wait_healthy()
         assert completion(port, api_key=key)["choices"][0]["text"] == text  # same pack, greedy: same tokens
         log = box.log.read_text()
         assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
+        assert f"the previous vLLM (process group {first}) left" in log, tail(box.log)
         assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
 
 
