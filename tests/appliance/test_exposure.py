@@ -61,7 +61,10 @@ def test_an_abbreviated_host_is_read_as_vllm_reads_it(where):
     """vLLM's parser takes `--ho` for `--host`: the launcher must not log "loopback only" while vLLM listens on
     every interface with no key."""
     args = ["--ho", "0.0.0.0"]
-    r = launch({where: " ".join(args)} if where != "--" else {}, "--no-preflight", *(["--", *args] if where == "--" else []))
+    if where == "--":
+        r = launch({}, "--no-preflight", "--", *args)
+    else:
+        r = launch({where: " ".join(args)}, "--no-preflight")
     assert r.returncode == EXIT_REFUSED, r.stderr
     assert "REFUSED: the API would listen on every interface with no key" in r.stderr
     assert "loopback only" not in r.stderr

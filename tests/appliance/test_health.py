@@ -20,7 +20,8 @@ from contextlib import contextmanager
 import pytest
 
 from support.appliance import HEALTHCHECK
-from vllm_exl3.appliance.health import decode_address, group_members, process_state, stop_leftovers, stop_vllm, worker_connected
+from vllm_exl3.appliance.health import (decode_address, group_members, process_state, stop_leftovers, stop_vllm,
+                                        worker_connected)
 
 
 def run_check(mode: str, env: dict[str, str]) -> subprocess.CompletedProcess:

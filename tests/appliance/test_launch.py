@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from vllm_exl3 import demo
-from vllm_exl3.appliance.launch import (EXTRA_AFTER_DASHES, EXTRA_ENV, EXIT_REFUSED, ROLES, TOPOLOGY_OPTIONS, LaunchError,
-                                        apply_plan, available_presets, build_spec, check_options, exec_argv, load_preset,
-                                        plan_request)
+from vllm_exl3.appliance.launch import (EXIT_REFUSED, EXTRA_AFTER_DASHES, EXTRA_ENV, ROLES, TOPOLOGY_OPTIONS,
+                                        LaunchError, apply_plan, available_presets, build_spec, check_options,
+                                        exec_argv, load_preset, plan_request)
 from vllm_exl3.appliance.vllm_options import VllmOptions
 
 SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency")
@@ -84,12 +84,14 @@ def test_head_and_worker_commands_agree_on_topology():
 
 
 def test_environment_and_extra_arguments():
-    env = TWO_NODE_ENV | {"VLLM_EXL3_MASTER_PORT": "31000", "VLLM_EXL3_EXTRA_ARGS": "--max-model-len 32768 --disable-log-stats"}
+    env = TWO_NODE_ENV | {"VLLM_EXL3_MASTER_PORT": "31000",
+                          "VLLM_EXL3_EXTRA_ARGS": "--max-model-len 32768 --disable-log-stats"}
     spec = build_spec("head", load_preset("low-latency", {}), env, ["--max-num-seqs", "2"])
     argv = spec.argv()
     assert argv[-5:] == ["--max-num-seqs", "2", "--max-model-len", "32768", "--disable-log-stats"]  # last: they win
     assert pairs(argv)["master-port"] == "31000"
-    assert spec.sources == {EXTRA_AFTER_DASHES: ["--max-num-seqs", "2"], EXTRA_ENV: ["--max-model-len", "32768", "--disable-log-stats"]}
+    assert spec.sources == {EXTRA_AFTER_DASHES: ["--max-num-seqs", "2"],
+                            EXTRA_ENV: ["--max-model-len", "32768", "--disable-log-stats"]}
     options = parsed(spec)
     assert options.set_by(*spec.sources) == {"max_num_seqs": 2, "max_model_len": 32768, "disable_log_stats": True}
     assert options.value("max_num_seqs") == 2 and options.value("max_model_len") == 32768
@@ -112,8 +114,9 @@ def test_impossible_launches_say_what_to_change(role, preset, env, message):
 # Spellings vLLM's parser takes for a topology option that a check by name let through: prefixes, short forms,
 # underscores, `=`, a --config file.
 TOPOLOGY_SPELLINGS = [["--tensor-parallel-size", "2"], ["-tp", "2"], ["--tensor-parallel", "2"],
-                      ["--tensor_parallel_size=2"], ["-tp=2"], ["--headless"], ["--head"], ["-n", "2"], ["--node-r", "1"],
-                      ["--master-ad", "10.0.0.9"], ["--distributed-executor-backend", "ray"], ["--config", "{config}"]]
+                      ["--tensor_parallel_size=2"], ["-tp=2"], ["--headless"], ["--head"], ["-n", "2"],
+                      ["--node-r", "1"], ["--master-ad", "10.0.0.9"], ["--distributed-executor-backend", "ray"],
+                      ["--config", "{config}"]]
 
 
 @pytest.mark.parametrize("where", ["extra", "env"])

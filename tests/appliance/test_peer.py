@@ -52,7 +52,8 @@ def test_seal_fuzz_only_the_shared_secret_verifies():
     rng = random.Random(21)
     secret = SECRET.encode()
     for _ in range(300):
-        message = {"role": "worker", "ready": rng.random() < 0.5, "time": rng.uniform(0, 2e9), "detail": "x" * rng.randrange(40)}
+        message = {"role": "worker", "ready": rng.random() < 0.5, "time": rng.uniform(0, 2e9),
+                   "detail": "x" * rng.randrange(40)}
         sealed = seal(secret, message)
         assert unseal(secret, sealed) == message
         i = rng.randrange(len(sealed))

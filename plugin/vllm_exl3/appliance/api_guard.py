@@ -1,4 +1,4 @@
-"""ASGI middleware at the front of vLLM's API server: the key on every path, 503 while draining, idle connections closed.
+"""ASGI middleware in front of vLLM's API server: the key on every path, 503 while draining, idle connections closed.
 
 vLLM loads it with `--middleware vllm_exl3.appliance.api_guard.GuardAllPaths`, which the launcher and
 `vllm-exl3 serve` always add (exposure.py). vLLM adds user middleware after its own (vllm/entrypoints/serve/

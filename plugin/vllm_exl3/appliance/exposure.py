@@ -68,8 +68,8 @@ def refusal(host: str, env: Mapping[str, str], port: int | str | None = None,
     where = "every interface" if host in ("", ALL_INTERFACES, "::") else host
     port = port or env.get("VLLM_EXL3_PORT", default("VLLM_EXL3_PORT"))
     return (f"the API would listen on {where} with no key: anyone who reaches port {port} could use the model. "
-            f"Set VLLM_API_KEY (clients send `Authorization: Bearer <key>`), or bind loopback ({loopback_hint}), or set "
-            "ALLOW_OPEN_API=1 (VLLM_EXL3_ALLOW_OPEN_API) on a network you trust")
+            "Set VLLM_API_KEY (clients send `Authorization: Bearer <key>`), "
+            f"or bind loopback ({loopback_hint}), or set ALLOW_OPEN_API=1 (VLLM_EXL3_ALLOW_OPEN_API) on a network you trust")
 
 
 def describe(host: str, env: Mapping[str, str]) -> str:

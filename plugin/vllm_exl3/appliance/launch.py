@@ -86,7 +86,6 @@ APPLIANCE_VARIABLES = {s.name for s in SETTINGS if s.area == "appliance"} - {
 # The sources of vLLM options a user writes, as vllm_options.py names them in messages (read in this order).
 EXTRA_AFTER_DASHES = "the arguments after `--`"
 EXTRA_ENV = "VLLM_EXL3_EXTRA_ARGS (VLLM_EXTRA_ARGS in .env)"
-USER_SOURCES = (EXTRA_AFTER_DASHES, EXTRA_ENV)
 
 
 class LaunchError(ValueError):
