@@ -26,7 +26,7 @@ def supervisord():
     return required("supervisord (PyPI supervisor)", tool("supervisord"))
 
 
-def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
+def test_supervised_single_serves_recovers_from_a_crash(tmp_path, request):
     port, key = free_port(), "appliance-test-key"
     env = appliance_env("single", tmp_path / "run", VLLM_EXL3_PORT=str(port), VLLM_API_KEY=key)
     with supervised(env, tmp_path / "supervisord.log") as box:
@@ -42,6 +42,7 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
 
         engine = sorted(p for p in group_members(first) if p != first)
         assert engine  # vLLM's engine core runs in the API server's process group
+        request.addfinalizer(lambda: kill_group(first))  # should the test fail, leave no orphaned engine behind
         os.kill(first, signal.SIGKILL)  # the API server alone dies (kill -9, the OOM killer): its engine is orphaned
         wait_until("vLLM down", lambda: not alive(first), 30)
         assert not box.healthy()

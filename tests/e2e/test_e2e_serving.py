@@ -152,7 +152,8 @@ def test_cli_serve_stops_vllm_however_it_is_stopped(tmp_path, sig):
             time.sleep(0.5)
         assert not [p for p in tree if alive(p)], "vLLM outlived `vllm-exl3 serve`"
         with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # the port is free again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT is no listener
+            s.bind(("127.0.0.1", port))  # nothing listens on the port any more
         reader.join(10)
         if sig == signal.SIGTERM:
             assert "stopping vLLM ..." in "".join(lines)
