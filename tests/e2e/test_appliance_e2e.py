@@ -74,7 +74,8 @@ def test_fatal_program_ends_supervisord(tmp_path):
     env = appliance_env("single", tmp_path / "run", VLLM_EXL3_MODEL=str(tmp_path / "missing"),
                         VLLM_EXL3_PORT=str(free_port()))
     with supervised(env, tmp_path / "supervisord.log") as box:
-        wait_until("supervisord to exit", lambda: box.proc.poll() is not None, 90, log=box.log)
+        # four refused starts (each reads vLLM's options: ~10 s on a busy 2-core box) and supervisord's backoff
+        wait_until("supervisord to exit", lambda: box.proc.poll() is not None, 300, log=box.log)
         log = box.log.read_text()
     assert log.count("exit status 78") == 4  # startretries=3: the first start and three retries, all refused
     assert "gave up: vllm entered FATAL state" in log
