@@ -20,6 +20,12 @@ from setuptools import setup
 ROOT = Path(__file__).parent
 CSRC = ROOT / "csrc"
 DEFAULT_ARCHS = "9.0a;12.1a"
+# torch 2.14's headers refuse anything older (`#error C++20 or later compatible compiler is required to use ATen`),
+# and every torch the supported vLLM versions pin (2.12-2.14) accepts it; tests/kernels/csrc/test_torch_headers.py
+# compiles the torch-facing files against the newest one.
+CXX_STD = "-std=c++20"
+# csrc/bindings.cpp defines Py_LIMITED_API (3.10): one `_C.abi3.so` serves every Python the package supports.
+LIMITED_API_TAG = "cp310"
 
 
 def gencode_flags(arch_list: str) -> tuple[list[str], str]:
@@ -51,10 +57,11 @@ def extension_args(arch_list: str | None = None) -> dict:
         "sources": sorted(str(p.relative_to(ROOT)) for p in [*CSRC.glob("*.cu"), *CSRC.glob("*.cpp")]),
         "include_dirs": [str(CSRC)],
         "libraries": ["cublas"],
-        "cxx": ["-O3", "-std=c++17", archs_define],
+        "archs": names,
+        "cxx": ["-O3", CXX_STD, archs_define],
         # Our own -gencode flags also keep torch from parsing the arch list (it rejects arches it does not know).
         # No --use_fast_math: the Hadamard transforms and the mul1 epilogue rely on IEEE fp32.
-        "nvcc": ["-O3", "-std=c++17", "-lineinfo", archs_define, *gencode],
+        "nvcc": ["-O3", CXX_STD, "-lineinfo", archs_define, *gencode],
     }
 
 
@@ -65,10 +72,12 @@ def cuda_extensions():
 
     a = extension_args()
     ext = CUDAExtension(name="vllm_exl3.kernels._C", sources=a["sources"], include_dirs=a["include_dirs"],
-                        libraries=a["libraries"], extra_compile_args={"cxx": a["cxx"], "nvcc": a["nvcc"]})
+                        libraries=a["libraries"], extra_compile_args={"cxx": a["cxx"], "nvcc": a["nvcc"]},
+                        py_limited_api=True)
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; importing it (device_run.sh) only reads flags
     ext_modules, cmdclass = cuda_extensions()
-    setup(ext_modules=ext_modules, cmdclass=cmdclass)
+    options = {"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}} if ext_modules else {}
+    setup(ext_modules=ext_modules, cmdclass=cmdclass, options=options)

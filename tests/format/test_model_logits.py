@@ -9,30 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from support.packs import dequantized_checkpoint
 from vllm_exl3.format import dequant
 from vllm_exl3.format.pack import Pack
-from vllm_exl3.format.tensors import read_tensor
 
 transformers = pytest.importorskip("transformers")
-
-
-def dequantized_checkpoint(pack_root, out_dir):
-    pack = Pack.open(pack_root)
-    weights_file = out_dir / "dequant.safetensors"
-    dequant.write(dequant.plan(pack, None, rotated=False, padded=False), weights_file, rotated=False)
-    tensors = load_file(weights_file)
-    weights_file.unlink()
-    hidden = pack.text_config["hidden_size"]
-    for name, rec in pack.unquantized().items():
-        t = read_tensor(rec)
-        if name == "lm_head.weight":
-            t = t[:, :hidden]  # an unquantized head keeps the padded input columns (docs/format.md §5.2)
-        tensors[name] = t
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    config = dict(pack.config)
-    config.pop("quantization_config")
-    (out_dir / "config.json").write_text(json.dumps(config))
-    return out_dir
 
 
 def test_logits_match_exllamav3(fixture_pack, tmp_path):
@@ -47,3 +28,26 @@ def test_logits_match_exllamav3(fixture_pack, tmp_path):
     agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert rel <= 2e-2, rel
     assert agree >= 0.97, agree
+
+
+def test_unquantized_head_with_padded_input_columns(tmp_path):
+    """A pack whose head is stored plain with ExLlamaV3's padded input columns ([vocab, hidden + pad]): the
+    checkpoint helper keeps the first `hidden` columns, and the model still reproduces the goldens."""
+    import shutil
+
+    from conftest import pack_dir
+
+    src = pack_dir("qwen3moe-a-exl3-mul1-b4")
+    pack = tmp_path / "plain-head"
+    shutil.copytree(src, pack, ignore=shutil.ignore_patterns("quantization_config.json"))
+    items = [i for i in dequant.plan(Pack.open(src), None, rotated=False, padded=False) if i.linear.prefix == "lm_head"]
+    dequant.write(items, tmp_path / "head.safetensors", rotated=False)
+    head = load_file(tmp_path / "head.safetensors")["lm_head.weight"]
+    tensors = load_file(pack / "model.safetensors")
+    for suffix in [k.rpartition(".")[2] for k in tensors if k.startswith("lm_head.")]:
+        del tensors[f"lm_head.{suffix}"]
+    junk = torch.randn(head.shape[0], 128, generator=torch.Generator().manual_seed(0)).to(head.dtype)
+    tensors["lm_head.weight"] = torch.cat([head, junk], dim=1)
+    save_file(tensors, str(pack / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "out").mkdir()
+    test_logits_match_exllamav3(pack, tmp_path / "out")

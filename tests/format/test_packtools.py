@@ -121,6 +121,21 @@ def test_overlay_symlinks_and_refuses_bad_inputs(tmp_path, capsys):
         packtools.overlay(dense, experts, tmp_path / "o3")
 
 
+def test_overlay_of_an_incomplete_dense_source_is_refused(tmp_path, capsys):
+    """The overlay that kept 194 of 240 tensors: a dense source without layer 1's attention made a pack that
+    `pack overlay` called verified and `serve` answered with empty text. Its check is `verify`'s: refused."""
+    experts = copy_pack(pack_dir(MCG), tmp_path / "experts")
+    dense = dequantized_model(pack_dir(MUL1), tmp_path / "dense")
+    shard = dense / "model-00002-of-00002.safetensors"
+    t = load_file(shard)
+    save_file({k: v for k, v in t.items() if not k.startswith("model.layers.1.self_attn.")}, shard,
+              metadata={"format": "pt"})
+    packtools.write_index(dense, *packtools.scan_shards(dense))
+    assert main(["pack", "overlay", str(experts), str(dense), "-o", str(tmp_path / "out")]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tensor 'model.layers.1.self_attn.q_proj': expected an EXL3 linear" in err and "verified" not in err
+
+
 def test_verify_deep_passes_the_fixture_and_names_a_bad_tensor(tmp_path, capsys):
     root = copy_pack(pack_dir(MCG), tmp_path / "p")
     assert main(["verify", "--deep", str(root)]) == 0

@@ -269,8 +269,17 @@ def test_codebook_declaration_contradicting_markers(tmp_path):
     ({"non_routed_exl3": {"layers": {"x.o_proj": {"bf16_shards": ["v"]}}}}, "bf16_shards must list shard indices"),
 ])
 def test_contract_errors(raw, message):
+    """A malformed contract stops the start in `maybe_update_config`, which vLLM calls right after building the
+    config (for a local pack, the pack check names config.json first: tests/cli/test_fail_closed_packs.py)."""
+    from vllm_exl3.format.contract import Contract
+
     with pytest.raises(Exl3ConfigError, match=message):
-        Exl3Config({"quant_method": "exl3", **raw})
+        Contract.parse({"quant_method": "exl3", **raw})
+    cfg = Exl3Config({"quant_method": "exl3", **raw})
+    with pytest.raises(Exl3ConfigError, match=message):
+        cfg.maybe_update_config(str(pack_dir("qwen3moe-a-exl3-mcg-b3")))
+    with pytest.raises(Exl3ConfigError, match=message):  # and a layer built without it
+        cfg.get_quant_method(None, "model.layers.0.self_attn.o_proj")
 
 
 @pytest.mark.parametrize("layer", [0, 7])
@@ -325,3 +334,36 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy
         assert layer.exl3_shards[0][2][1] == "torch"  # the backend the gate moved the layer to
     finally:
         parity.reset()
+
+
+def test_kernel_choice_enters_vllms_compile_key(tmp_path, rank):
+    """vLLM hashes VllmConfig.additional_config into its torch.compile cache key and knows nothing else of our
+    backends: binding a layer records the backend chosen per layer type there (integration/compile_key.py), so a
+    boot that binds another backend gets its own cache entry instead of a graph compiled for the first."""
+    from vllm.config import get_current_vllm_config
+
+    from vllm_exl3.integration import compile_key
+    from vllm_exl3.kernels import selection
+
+    vllm_config = get_current_vllm_config()
+    vllm_config.additional_config.pop(compile_key.KEY, None)
+    before = vllm_config.compute_hash()
+    rank(0, 1)
+    w = random_weights(256, 128, 4, "mul1", seed=3)
+    cfg, tensors = make_config(tmp_path, {"l.key": w})
+    layer = vllm_linear.ColumnParallelLinear(256, 128, bias=False, quant_config=cfg, prefix="l.key",
+                                             return_bias=False)
+    load(layer, tensors)
+    key = vllm_config.additional_config[compile_key.KEY]
+    assert "linear:mul1:4b:cpu=torch" in key["layers"] and key["builds"]["torch"] == ""
+    bound = vllm_config.compute_hash()
+    assert bound != before
+    other = selection.Decision("linear:mul1:4b:cpu", "native", ())
+    selection._record(other)  # what a process that bound the native backend has recorded
+    try:
+        compile_key.record()
+        assert vllm_config.compute_hash() not in (before, bound)
+    finally:
+        selection._decision_counts.pop(other)
+        compile_key.record()
+    assert vllm_config.compute_hash() == bound

@@ -15,12 +15,12 @@ from vllm_exl3.kernels.backends import exllamav3_moe
 from vllm_exl3.kernels.specs import MoESpec
 
 
-def fake_exllamav3(root, version: str, entry_points=(), kwargs=("config", "key")) -> None:
+def fake_exllamav3(root, version: str, entry_points=(), kwargs=("config", "key"), init: str = "") -> None:
     """A stand-in `exllamav3` package on sys.path: its version, some extension entry points, a BlockSparseMLP with
     the given constructor parameters."""
     pkg = root / "exllamav3"
     (pkg / "modules").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text(init)
     (pkg / "version.py").write_text(f"__version__ = {version!r}\n")
     (pkg / "ext.py").write_text("import types\nexllamav3_ext = types.SimpleNamespace(**{n: object() for n in "
                                 f"{list(entry_points)!r}}})\n")
@@ -46,14 +46,17 @@ def installed(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(tmp_path))
         for name in [m for m in sys.modules if m == "exllamav3" or m.startswith("exllamav3.")]:
             monkeypatch.delitem(sys.modules, name)
-        exl_backend._import_error.cache_clear()
-        exllamav3_moe.api_reason.cache_clear()
+        clear()
+
+    def clear():
+        for cached in (exl_backend._import_error, exl_backend.installed_version, exl_backend.load_package,
+                       exllamav3_moe.api_reason):
+            cached.cache_clear()
 
     yield install
     for name in [m for m in sys.modules if m == "exllamav3" or m.startswith("exllamav3.")]:
         del sys.modules[name]
-    exl_backend._import_error.cache_clear()
-    exllamav3_moe.api_reason.cache_clear()
+    clear()
 
 
 def test_another_minor_version_is_refused_by_name(installed):
@@ -118,3 +121,19 @@ def test_the_image_checks_the_prebuilt_extension_for_these_entry_points(tmp_path
     r = subprocess.run([sys.executable, str(tool), str(lacking)], capture_output=True, text=True)
     assert r.returncode == 1
     assert "lacks BC_BlockSparseMLP, exl3_moe, exl3_moe_max_concurrency" in r.stderr
+
+
+def test_asking_whether_it_is_there_does_not_import_it(installed, tmp_path, caplog):
+    """`import exllamav3` compiles ExLlamaV3's extension unless a prebuilt one is importable (minutes: every boot of
+    the native profile stalled in it on a machine with ExLlamaV3 installed from PyPI). Availability, the build id
+    in the compile-cache key and the metrics read its files instead; only binding a layer imports it, saying so."""
+    marker = tmp_path / "imported"
+    installed("1.6.5", init=f"open({str(marker)!r}, 'w').close()\n")
+    backend = exl_backend.ExLlamaV3Backend()
+    assert exl_backend._import_error() is None
+    assert backend.build_id() == "exllamav3 1.6.5 (JIT extension)"
+    backend.unavailable_reason()
+    assert not marker.exists() and "exllamav3" not in sys.modules
+    with caplog.at_level("WARNING"):
+        exl_backend.load_package()
+    assert marker.exists() and "not prebuilt" in caplog.text

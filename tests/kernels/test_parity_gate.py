@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,3 +151,71 @@ def test_routed_experts_gate(gate_env, pack, monkeypatch, policy):
     bind()
     assert log == ["native", "torch"]
     assert parity.checks()[0].inputs.startswith("64 tokens, top-2 of experts [0, 1, 2, 7]")
+
+
+# -- where the report goes: one per server and rank -------------------------------------------------------------
+API_SERVER = "/venv/lib/python3.11/site-packages/vllm/entrypoints/openai/api_server.py"
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["/venv/bin/vllm", "serve", "/pack", "--port", "8011"], "port-8011"),
+    (["/venv/bin/vllm", "serve", "/pack", "--max-model-len", "256", "--port=8012"], "port-8012"),
+    (["/venv/bin/vllm", "serve", "/pack"], "port-8000"),
+    ([API_SERVER, "--model", "/pack", "--port", "9000", "--host", "127.0.0.1"], "port-9000"),
+    ([API_SERVER, "--model", "/pack"], "port-8000"),
+    (["/venv/bin/vllm", "serve", "/pack", "--headless", "--port", "8013"], "headless"),
+    (["/venv/bin/vllm", "bench", "serve", "--port", "8014"], "offline"),
+    (["/venv/bin/pytest", "--port", "8015"], "offline"),
+])
+def test_the_server_a_process_serves_comes_from_its_command_line(argv, key):
+    assert parity.server_key(argv) == key
+
+
+def test_the_port_of_a_config_file(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 8123\nmax-model-len: 256\n")
+    assert parity.server_key(["/venv/bin/vllm", "serve", "/pack", "--config", str(config)]) == "port-8123"
+    assert parity.server_key(["/venv/bin/vllm", "serve", "/pack", "--config", str(config), "--port", "1"]) == "port-1"
+
+
+def test_each_server_keeps_its_own_report_and_info_shows_them(tmp_path, monkeypatch, pack, capsys):
+    """Two servers on one machine (the server is its command line: each engine process inherits the API
+    server's sys.argv); before, both wrote one machine-wide file and `info` showed whichever came last."""
+    import tempfile
+
+    from vllm_exl3.cli.main import main
+
+    monkeypatch.delenv(parity.REPORT_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(selection, "_excluded", {})
+    kbackend.load_backends()
+    for port in (8011, 8012):
+        monkeypatch.setattr("sys.argv", [API_SERVER, "--model", "/pack", "--port", str(port)])
+        parity.reset()
+        bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), [])
+    parity.reset()
+    reports = parity.read_reports()
+    assert [(r.path.name, r.body["server"], r.body["rank"]) for r in reports] == [
+        ("port-8011.rank0.json", "port-8011", 0), ("port-8012.rank0.json", "port-8012", 0)]
+    assert [r.body["server"] for r in parity.read_reports(port=8012)] == ["port-8012"]
+    # one file named by VLLM_EXL3_PARITY_REPORT: --port still shows only that server's
+    named = {parity.REPORT_ENV: str(reports[0].path)}
+    assert [r.body["server"] for r in parity.read_reports(named, port=8011)] == ["port-8011"]
+    assert parity.read_reports(named, port=8012) == []
+
+    assert main(["info", "--port", "8011"]) == 0
+    out = capsys.readouterr().out
+    assert "parity gate of the server on port 8011, rank 0" in out and "8012" not in out, out
+    (tmp_path / parity.REPORT_DIR / "port-8013.rank0.json").write_text("{half a rep")
+    # a server that has exited: its report is kept (info --port shows it), listed in one line otherwise
+    gone = subprocess.run([sys.executable, "-c", f"import sys; sys.argv = [{API_SERVER!r}, '--port', '8014']; "
+                           "from vllm_exl3.kernels import parity; parity._write_report()"],
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    assert gone.returncode == 0, gone.stderr
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "port 8011" in out and "port 8012" in out and "port-8013.rank0.json cannot be read" in out, out
+    assert "on port 8014" not in out and "1 more report(s) of processes that have exited (port-8014)" in out, out
+    assert main(["info", "--port", "8014"]) == 0
+    out = capsys.readouterr().out
+    assert "parity gate of the server on port 8014, rank 0 (pid " in out and ", exited;" in out, out

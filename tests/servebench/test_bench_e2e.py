@@ -149,7 +149,7 @@ def test_head_to_head(servers, tmp_path):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert all(finite(float(x.rstrip("×").replace(",", ""))) for x in cells[1:]), row
-    assert "B/A decode speedup" in r.stdout and "(server " in r.stdout
+    assert "B/A decode speedup" in r.stdout and "(client " in r.stdout and "A server " in r.stdout
     check_pngs(tmp_path)
     # the saved run renders again, to the same table
     again = bench("--report", str(tmp_path / "results.json"), "-o", str(tmp_path / "again"), "--no-plots")
@@ -176,6 +176,35 @@ def test_refused_requests_are_reported_with_the_servers_reason(servers, tmp_path
     error = next(line for line in r.stderr.splitlines() if line.startswith("error:"))
     assert "A warm-up failed: HTTP 400 from" in error and "max" in error, r.stderr
     assert json.loads((tmp_path / "results.json").read_text())["partial"]
+
+
+def test_fill_and_the_prefill_phase(servers, tmp_path):
+    """--fill keeps a level busy (2 prompts at concurrency 4 become 8 requests); --prefill measures long prompts
+    sent as token ids, and the server's prefill rate comes from its own counters."""
+    r = bench("--a", servers[0].base_url, "--categories", "coding,prose", "--prompts", "1", "--max-tokens", "8",
+              "--concurrency", "1,4", "--fill", "2", "--prefill", "64,128", "--prefill-requests", "2",
+              "--warmup", "1", "--api", "completions", "--no-plots", "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    by_level = {p["concurrency"]: p for p in results["phases"] if "prefill_length" not in p}
+    assert len(by_level[1]["requests"]) == 2 and len(by_level[4]["requests"]) == 8
+    prefill = [p for p in results["phases"] if "prefill_length" in p]
+    assert [(p["prefill_length"], len(p["requests"])) for p in prefill] == [(64, 2), (128, 2)]
+    for p in prefill:
+        assert all(q["ok"] and q["prompt_tokens"] == p["prefill_length"] for q in p["requests"])
+        assert p["server"]["prompt_tokens"] == 2 * p["prefill_length"] and p["server"]["prefill_tokens_per_s"] > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| side | prompt tokens | requests | server prefill tok/s |" in report and "| A | 128 | 2/2 |" in report
+    assert "A server " in r.stdout.rstrip().splitlines()[-1]  # the headline leads with the server's counters
+
+
+def test_chat_without_a_template_says_to_use_completions(tmp_path):
+    with vllm_servers(1, demo.PACK, tmp_path) as (server,):
+        r = bench("--a", server.base_url, "--prompts", "1", "--max-tokens", "4", "--concurrency", "1",
+                  "--no-plots", "-o", str(tmp_path / "out"))
+    assert r.returncode == 3
+    error = next(line for line in r.stderr.splitlines() if line.startswith("error:"))
+    assert "no chat template" in error and "--api completions" in error, r.stderr
 
 
 def test_server_stopped_mid_run_leaves_a_partial_report(servers, tmp_path):

@@ -198,3 +198,44 @@ def test_the_default_exporter_port_is_the_appliance_default():
     assert server_metrics.EXPORTER_PORT == int(default("VLLM_EXL3_METRICS_PORT"))
     assert runner.default_exporter("http://10.0.0.5:8000/v1") == "http://10.0.0.5:9469"
     assert runner.default_exporter("http://[::1]:8000") == "http://[::1]:9469"
+
+
+def test_fill_repeats_the_prompts_to_keep_a_level_busy():
+    w = build_workload(["coding", "prose"], 1, 8, [1, 4, 16], "completions", fill=2)
+    assert [len(w.phase_prompts(c)) for c in (1, 4, 16)] == [2, 8, 32]
+    assert [p.category for p in w.phase_prompts(4)] == ["coding", "prose"] * 4
+
+
+def test_prefill_prompts_are_seeded_token_ids_with_no_shared_prefix():
+    a = build_workload(["coding"], 1, 8, [1], "chat", seed=3, prefill_lengths=[512, 64], prefill_requests=3)
+    b = build_workload(["coding"], 1, 8, [1], "chat", seed=3, prefill_lengths=[64, 512], prefill_requests=3)
+    assert a.prefill_lengths == [64, 512] and a.to_json() == b.to_json()
+    long = a.prefill_phase(512)
+    assert [len(p.token_ids) for p in long] == [512] * 3
+    assert len({tuple(p.token_ids[:4]) for p in long}) == 3  # distinct from the first tokens: no prefix-cache hit
+    assert all(100 <= t < 1000 for p in long for t in p.token_ids)
+    restored = saved.workload_of({"workload": a.to_json()}, "results.json")
+    assert restored.to_json() == a.to_json()
+
+
+def test_the_prefill_rate_is_the_servers_prompt_tokens_over_its_prefill_time():
+    def snap(prompt, prefill_s):
+        return server_metrics.parse(
+            f"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:generation_tokens_total 0\n"
+            f"vllm:prompt_tokens_total {prompt}\nvllm:request_prefill_time_seconds_sum {prefill_s}\n"
+            f"vllm:request_prefill_time_seconds_count 1\n")
+
+    phase = server_metrics.difference(snap(100, 1.0), snap(8292, 1.5), 2.0)
+    assert phase.prompt_tokens == 8192 and phase.prefill_tokens_per_s == pytest.approx(16384)
+
+
+def test_without_matplotlib_the_report_is_still_written(tmp_path):
+    """A plain install has no matplotlib: the plots are skipped with a line saying how to get them, nothing else."""
+    saved_run = Path(__file__).resolve().parents[2] / "bench" / "results" / "cpu-demo-servebench" / "results.json"
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from vllm_exl3.cli import main\n"
+            f"sys.exit(main(['bench', '--report', {str(saved_run)!r}, '-o', {str(tmp_path)!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "no plots (matplotlib is not installed" in r.stderr and "internal error" not in r.stderr
+    assert (tmp_path / "report.md").is_file() and not list(tmp_path.glob("*.png"))

@@ -42,3 +42,26 @@ def dequantized_model(src: Path, dst: Path) -> Path:
 
     packtools.write_index(dst, *packtools.scan_shards(dst))
     return dst
+
+
+def dequantized_checkpoint(pack_root: Path, out_dir: Path) -> Path:
+    """A transformers checkpoint (one file, fp32 weights in the original basis) of a pack, for whole-model checks
+    against the golden logits (tests/format/test_model_logits.py and its GPU twin)."""
+    pack = Pack.open(pack_root)
+    weights_file = out_dir / "dequant.safetensors"
+    dequant.write(dequant.plan(pack, None, rotated=False, padded=False), weights_file, rotated=False)
+    tensors = load_file(weights_file)
+    weights_file.unlink()
+    hidden = pack.text_config["hidden_size"]
+    for name, rec in pack.unquantized().items():
+        t = read_tensor(rec)
+        if name == "lm_head.weight":
+            # an unquantized head keeps the padded input columns (docs/format.md §5.2); safetensors saves only
+            # contiguous tensors, and the slice is a strided view
+            t = t[:, :hidden].contiguous()
+        tensors[name] = t
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    config = dict(pack.config)
+    config.pop("quantization_config")
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir

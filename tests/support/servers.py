@@ -31,9 +31,22 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
+SERVER_OPTIONS = ("--host", "127.0.0.1", "--max-model-len", "256", "--max-num-seqs", "8")
+
+
 def server_argv(model: Path | str, port: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-            "--host", "127.0.0.1", "--max-model-len", "256", "--max-num-seqs", "8", *args]
+            *SERVER_OPTIONS, *args]
+
+
+def vllm_command() -> Path:
+    """vLLM's own `vllm` command of this environment."""
+    return Path(sys.executable).parent / "vllm"
+
+
+def vllm_serve_argv(model: Path | str, port: int, *args: str) -> list[str]:
+    """The same server through vLLM's `vllm serve` command."""
+    return [str(vllm_command()), "serve", str(model), "--port", str(port), *SERVER_OPTIONS, *args]
 
 
 class Server:
@@ -57,14 +70,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def _start(model: Path | str, log_dir: Path, args: tuple[str, ...], env: dict[str, str] | None,
-           taken: set[int]) -> Server:
+           taken: set[int], argv=server_argv) -> Server:
     port = free_port()
     while port in taken:  # a port handed out for a server that has not bound it yet
         port = free_port()
     taken.add(port)
     log = log_dir / f"vllm-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(server_argv(model, port, *args), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv(model, port, *args), stdout=out, stderr=subprocess.STDOUT,
                                 env=env or cpu_env(), start_new_session=True)
     return Server(model, f"http://127.0.0.1:{port}", proc, log)
 
@@ -85,13 +98,17 @@ def _wait_healthy(server: Server, deadline: float) -> None:
 
 
 @contextmanager
-def vllm_servers(count: int, model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
-    """`count` servers of the same model on their own loopback ports, booted side by side (one boot's wait)."""
+def vllm_servers(count: int, model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 argvs=None):
+    """`count` servers of the same model on their own loopback ports, booted side by side (one boot's wait);
+    `argvs`: how each is started (server_argv, vllm_serve_argv; default server_argv for all)."""
+    argvs = argvs or [server_argv] * count
+    assert len(argvs) == count, argvs
     servers: list[Server] = []
     taken: set[int] = set()
     try:
-        for _ in range(count):
-            servers.append(_start(model, log_dir, args, env, taken))
+        for argv in argvs:
+            servers.append(_start(model, log_dir, args, env, taken, argv))
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         for server in servers:
             _wait_healthy(server, deadline)

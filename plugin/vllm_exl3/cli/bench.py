@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let a request end at the model's end-of-text (default: exactly the asked length on vLLM)")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="unmeasured requests per side first (default 2)")
+    p.add_argument("--fill", type=int, default=1, metavar="N",
+                   help="each concurrency phase sends at least N x its concurrency requests, the prompts repeated in "
+                        "order, so a high level stays busy (default 1)")
+    p.add_argument("--prefill", type=worker_counts, default=[], metavar="TOKENS",
+                   help="a prefill phase after the others: prompts of these lengths in tokens (comma-separated, e.g. "
+                        "2048,8192), one at a time, sent as token ids to /v1/completions")
+    p.add_argument("--prefill-requests", type=int, default=3, metavar="N",
+                   help="prompts per prefill length (default 3)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
                    help="the server's API key (default: $VLLM_API_KEY, as the appliance's .env sets it)")
     p.add_argument("--request-timeout", type=_seconds, default=600.0, metavar="S", help="seconds per request")
@@ -81,13 +89,15 @@ def _render(report: dict, out: Path, plots: bool, console, err_console) -> list[
     written = [out / REPORT]
     (out / REPORT).write_text(rep.markdown(report))
     if plots:
+        from ..servebench import plots as plot
+
         try:
-            from ..servebench import plots as plot
-        except ImportError as e:  # pragma: no cover - matplotlib is in the bench and test extras
-            err_console.print(f"no plots: {e}; install them with pip install 'vllm-exl3[bench]'")
-        else:
             written += [p for p in (plot.categories_png(report, out / CATEGORIES_PNG),
                                     plot.concurrency_png(report, out / CONCURRENCY_PNG)) if p]
+        except ImportError as e:  # matplotlib is in the bench and test extras, not in a plain install
+            err_console.print(f"no plots ({e.name or 'matplotlib'} is not installed: pip install "
+                              "'vllm-exl3[bench]', or --no-plots); the report and the raw JSON are written",
+                              highlight=False)
     console.print(rep.markdown(report), highlight=False, markup=False, soft_wrap=True)
     return written
 
@@ -99,7 +109,8 @@ def _workload(a: argparse.Namespace, specs: dict[str, str], saved: dict[str, dic
 
     if not saved:
         return build_workload(a.categories.split(",") if a.categories else None, a.prompts, a.max_tokens,
-                              sorted(set(a.concurrency)), a.api, a.seed, a.ignore_eos, a.warmup)
+                              sorted(set(a.concurrency)), a.api, a.seed, a.ignore_eos, a.warmup, a.fill, a.prefill,
+                              a.prefill_requests)
     workload = common_workload({specs[name]: run for name, run in saved.items()})
     err_console.print(f"workload: the saved run's ({', '.join(specs[n] for n in saved)}): "
                       f"{len(workload.prompts)} prompts, concurrency {','.join(map(str, workload.concurrency))}; "

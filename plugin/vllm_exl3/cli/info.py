@@ -1,4 +1,5 @@
-"""`vllm-exl3 info`: what this install can run — kernel backends (available or why not), the native build, devices."""
+"""`vllm-exl3 info`: what this install can run — kernel backends (available or why not), the native build, devices —
+and the parity gate's report of each server on this machine (kernels/parity.py), with whether its writer runs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ class BackendInfo:
 
 
 @dataclass
+class ParityReport:
+    path: str
+    report: dict | None  # None: unreadable, `problem` says why
+    problem: str
+    running: bool | None  # whether the process that wrote it still runs (None: the report names no pid)
+
+
+@dataclass
 class Info:
     version: str
     torch: str
@@ -26,13 +35,29 @@ class Info:
     kernel_env: str
     backends: list[BackendInfo] = field(default_factory=list)
     native_build: str | None = None
-    parity: dict | None = None  # the last parity gate's report (kernels/parity.py), if one was written
+    parity_reports: list[ParityReport] = field(default_factory=list)  # one per server and rank (kernels/parity.py)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def collect() -> Info:
+def writer_running(report: dict) -> bool | None:
+    """Whether the process that wrote `report` still runs: its pid exists and started before the report was
+    written (so a later process that reused the pid does not count)."""
+    import psutil
+
+    pid, written = report.get("pid"), report.get("time")
+    if not isinstance(pid, int) or not isinstance(written, (int, float)):
+        return None
+    try:
+        return psutil.Process(pid).create_time() <= written + 1
+    except psutil.AccessDenied:  # another user's process: it exists
+        return True
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
+def collect(port: int | None = None) -> Info:
     from ..kernels.backend import get_backend
     from ..kernels.choice import KERNEL_ENV, PREFERENCE
 
@@ -53,7 +78,8 @@ def collect() -> Info:
             reason = "backend module not importable"
         info.backends.append(BackendInfo(name, reason is None, reason))
     info.native_build = native.build_info()
-    from ..kernels.parity import read_report
+    from ..kernels.parity import read_reports
 
-    info.parity = read_report()
+    info.parity_reports = [ParityReport(str(r.path), r.body, r.problem, writer_running(r.body) if r.body else None)
+                           for r in read_reports(port=port)]
     return info

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .. import __version__
@@ -50,17 +54,23 @@ def _gib(n: int) -> str:
     return format_bytes(n, binary=True, digits=2)
 
 
+def lit(value: object) -> str:
+    """`value` as text that Rich prints as it is. Tensor names, config strings, error messages and paths come from
+    a pack or the command line: a tensor named '[/]' is not markup (Rich would stop with a MarkupError)."""
+    return escape(str(value))
+
+
 def open_exl3_pack(path: str, finite: bool = False) -> Pack:
-    """Pack.open and Pack.check (what serving checks; `finite`: the scales too), plus a clear refusal of a model
-    directory that holds no EXL3 tensors (a plain HF model)."""
+    """Pack.open and Pack.check (what serving checks but the scales, unless `finite`), after a clear refusal of a
+    model directory that holds no EXL3 tensors (a plain HF model)."""
     pack = Pack.open(path)
-    pack.check(finite)
-    if not pack.linears():
+    if not pack.has_exl3_tensors:
         method = pack.quantization_config.get("quant_method")
         raise UsageError(f"{path} is not an EXL3 pack: none of its tensors is EXL3-quantized (no .trellis tensors)"
                          + (f" and its quantization_config says quant_method {method!r}" if method else
                             " and its config.json has no quantization_config")
                          + ". Convert the model with ExLlamaV3's convert.py, or point at an EXL3 download.")
+    pack.check(finite)
     return pack
 
 
@@ -72,6 +82,97 @@ def output_file(path: str) -> str:
     if not parent.is_dir():
         raise UsageError(f"-o {path}: the folder {parent} does not exist; create it first (mkdir -p {parent})")
     return path
+
+
+# What the operating system can refuse about a user's file or folder, and what the user can do about it: the
+# user's environment, never a bug of ours, wherever in a command it surfaces (main() reports these as one line).
+PATH_ADVICE = {  # about the path the error names (the same errors without a path are about something else)
+    errno.EACCES: "check the permissions of the file and its folder, or choose another path",
+    errno.EPERM: "check the permissions of the file and its folder, or choose another path",
+    errno.EROFS: "it is on a read-only filesystem: choose a path on a writable one",
+    errno.ENAMETOOLONG: "choose a shorter path",
+    errno.ELOOP: "the path runs in a loop of symbolic links",
+}
+DISK_ADVICE = {  # about a disk, even where the system names no path (a write to an open file)
+    errno.ENOSPC: "the disk is full: free space, or choose a path on another disk",
+    errno.EDQUOT: "the disk quota is used up: free space, or choose a path on another disk",
+    errno.EFBIG: "the file would exceed the filesystem's or the shell's file-size limit (ulimit -f)",
+    errno.EIO: "the device reported an I/O error: check the disk (dmesg)",
+}
+OS_ADVICE = {**PATH_ADVICE, **DISK_ADVICE}
+
+
+def _path_name(path) -> str:
+    return os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+
+
+def environment_error(e: OSError) -> bool:
+    """Whether an OSError is the user's environment (a file or disk refused), not a bug of ours."""
+    return e.errno in DISK_ADVICE or (e.errno in PATH_ADVICE and e.filename is not None)
+
+
+def os_error(e: OSError, path: str | os.PathLike | None = None, action: str | None = None) -> UsageError:
+    """An OSError about a user's file as one paragraph: what could not be done to which path, the system's
+    reason, and what to do (OS_ADVICE). `path`, `action`: the user's own path and what the command was doing
+    with it, where known (else the path the system names)."""
+    target = path if path is not None else e.filename
+    what = None if target is None else f"cannot {action} {_path_name(target)}" if action else _path_name(target)
+    advice = OS_ADVICE.get(e.errno)
+    return UsageError((f"{what}: " if what else "") + f"{e.strerror or e}" + (f"; {advice}" if advice else ""))
+
+
+@contextmanager
+def user_path(path: str | os.PathLike, action: str, own: Path | None = None) -> Iterator[None]:
+    """OSErrors raised inside, while `action` (e.g. "write -o") is done to the user's `path`, become one
+    UsageError naming it. `own`: the folder all the files written inside live in; an error that names a file
+    outside it (a pack file being read) is left to main()'s rule, which names that file."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        if own is not None and isinstance(e.filename, (str, bytes, os.PathLike)) and \
+                not Path(os.fsdecode(e.filename)).resolve().is_relative_to(own.resolve()):
+            raise
+        raise os_error(e, path, action) from e
+
+
+@contextmanager
+def written_atomically(path: str, flag: str) -> Iterator[Path]:
+    """A temporary path for the command to write `path` to: in a folder of its own made beside `path` at once
+    (so a folder the user cannot write is refused before any work), moved onto `path` when the body succeeds (no
+    reader sees half a file; a file already at `path` survives a failed run); the temporary folder, with
+    anything half-written in it, is removed either way."""
+    target = Path(path).expanduser()
+    with user_path(path, f"write {flag}"):
+        folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        with user_path(path, f"write {flag}", own=folder):
+            yield folder / target.name
+            os.replace(folder / target.name, target)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def new_output_folder(path: str, flag: str) -> Iterator[None]:
+    """OSErrors while a command fills the new or empty folder `path` become one UsageError naming it; when the
+    command fails, what it put there is removed (the folder too, if the command made it). A folder that was
+    not new or empty is never touched (the command refuses it)."""
+    out = Path(path).expanduser()
+    existed = out.exists()
+    fresh = not existed or (out.is_dir() and not any(out.iterdir()))
+    try:
+        with user_path(path, f"write {flag}"):
+            yield
+    except BaseException:
+        if fresh and out.is_dir():
+            for child in out.iterdir() if existed else [out]:
+                try:
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+                except OSError:
+                    pass  # the error that stopped the command is the one to report
+        raise
 
 
 def worker_counts(text: str) -> list[int]:
@@ -99,15 +200,16 @@ def _inspect(p: argparse.ArgumentParser):
         if a.json:
             print(json.dumps(s.to_json(), indent=2))
             return 0
-        console.print(f"[bold]{s.path}[/]")
-        console.print(f"architecture {s.architecture} ({s.model_type}), {s.num_layers} layers, hidden {s.hidden_size}"
-                      + (f", {s.num_experts} experts (top-{s.experts_per_token})" if s.num_experts else ""))
-        console.print("quantization " + ", ".join(f"{k}={v}" for k, v in s.quantization.items()))
+        console.print(f"[bold]{lit(s.path)}[/]")
+        console.print(lit(f"architecture {s.architecture} ({s.model_type}), {s.num_layers} layers, hidden "
+                          f"{s.hidden_size}" + (f", {s.num_experts} experts (top-{s.experts_per_token})"
+                                                if s.num_experts else "")))
+        console.print(lit("quantization " + ", ".join(f"{k}={v}" for k, v in s.quantization.items())))
         hist = Table(title="EXL3 tensors by bits and codebook")
         hist.add_column("bits codebook")
         hist.add_column("tensors", justify="right")
         for k, v in s.bits_histogram.items():
-            hist.add_row(k, str(v))
+            hist.add_row(lit(k), str(v))
         console.print(hist)
         t = Table(title="bytes by group")
         for col in ("group", "tensors", "bytes", "bits/weight"):
@@ -134,13 +236,15 @@ def _verify(p: argparse.ArgumentParser):
 
         pack, problems = verify_pack(a.pack)
         for e in problems:
-            err_console.print(f"[red]FAIL[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]FAIL[/] {lit(e)}", highlight=False, soft_wrap=True)
         if problems:
-            err_console.print(f"{len(problems)} problem(s) in {a.pack}")
+            err_console.print(f"{len(problems)} problem(s) in {lit(a.pack)}", highlight=False, soft_wrap=True)
             return 1
         n = len(pack.linears())
-        console.print(f"[green]OK[/] {a.pack}: {len(pack.files)} file(s), {len(pack.tensors)} tensors, "
-                      f"{n} EXL3 linears")
+        console.print(f"[green]OK[/] {lit(a.pack)}: {len(pack.files)} file(s), {len(pack.tensors)} tensors, "
+                      f"{n} EXL3 linears", highlight=False, soft_wrap=True)
+        for note in pack.notes:
+            console.print(f"note: {lit(note)}", highlight=False, soft_wrap=True)
         return _verify_deep(pack) if a.deep else 0
 
     return run
@@ -165,13 +269,15 @@ def _verify_deep(pack: Pack) -> int:
             prog.advance(task)
             if c.problem:
                 bad += 1
-                err_console.print(f"[red]FAIL[/] {c.problem}", highlight=False, soft_wrap=True)
+                err_console.print(f"[red]FAIL[/] {lit(c.problem)}", highlight=False, soft_wrap=True)
             else:
-                console.print(f"ok   {c.kind:5} {c.name}  max|w| {c.max_abs:.4g}", highlight=False, soft_wrap=True)
+                console.print(lit(f"ok   {c.kind:5} {c.name}  max|w| {c.max_abs:.4g}"), highlight=False,
+                              soft_wrap=True)
     if bad:
-        err_console.print(f"{bad} tensor(s) with bad values in {pack.root}")
+        err_console.print(f"{bad} tensor(s) with bad values in {lit(pack.root)}", highlight=False, soft_wrap=True)
         return 1
-    console.print(f"[green]OK[/] every tensor of {pack.root} decodes to finite values")
+    console.print(f"[green]OK[/] every tensor of {lit(pack.root)} decodes to finite values", highlight=False,
+                  soft_wrap=True)
     return 0
 
 
@@ -202,33 +308,36 @@ def _pack(p: argparse.ArgumentParser):
                 weight_map, total = packtools.scan_shards(a.dir, progress=lambda _: prog.advance(task))
             drift = packtools.index_drift(a.dir, weight_map)
             for line in drift:
-                console.print(line, highlight=False, soft_wrap=True)
+                console.print(lit(line), highlight=False, soft_wrap=True)
             if a.check:
                 console.print(f"{len(drift)} difference(s) between the index and the shards" if drift else
                               f"[green]OK[/] the index matches the shards ({len(weight_map)} tensors)")
                 return 1 if drift else 0
-            path = packtools.write_index(a.dir, weight_map, total)
-            console.print(f"wrote {path}: {len(weight_map)} tensors, {_gib(total)}")
+            with user_path(a.dir, "write model.safetensors.index.json into the pack folder"):
+                path = packtools.write_index(a.dir, weight_map, total)
+            console.print(f"wrote {lit(path)}: {len(weight_map)} tensors, {_gib(total)}", highlight=False)
             return 0
         if a.pack_command == "config":
             # Headers only, no contract check: fixing a config that contradicts the tensors is this command's job.
             pack = Pack.open(a.dir)
             derived = packtools.derive_config(pack.tensors, pack.quantization_config)
             for note in derived.notes:
-                console.print(f"note: {note}", highlight=False, soft_wrap=True)
+                console.print(f"note: {lit(note)}", highlight=False, soft_wrap=True)
             diff = packtools.config_diff(pack.quantization_config, derived.config)
             console.print(diff or "quantization_config already matches the tensors", highlight=False, markup=False)
             if a.write and diff:
-                for path in packtools.write_config(a.dir, derived.config):
-                    console.print(f"wrote {path}")
+                with user_path(a.dir, "write quantization_config into the pack folder"):
+                    written = packtools.write_config(a.dir, derived.config)
+                for path in written:
+                    console.print(f"wrote {lit(path)}", highlight=False)
             return 0
         prog, task = _progress(None, "linking / writing shards")
-        with prog:
+        with prog, new_output_folder(a.output, "-o"):
             result = packtools.overlay(a.experts_pack, a.dense_source, a.output, a.symlink,
                                        progress=lambda _: prog.advance(task))
         for note in result.notes:
-            console.print(f"note: {note}", highlight=False, soft_wrap=True)
-        console.print(f"[green]OK[/] {result.out}: {len(result.linked)} shard(s) "
+            console.print(f"note: {lit(note)}", highlight=False, soft_wrap=True)
+        console.print(f"[green]OK[/] {lit(result.out)}: {len(result.linked)} shard(s) "
                       f"{'symlinked' if a.symlink else 'hardlinked'}, {len(result.written)} written "
                       f"({_gib(result.copied_bytes)} copied), verified", highlight=False)
         return 0
@@ -253,16 +362,17 @@ def _dequant(p: argparse.ArgumentParser):
         if Path(a.output).expanduser().resolve().is_relative_to(Path(a.pack).expanduser().resolve()):
             raise UsageError(f"-o {a.output} is inside the pack {a.pack}: writing there would change the pack; "
                              "give a path outside it")
-        pack = open_exl3_pack(a.pack, finite=True)
-        items = dequant.plan(pack, a.tensor, a.rotated, a.padded)
-        if not items:
-            err_console.print(f"no EXL3 linear matches {a.tensor!r} (`vllm-exl3 inspect {a.pack}` lists the groups; "
-                              "patterns are globs such as 'model.layers.0.*')", highlight=False)
-            return 1
-        prog, task = _progress(len(items), "dequantizing")
-        with prog:
-            nbytes = dequant.write(items, a.output, a.rotated, progress=lambda _: prog.advance(task))
-        console.print(f"wrote {len(items)} tensors ({_gib(nbytes)}) to {a.output}")
+        with written_atomically(a.output, "-o") as partial:
+            pack = open_exl3_pack(a.pack, finite=True)
+            items = dequant.plan(pack, a.tensor, a.rotated, a.padded)
+            if not items:
+                err_console.print(f"no EXL3 linear matches {lit(repr(a.tensor))} (`vllm-exl3 inspect {lit(a.pack)}` "
+                                  "lists the groups; patterns are globs such as 'model.layers.0.*')", highlight=False)
+                return 1
+            prog, task = _progress(len(items), "dequantizing")
+            with prog:
+                nbytes = dequant.write(items, partial, a.rotated, progress=lambda _: prog.advance(task))
+        console.print(f"wrote {len(items)} tensors ({_gib(nbytes)}) to {lit(a.output)}", highlight=False)
         return 0
 
     return run
@@ -329,13 +439,15 @@ def _metrics(p: argparse.ArgumentParser):
 
 @command("info")
 def _info(p: argparse.ArgumentParser):
-    """Kernel backends this install can run (and why not), the native build's targets, the CUDA devices."""
+    """Kernel backends this install can run (and why not), the native build's targets, the CUDA devices, and the
+    parity gate's report of each server on this machine (--port: only the server on that API port)."""
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--port", type=int, help="only the parity report of the server on this API port")
 
     def run(a: argparse.Namespace) -> int:
         from .info import collect
 
-        info = collect()
+        info = collect(a.port)
         if a.json:
             print(json.dumps(info.to_json(), indent=2))
             return 0
@@ -351,32 +463,67 @@ def _info(p: argparse.ArgumentParser):
         console.print(t)
         if info.native_build:
             console.print(f"native build: {info.native_build}")
-        _print_parity(info.parity)
+        _print_parity(info.parity_reports, a.port)
         return 0
 
     return run
 
 
-def _print_parity(report: dict | None) -> None:
-    from ..kernels.parity import report_path
+def _server_label(report: dict) -> str:
+    """`port-8000` -> "the server on port 8000" (kernels/parity.py server_key), plus the rank."""
+    key, rank = str(report.get("server", "")), report.get("rank", 0)
+    what = (f"the server on port {key.removeprefix('port-')}" if key.startswith("port-") else
+            "a headless node" if key == "headless" else "an offline engine (no API server)" if key == "offline"
+            else "a server")
+    return f"{what}, rank {rank}"
 
-    if not report:
-        console.print(f"parity gate: no report at {report_path()} (written when a server loads a pack)")
+
+def _print_parity(reports: list, port: int | None) -> None:
+    from ..kernels.parity import REPORT_ENV, report_dir
+
+    if not reports:
+        where = os.environ.get(REPORT_ENV) or report_dir()
+        console.print(f"parity gate: no report{f' of a server on port {port}' if port is not None else ''} in "
+                      f"{where} (each server writes its own when it loads a pack)", highlight=False)
         return
+    # every report of the server asked for; else those of processes that still run, and a line for the rest
+    shown = reports if port is not None else [r for r in reports if r.running is not False]
+    for r in shown:
+        report = r.report
+        if report is None:
+            console.print(f"parity gate: {r.path} cannot be read ({r.problem})", highlight=False, soft_wrap=True)
+            continue
+        try:
+            line, checks = _parity_summary(report, r.running, r.path)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a file edited by hand, or half a copy
+            console.print(f"parity gate: {r.path} is not a parity report ({type(e).__name__}: {e})",
+                          highlight=False, soft_wrap=True)
+            continue
+        console.print(line, highlight=False, soft_wrap=True)
+        console.print(checks if checks is not None else
+                      "  no layer checked (the torch reference serves every layer type)")
+    exited = [str(r.report.get("server")) for r in reports if r not in shown]
+    if exited:
+        console.print(f"parity gate: {len(exited)} more report(s) of processes that have exited "
+                      f"({', '.join(exited[:8])}{', ...' if len(exited) > 8 else ''}); "
+                      "`vllm-exl3 info --port N` shows one", highlight=False, soft_wrap=True)
+
+
+def _parity_summary(report: dict, running: bool | None, path: str) -> tuple[str, Table | None]:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.get("time", 0)))
-    console.print(f"parity gate (pid {report.get('pid')}, {when}, policy {report.get('policy')}, "
-                  f"{report.get('seconds', 0):.3f} s): " + ", ".join(f"{t} -> {b}" for t, b in
-                                                                    report.get("served", {}).items()))
-    if report.get("checks"):
-        t = Table(title=f"parity checks against the {report.get('reference')} reference")
-        for col in ("layer", "layer type", "backend", "rel. error", "bound", "result", "s"):
-            t.add_column(col)
-        for c in report["checks"]:
-            t.add_row(c["layer"], c["layer_type"], c["backend"], f"{c['error']:.2e}", f"{c['bound']:g}",
-                      "[green]pass[/]" if c["passed"] else "[red]FAIL[/]", f"{c['seconds']:.3f}")
-        console.print(t)
-    else:
-        console.print("  no layer checked (the torch reference serves every layer type)")
+    state = {True: "running", False: "exited", None: "unknown"}[running]
+    line = (f"parity gate of {_server_label(report)} (pid {report.get('pid')}, {state}; {when}, policy "
+            f"{report.get('policy')}, {report.get('seconds', 0):.3f} s; {path}): "
+            + ", ".join(f"{t} -> {b}" for t, b in report.get("served", {}).items()))
+    if not report.get("checks"):
+        return line, None
+    t = Table(title=f"parity checks against the {report.get('reference')} reference")
+    for col in ("layer", "layer type", "backend", "rel. error", "bound", "result", "s"):
+        t.add_column(col)
+    for c in report["checks"]:
+        t.add_row(c["layer"], c["layer_type"], c["backend"], f"{c['error']:.2e}", f"{c['bound']:g}",
+                  "[green]pass[/]" if c["passed"] else "[red]FAIL[/]", f"{c['seconds']:.3f}")
+    return line, t
 
 
 @command("bench")
@@ -500,6 +647,33 @@ def _write_trace() -> Path | None:
         return None
 
 
+class _NamedOutput:
+    """sys.stdout while a command runs: a write the system refuses (`> /dev/full`, a full disk) is reported as
+    the standard output's, which the system's error (about an open file) does not say."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._refused(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._refused(self._stream.flush)
+
+    @staticmethod
+    def _refused(call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            _quiet_stdout()  # the rest would fail again when the interpreter exits
+            raise os_error(e, "the standard output", "write") from e
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def _quiet_stdout() -> None:
     """After a broken pipe (`vllm-exl3 inspect --json | head`): discard the rest instead of failing at exit."""
     try:
@@ -511,27 +685,40 @@ def _quiet_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else list(argv))
+    stdout, sys.stdout = sys.stdout, _NamedOutput(sys.stdout)
     try:
         code = args.handler(args)
-        sys.stdout.flush()  # a closed pipe shows here, inside the handling below, not at interpreter exit
+        sys.stdout.flush()  # a closed pipe or a full disk shows here, handled below, not at interpreter exit
         return code
     except Exl3FormatError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {lit(e)}", highlight=False, soft_wrap=True)
         return 1
     except UsageError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {lit(e)}", highlight=False, soft_wrap=True)
         return e.code
     except BrokenPipeError:
         _quiet_stdout()
         return 141  # what a shell reports for a command stopped by SIGPIPE
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # anything else is a bug: one line here, the whole trace in a file
-        trace = _write_trace()
-        err_console.print(f"[red]internal error:[/] {type(e).__name__}: {e}", highlight=False, soft_wrap=True)
-        err_console.print(f"the full trace is in {trace}; please include it in a bug report" if trace else
-                          "(the trace could not be written to the temp folder)", highlight=False, soft_wrap=True)
-        return 70  # EX_SOFTWARE
+    except OSError as e:
+        if not environment_error(e):
+            return _internal_error(e)
+        err_console.print(f"[red]error:[/] {lit(os_error(e))}", highlight=False, soft_wrap=True)
+        return 1
+    except Exception as e:
+        return _internal_error(e)
+    finally:
+        sys.stdout = stdout
+
+
+def _internal_error(e: Exception) -> int:
+    """Anything but the user's input or environment is a bug: one line here, the whole trace in a file."""
+    trace = _write_trace()
+    err_console.print(f"[red]internal error:[/] {type(e).__name__}: {lit(e)}", highlight=False, soft_wrap=True)
+    err_console.print(f"the full trace is in {trace}; please include it in a bug report" if trace else
+                      "(the trace could not be written to the temp folder)", highlight=False, soft_wrap=True)
+    return 70  # EX_SOFTWARE
 
 
 if __name__ == "__main__":

@@ -208,13 +208,18 @@ def demo_requests(base: str, model: str, chat: bool = True, api_key: str | None 
     return out
 
 
-# What the log says while vLLM boots, for the progress line: the last marker seen names the phase.
+# What the log says while vLLM boots, for the progress line: the last marker seen names the phase. The plugin's
+# pack line comes from the API server reading the pack's config (milliseconds); what follows is vLLM starting its
+# engine process, then its worker, each importing vLLM afresh (most of a CPU boot); weights load after that.
 BOOT_PHASES = (
-    ("EXL3 pack", "reading the pack"),
+    ("EXL3 pack", "starting vLLM's engine process"),
+    ("Initializing a V1 LLM engine", "starting vLLM's model worker"),
+    ("Starting to load model", "loading weights"),
     ("Loading weights", "loading weights"),
     ("loaded ", "loading weights"),
     ("KV cache", "sizing the KV cache"),
     ("Starting vLLM API server", "starting the HTTP server"),
+    ("Starting vLLM server on", "starting the HTTP server"),
 )
 _PACK_LINE = re.compile(r"EXL3 pack .*?: (\d+) EXL3 linears \((\d+) routed-expert")
 _BACKEND_LINE = re.compile(r"EXL3 (\S+) -> (\S+) backend")

@@ -34,6 +34,7 @@ class LinearMeta:
 class PackIndex:
     exl3: dict[str, LinearMeta] = field(default_factory=dict)  # EXL3 linears
     plain: dict[str, tuple[int, ...]] = field(default_factory=dict)  # `<prefix>.weight` shapes of the rest
+    notes: list[str] = field(default_factory=list)  # what the pack's check covered (`Pack.notes`)
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, TensorRecord]) -> "PackIndex":
@@ -54,7 +55,7 @@ class PackIndex:
                     out[new] = v
             return out
 
-        return PackIndex(rename(self.exl3), rename(self.plain))
+        return PackIndex(rename(self.exl3), rename(self.plain), list(self.notes))
 
 
 def _remote_tensors(repo: str, revision: str | None) -> dict[str, TensorRecord]:
@@ -71,11 +72,14 @@ def _remote_tensors(repo: str, revision: str | None) -> dict[str, TensorRecord]:
 
 
 def index_model(model: str, revision: str | None = None) -> PackIndex:
-    """Read and validate the pack behind `model` (a local directory or a Hub id), headers only."""
+    """Read and validate the pack behind `model` (a local directory or a Hub id): a local pack gets every check
+    `verify` makes (`Pack.check` with the scales: headers, markers and the suh/svh bytes, about 0.1 % of the pack)."""
     if os.path.isdir(model):
         pack = Pack.open(model)
-        pack.check()
-        return PackIndex.from_tensors(pack.tensors)
+        pack.check(finite=True)
+        index = PackIndex.from_tensors(pack.tensors)
+        index.notes = list(pack.notes)
+        return index
     try:
         tensors = _remote_tensors(model, revision)
     except Exception as e:  # noqa: BLE001 - any Hub failure is reported as "cannot index"

@@ -16,25 +16,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .architectures import completeness
 from .constants import CODEBOOKS, INDEX_FILE, SIDECAR_FILE
+from .contract import Contract, Exl3ConfigError
 from .errors import Exl3FormatError
 from .geometry import ceil_to
-from .headers import SafetensorsFile, TensorRecord, read_safetensors_header
-from .records import (Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem, scale_problem,
-                      unknown_suffix_problems)
+from .headers import DTYPES, SafetensorsFile, TensorRecord, read_safetensors_header
+from .records import (EXPERT_RE, Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem,
+                      scale_problem, tensor_group, unknown_suffix_problems)
 from .strict import expect_type, optional, read_json_object
 
+__all__ = ["Pack", "tensor_group", "verify_pack"]
 
-_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
-
-
-def tensor_group(name: str) -> str:
-    """experts | head | dense (other EXL3 linears) for an EXL3 prefix."""
-    if _EXPERT_RE.search(name + "."):
-        return "experts"
-    if name == "lm_head" or name.endswith(".lm_head"):
-        return "head"
-    return "dense"
+# The longest file name Linux filesystems take (NAME_MAX): a longer shard name in the index is no file of the pack.
+MAX_FILE_NAME_BYTES = 255
+# Config keys naming the number of routed experts (architectures name it differently; two present must agree).
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+_TORCH_TO_DTYPE = {f"torch.{d.torch_name}": name for name, d in DTYPES.items()}  # the ledger's names -> ours
+_LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass
@@ -47,16 +46,21 @@ class Pack:
     tensors: dict[str, TensorRecord]
     sidecar: dict[str, Any] | None = None
     index_problems: list[Exl3FormatError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what `problems` could not check, and what it did
     _linears: dict[str, Exl3Linear] | None = field(default=None, repr=False)
 
     # -- opening --------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, root: str | os.PathLike) -> "Pack":
         root = Path(root)
-        if not root.is_dir():
+        try:
+            is_dir, exists = root.is_dir(), root.exists()
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte
+            raise Exl3FormatError(root, None, "a pack directory", f"a path this system cannot open ({e})") from None
+        if not is_dir:
             raise Exl3FormatError(root, None, "a pack directory",
                                   "a file (give the folder that holds config.json and the *.safetensors)"
-                                  if root.exists() else "no such file or directory")
+                                  if exists else "no such file or directory")
         config = _checked_config(root / "config.json", read_json_object(root / "config.json"))
         sidecar_path = root / SIDECAR_FILE
         sidecar = _checked_sidecar(sidecar_path, read_json_object(sidecar_path)) if sidecar_path.exists() else None
@@ -70,12 +74,21 @@ class Pack:
                 raise Exl3FormatError(index_path, None, "a non-empty 'weight_map' object", repr(weight_map)[:80])
             for name, fname in weight_map.items():
                 expect_type(fname, str, index_path, "a shard file name (a string) in weight_map", name)
-                if not name or fname in ("", ".", ".."):
-                    raise Exl3FormatError(index_path, name or None, "a tensor name and a shard file name in the "
-                                          "pack directory", repr(fname)[:80])
+                if not name or fname in ("", ".", "..") or "/" in fname or "\0" in fname:
+                    raise Exl3FormatError(index_path, name or None, "a tensor name and the name of a shard file in "
+                                          "the pack directory", repr(fname)[:80])
+                size = len(fname.encode("utf-8", "surrogatepass"))
+                if size > MAX_FILE_NAME_BYTES:
+                    raise Exl3FormatError(index_path, name, f"a shard file name of at most {MAX_FILE_NAME_BYTES} "
+                                          "bytes (longer is no file name)", f"{size} bytes")
             names = sorted(set(weight_map.values()))
             for fname in names:
-                if not (root / fname).is_file():
+                try:
+                    present = (root / fname).is_file()
+                except OSError as e:
+                    raise Exl3FormatError(root / fname, None, "a shard file the index names",
+                                          f"{type(e).__name__}: {e.strerror}") from None
+                if not present:
                     missing = next(t for t, f in weight_map.items() if f == fname)
                     raise Exl3FormatError(index_path, missing, f"shard file '{fname}' named by the index to exist",
                                           "missing file")
@@ -127,6 +140,11 @@ class Pack:
         return archs[0] if archs else self.config.get("model_type", "unknown")
 
     # -- tensors --------------------------------------------------------------------------------------------
+    @property
+    def has_exl3_tensors(self) -> bool:
+        """Whether any tensor belongs to an EXL3 linear (a plain model has none: nothing else about it matters)."""
+        return bool(group_exl3_tensors(self.tensors))
+
     def linears(self) -> dict[str, Exl3Linear]:
         """All EXL3 linears by module prefix, validated. Raises on the first malformed one."""
         if self._linears is None:
@@ -163,15 +181,122 @@ class Pack:
             self._linears = linears
         return problems
 
+    def problems(self, finite: bool = False) -> list[Exl3FormatError]:
+        """Every problem that would make the pack serve anything but exactly the model it stores: the index, the
+        EXL3 linears (`finite`: their scales too), config values that break a model, the `quantization_config`
+        contract against the tensors, the sidecar's ledger against the headers, and, when all of that holds, the
+        tensors against the set the architecture has (`notes` says whether that could be checked)."""
+        problems = self.index_problems + self.linear_problems(finite) + self.config_problems() + self.ledger_problems()
+        if self._linears is not None:
+            problems += self.contract_problems(self._linears)
+        self.notes = []
+        if not problems:
+            found, note = completeness(self.root, self.architecture, self.text_config, self.tensors,
+                                       group_exl3_tensors(self.tensors), self._recorded())
+            problems += found
+            self.notes.append(note)
+        return problems
+
     def check(self, finite: bool = False) -> None:
-        """Raise the first problem that would make the pack serve anything but exactly what it stores."""
-        problems = self.index_problems + self.linear_problems(finite)
+        """Raise the first of `problems`."""
+        problems = self.problems(finite)
         if problems:
             raise problems[0]
 
-    def _codebook_problems(self, linears: dict[str, Exl3Linear]) -> list[Exl3FormatError]:
+    @property
+    def quantization_config_file(self) -> Path:
+        """The file `quantization_config` comes from: config.json, or the sidecar when config.json has none."""
         in_config = isinstance(self.config.get("quantization_config"), dict)
-        qc_file = self.root / ("config.json" if in_config else SIDECAR_FILE)
+        return self.root / ("config.json" if in_config else SIDECAR_FILE)
+
+    def config_problems(self) -> list[Exl3FormatError]:
+        """Config values that type-check but make a model this pack cannot be: expert counts that disagree, a top-k
+        of no expert or of more experts than exist, layers or experts the pack does not store (an uninitialised
+        layer serves NaN, an expert index past the stored ones garbage)."""
+        tc, path = self.text_config, self.root / "config.json"
+        where = "text_config." if isinstance(self.config.get("text_config"), dict) else ""
+        problems = []
+        counts = {k: tc[k] for k in EXPERT_COUNT_KEYS if tc.get(k) is not None}
+        if len(set(counts.values())) > 1:
+            problems.append(Exl3FormatError(path, None, f"{' and '.join(where + k for k in counts)} to agree (each "
+                                            "is the number of routed experts)",
+                                            ", ".join(f"{k} = {v}" for k, v in counts.items())))
+        experts = max(counts.values(), default=0)
+        top_k = tc.get("num_experts_per_tok")
+        if experts and top_k is not None and not 1 <= top_k <= experts:
+            problems.append(Exl3FormatError(path, None, f"{where}num_experts_per_tok between 1 and the {experts} "
+                                            "routed experts", str(top_k)))
+        numbered = {n: int(m[1]) for n in self.tensors if (m := EXPERT_RE.search(n))}
+        stored = set(numbered.values())
+        if experts and stored and (max(stored) + 1 != experts or len(stored) != experts):
+            beyond = sorted(n for n, e in numbered.items() if e >= experts)
+            gap = next((e for e in range(min(experts, max(stored) + 1)) if e not in stored), max(stored) + 1)
+            problems.append(Exl3FormatError(
+                self.tensors[beyond[0]].file if beyond else path, beyond[0] if beyond else None,
+                f"{where}{next(iter(counts))} = {experts} routed experts, numbered 0..{experts - 1} in the pack "
+                f"({path.name})", f"a tensor of expert {numbered[beyond[0]]}" if beyond else
+                f"no tensor of expert {gap} (the pack stores {len(stored)} numbered {min(stored)}..{max(stored)})"))
+        layers = tc.get("num_hidden_layers")
+        stored = {int(m[1]) for n in self.tensors if (m := _LAYER_IN_NAME.search(n))}
+        if layers is not None and stored:
+            empty = [i for i in range(min(layers, max(stored) + 1)) if i not in stored]
+            if layers > max(stored) + 1 or empty:
+                problems.append(Exl3FormatError(
+                    path, None, f"{where}num_hidden_layers = {layers} layers, each with its tensors in the pack",
+                    f"none of layer {empty[0] if empty else max(stored) + 1}"
+                    f" (the pack stores {len(stored)} layers numbered {min(stored)}..{max(stored)})"))
+        return problems
+
+    def contract_problems(self, linears: dict[str, Exl3Linear]) -> list[Exl3FormatError]:
+        """The `quantization_config` contract, parsed and checked against the tensors as the plugin checks it when
+        vLLM builds each layer (format/contract.py), so a malformed or contradicting key stops every gate."""
+        qc = self.quantization_config
+        if str(qc.get("quant_method") or "exl3").lower() != "exl3":
+            return []  # not ours: `verify_pack` says so
+        plain = {n[: -len(".weight")] for n in self.tensors if n.endswith(".weight")}
+        try:
+            Contract.parse(qc).check_pack(linears, plain)
+        except Exl3ConfigError as e:
+            return [Exl3FormatError(self.quantization_config_file, None,
+                                    "a quantization_config that holds for this pack", str(e))]
+        return []
+
+    def _recorded(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The sidecar's `tensor_storage` ledger: module -> {tensor name: {shape, dtype, …}} (empty without one)."""
+        ledger = (self.sidecar or {}).get("tensor_storage") or {}
+        return {module: entry["stored_tensors"] for module, entry in ledger.items()
+                if isinstance(entry.get("stored_tensors"), dict)}
+
+    def ledger_problems(self) -> list[Exl3FormatError]:
+        """The sidecar's `tensor_storage` ledger records each stored tensor's dtype and shape as the converter wrote
+        it: a header that says otherwise (F16 relabelled BF16 or I16: the same bytes read as other numbers) is
+        refused. (A recorded tensor the pack lacks is a completeness problem: `completeness`.)"""
+        ledger = (self.sidecar or {}).get("tensor_storage") or {}
+        path, problems = self.root / SIDECAR_FILE, []
+        for module, entry in ledger.items():
+            stored = entry.get("stored_tensors")
+            if stored is not None and (not isinstance(stored, dict)
+                                       or not all(isinstance(v, dict) for v in stored.values())):
+                problems.append(Exl3FormatError(path, None, f"tensor_storage[{module!r}].stored_tensors as an object "
+                                                "of {shape, dtype} objects", repr(stored)[:80]))
+        if problems:
+            return problems
+        for name, recorded in ((n, r) for stored in self._recorded().values() for n, r in stored.items()):
+            rec = self.tensors.get(name)
+            if rec is None:
+                continue
+            dtype, shape = recorded.get("dtype"), recorded.get("shape")
+            if dtype is not None and dtype != f"torch.{DTYPES[rec.dtype].torch_name}":
+                problems.append(Exl3FormatError(
+                    rec.file, name, f"the dtype {_TORCH_TO_DTYPE.get(dtype, repr(dtype))} that {SIDECAR_FILE}'s "
+                    "tensor_storage ledger records", f"{rec.dtype} (the same bytes would be read as other numbers)"))
+            if shape is not None and shape != list(rec.shape):
+                problems.append(Exl3FormatError(rec.file, name, f"the shape {shape!r} that {SIDECAR_FILE}'s "
+                                                "tensor_storage ledger records", str(list(rec.shape))))
+        return problems
+
+    def _codebook_problems(self, linears: dict[str, Exl3Linear]) -> list[Exl3FormatError]:
+        qc_file = self.quantization_config_file
         declared = self.quantization_config.get("codebook")
         problems = []
         if declared is not None and declared not in CODEBOOKS:
@@ -220,13 +345,21 @@ class Pack:
         return {d for d in dims if isinstance(d, int) and d > 0}
 
 
-_CONFIG_INTS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-                "vocab_size", "q_lora_rank", "kv_lora_rank", "head_dim", "num_attention_heads", "num_key_value_heads",
-                "num_hidden_layers")
+# Config integers this package reads, each with the least value a model can have (a string, a float, a bool or a
+# negative count is a format error here, not a crash or a ZeroDivisionError in vLLM).
+_CONFIG_INTS = {"hidden_size": 1, "intermediate_size": 0, "moe_intermediate_size": 0,
+                "shared_expert_intermediate_size": 0, "vocab_size": 1, "q_lora_rank": 1, "kv_lora_rank": 1,
+                "head_dim": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 1,
+                "max_position_embeddings": 1, "num_experts": 0, "n_routed_experts": 0, "num_local_experts": 0,
+                "num_experts_per_tok": 0, "first_k_dense_replace": 0, "decoder_sparse_step": 1, "n_shared_experts": 0,
+                "num_nextn_predict_layers": 0}
+_CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_qk_norm")
+_CONFIG_INT_LISTS = ("mlp_only_layers",)
 
 
 def _checked_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """config.json with the types this package reads checked (a wrong type is a format error, not a crash)."""
+    """config.json with the types (and least values) this package reads checked: a wrong one is a format error
+    naming the key, not a crash."""
     optional(config, "quantization_config", dict, path)
     optional(config, "model_type", str, path)
     archs = optional(config, "architectures", list, path)
@@ -235,8 +368,16 @@ def _checked_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     text = optional(config, "text_config", dict, path)
     for tc, where in ((config, ""), (text or {}, "text_config.")):
         optional(tc, "model_type", str, path, where)
-        for key in _CONFIG_INTS:
-            optional(tc, key, int, path, where)
+        for key, least in _CONFIG_INTS.items():
+            value = optional(tc, key, int, path, where)
+            if value is not None and value < least:
+                raise Exl3FormatError(path, None, f"{where}{key} of at least {least}", str(value))
+        for key in _CONFIG_BOOLS:
+            optional(tc, key, bool, path, where)
+        for key in _CONFIG_INT_LISTS:
+            for item in optional(tc, key, list, path, where) or ():
+                if expect_type(item, int, path, f"{where}{key} as a list of layer indices") < 0:
+                    raise Exl3FormatError(path, None, f"{where}{key} as a list of layer indices", str(item))
     _checked_quantization(path, config.get("quantization_config") or {}, "quantization_config.")
     return config
 
@@ -255,17 +396,18 @@ def _checked_sidecar(path: Path, sidecar: dict[str, Any]) -> dict[str, Any]:
 
 
 def verify_pack(root: str | os.PathLike) -> tuple["Pack | None", list[Exl3FormatError]]:
-    """Full structural validation: every file, every tensor. Collects every problem instead of stopping."""
+    """Full validation, every file and tensor (`Pack.problems`, scales included), and the pack must be EXL3.
+    Collects every problem instead of stopping; `pack.notes` says what completeness covered."""
     try:
         pack = Pack.open(root)
     except Exl3FormatError as e:
         return None, [e]
-    problems = list(pack.index_problems)
+    problems = []
     qc = pack.quantization_config
     if str(qc.get("quant_method", "")).lower() != "exl3":
         problems.append(Exl3FormatError(pack.root / "config.json", None,
                                         "quantization_config.quant_method 'exl3'", repr(qc.get("quant_method"))))
-    problems += pack.linear_problems(finite=True)
-    if not group_exl3_tensors(pack.tensors) and not problems:
-        problems.append(Exl3FormatError(pack.root, None, "at least one EXL3 linear (a .trellis tensor)", "none"))
-    return pack, problems
+    if not pack.has_exl3_tensors:  # a plain model: what else is wrong with it is beside the point
+        return pack, pack.index_problems + problems + [
+            Exl3FormatError(pack.root, None, "at least one EXL3 linear (a .trellis tensor)", "none")]
+    return pack, problems + pack.problems(finite=True)

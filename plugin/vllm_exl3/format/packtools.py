@@ -162,15 +162,8 @@ def derive_config(tensors: dict[str, TensorRecord], existing: dict[str, Any] | N
 def _check_contract(qc: dict[str, Any], tensors: dict[str, TensorRecord]) -> None:
     """The derived config must pass the same checks the plugin runs at start."""
     try:
-        contract = Contract.parse(qc)
         index = PackIndex.from_tensors(tensors)
-        contract.check_codebooks(index)
-        by_layer: dict[str, list] = {}
-        for name, meta in index.exl3.items():
-            if tensor_group(name) == "experts":
-                by_layer.setdefault(name.rsplit(".experts.", 1)[0], []).append((name, meta))
-        for prefix, metas in by_layer.items():
-            contract.check_expert_bits(prefix, metas)
+        Contract.parse(qc).check_pack(index.exl3, set(index.plain))
     except Exl3ConfigError as e:  # a bug in derive_config: say so plainly
         raise Exl3FormatError(None, None, "a derived quantization_config that passes the plugin's checks", str(e))
 

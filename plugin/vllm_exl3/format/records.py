@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,9 @@ def build_linear(prefix: str, parts: dict[str, TensorRecord]) -> Exl3Linear:
     suh, svh, su, sv = (parts.get(k) for k in ("suh", "svh", "su", "sv"))
     n_pad = nt * TILE
     for scale, signs, tiles, dim, side in ((suh, su, kt, 0, "input"), (svh, sv, nt, 1, "output")):
+        if scale is not None and signs is not None:  # one of the two would be silently ignored
+            raise Exl3FormatError(signs.file, signs.name, f"either .{scale.name.rsplit('.', 1)[1]} (scales) or the "
+                                  f"legacy .{signs.name.rsplit('.', 1)[1]} (sign bits) for '{prefix}'", "both")
         if scale is not None:
             _expect(scale.dtype == "F16", scale, "dtype F16", scale.dtype)
             _expect(scale.shape == (tiles * TILE,), scale, f"shape [{tiles * TILE}] (16 x trellis dim {dim})",
@@ -132,6 +136,18 @@ def build_linear(prefix: str, parts: dict[str, TensorRecord]) -> Exl3Linear:
         _expect(len(bias.shape) == 1 and 0 < bias.shape[0] <= n_pad, bias, f"shape [N <= {n_pad}]",
                 str(list(bias.shape)))
     return Exl3Linear(prefix, trellis, suh, svh, su, sv, marker, bias, bits, codebook)
+
+
+EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's index in a tensor name
+
+
+def tensor_group(name: str) -> str:
+    """experts | head | dense (other EXL3 linears) for an EXL3 prefix."""
+    if EXPERT_RE.search(name + "."):
+        return "experts"
+    if name == "lm_head" or name.endswith(".lm_head"):
+        return "head"
+    return "dense"
 
 
 def split_suffix(name: str) -> tuple[str, str]:

@@ -56,6 +56,18 @@ __all__ = [
 ]
 
 
+def current_vllm_config():
+    """The VllmConfig vLLM is building the model with, or None outside that."""
+    import vllm.config as config
+
+    if hasattr(config, "get_current_vllm_config_or_none"):  # 0.32, 0.33
+        return config.get_current_vllm_config_or_none()
+    try:
+        return config.get_current_vllm_config()  # older: a default config (or an assertion) when none is set
+    except AssertionError:
+        return None
+
+
 def is_lm_head(layer) -> bool:
     return isinstance(layer, ParallelLMHead)
 

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
+from ..format.architectures import NOT_CHECKED
 from ..format.constants import SIDECAR_FILE
 from ..format.contract import POLICY_BF16_AS_STORED, Contract, Exl3ConfigError, layer_index
 from ..format.errors import Exl3FormatError
 from ..format.index import PackIndex, index_model
-from . import compat
+from . import compat, compile_key
 
 logger = logging.getLogger("vllm_exl3")
 
@@ -37,7 +38,12 @@ class Exl3Config(compat.QuantizationConfig):
     def __init__(self, raw: dict[str, Any] | None = None):
         super().__init__()
         self.raw = dict(raw or {})
-        self.contract = Contract.parse(self.raw)
+        # A malformed contract is reported by `maybe_update_config`, which vLLM calls right after this and which
+        # knows the pack: for a local pack the same problem comes out of the pack check naming the file.
+        try:
+            self.contract, self._contract_error = Contract.parse(self.raw), None
+        except Exl3ConfigError as e:
+            self.contract, self._contract_error = Contract(), e
         self.index: PackIndex | None = None
         self._delegate = None
 
@@ -67,10 +73,15 @@ class Exl3Config(compat.QuantizationConfig):
         our error naming the file and tensor."""
         try:
             self.index = index_model(model_name, revision)
-            self.contract.check_codebooks(self.index)
+            if self._contract_error is not None:
+                raise self._contract_error
+            self.contract.check_codebooks(self.index.exl3)
         except (Exl3FormatError, Exl3ConfigError) as e:
             logger.error("EXL3 pack %s cannot be served: %s", model_name, e)
             raise
+        for note in self.index.notes:
+            logger.log(logging.WARNING if note.startswith(NOT_CHECKED) else logging.INFO,
+                       "EXL3 pack %s: %s", model_name, note)
         n_experts = sum(1 for k in self.index.exl3 if ".experts." in k)
         logger.info("EXL3 pack %s: %d EXL3 linears (%d routed-expert projections)", model_name,
                     len(self.index.exl3), n_experts)
@@ -107,6 +118,10 @@ class Exl3Config(compat.QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from .linear import Exl3LinearMethod
         from .moe import Exl3MoEMethod
+
+        if self._contract_error is not None:  # never built on a contract that did not parse
+            raise self._contract_error
+        compile_key.capture(compat.current_vllm_config())
 
         if isinstance(layer, compat.RoutedExperts):
             index = self._require_index(prefix)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import compat, telemetry
+from . import compat, compile_key, telemetry
 from ..format.index import LinearMeta
 from ..format.constants import MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
@@ -242,6 +242,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
             self._bind(layer, i, s, w)
         layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
                               if compat.is_lm_head(layer) else 0)
+        compile_key.record()  # vLLM's compile cache key (integration/compile_key.py)
         telemetry.publish()  # the metrics exporter's view of this worker (integration/telemetry.py)
 
     def _bind(self, layer, i: int, s: Shard, w: Exl3Weights) -> None:

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from . import compat, telemetry
+from . import compat, compile_key, telemetry
 from ..format.index import LinearMeta
 from ..format.constants import MARKER_VALUE, TILE
 from ..format.errors import Exl3FormatError
@@ -163,6 +163,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         self._bind(layer, MoESpec(codebooks, bits, self.hidden_span.block_size, self.inter_span.block_size,
                                   len(self.local_to_global), activation, layer.params_dtype,
                                   layer.w13_trellis.device.type))
+        compile_key.record()  # vLLM's compile cache key (integration/compile_key.py)
         telemetry.publish()  # the metrics exporter's view of this worker (integration/telemetry.py)
 
     def _bind(self, layer, spec: MoESpec) -> None:

@@ -20,6 +20,11 @@ class Backend:
     def unavailable_reason(self) -> str | None:
         return None
 
+    def build_id(self) -> str:
+        """What identifies this backend's kernels beyond the plugin's version (a library build, a dependency's
+        version): part of the torch.compile cache key (integration/compile_key.py)."""
+        return ""
+
     # -- dense linears ------------------------------------------------------------------------------------
     def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
         return "dense linears not implemented"

@@ -15,15 +15,18 @@ the gate costs nothing there). Cost per checked layer: one reference decode of i
 
 Error: ‖y − y_ref‖ / ‖y_ref‖ (Frobenius, fp32), non-finite output = infinite error. Bounds (`BOUNDS`) are about
 3× what the GPU tests observe for the native kernels (tests/kernels/gpu: ≤ 3e-3 fp16, ≤ 1e-2 bf16); a broken
-kernel is off by O(1). Results go to the log and to a JSON report (`VLLM_EXL3_PARITY_REPORT`, default
-`<temp dir>/vllm-exl3-parity.json`) that `vllm-exl3 info` shows.
+kernel is off by O(1). Results go to the log and to a JSON report per server and rank that `vllm-exl3 info`
+shows: `<temp dir>/vllm-exl3-parity/port-<API port>.rank<rank>.json` (`report_path`), or the one file
+`VLLM_EXL3_PARITY_REPORT` names.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -74,17 +77,93 @@ def policy(environ=None) -> str:
     return value
 
 
-def report_path(environ=None) -> Path:
-    value = (os.environ if environ is None else environ).get(REPORT_ENV)
-    return Path(value) if value else Path(tempfile.gettempdir()) / "vllm-exl3-parity.json"
+REPORT_DIR = "vllm-exl3-parity"  # under the temp dir: one report per server and rank
+VLLM_DEFAULT_PORT = 8000  # what vLLM's OpenAI server listens on without --port
 
 
-def read_report(environ=None) -> dict | None:
-    """The last gate's report, if one was written (for `vllm-exl3 info`)."""
+def _server_options() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--config")
+    parser.add_argument("--headless", action="store_true")
+    return parser
+
+
+def server_key(argv: list[str] | None = None) -> str:
+    """Which server this process serves, from the server's command line (vLLM starts its engine and worker
+    processes with multiprocessing, which hands them the API server's sys.argv): `port-<API port>` for vLLM's
+    OpenAI server (`vllm serve`, `python -m vllm.entrypoints.openai.api_server`; --port, else the port of a
+    --config file, else vLLM's default), `headless` for a headless node (no API), `offline` for anything else."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]) if argv else Path()
+    vllm_cli = script.name == "vllm" or script.parts[-4:] == ("vllm", "entrypoints", "cli", "main.py")
+    if vllm_cli and argv[1:2] == ["serve"]:
+        options = argv[2:]
+    elif script.parts[-4:] == ("vllm", "entrypoints", "openai", "api_server.py"):  # python -m sets the full path
+        options = argv[1:]
+    else:
+        return "offline"
     try:
-        return json.loads(report_path(environ).read_text())
-    except (OSError, ValueError):
+        args, _ = _server_options().parse_known_args(options)
+    except argparse.ArgumentError:  # not reached in practice: the server parsed the same line before starting us
+        return "port-unknown"
+    if args.headless:
+        return "headless"
+    port = args.port if args.port is not None else _config_port(args.config)
+    return f"port-{port if port is not None else VLLM_DEFAULT_PORT}"
+
+
+def _config_port(config: str | None) -> int | None:
+    """The `port` of a `vllm serve --config FILE` (YAML), if it sets one."""
+    if not config:
         return None
+    import yaml  # vLLM reads --config with PyYAML, one of its dependencies
+
+    try:
+        port = (yaml.safe_load(Path(config).read_text()) or {}).get("port")
+        return int(port) if port is not None else None
+    except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError):
+        return None  # vLLM itself refuses such a file before any layer is bound
+
+
+def report_dir() -> Path:
+    return Path(tempfile.gettempdir()) / REPORT_DIR
+
+
+def report_path(environ=None, key: str | None = None, rank: int = 0) -> Path:
+    """Where this server's rank writes its report: the file VLLM_EXL3_PARITY_REPORT names, else one file per
+    server and rank in report_dir()."""
+    value = (os.environ if environ is None else environ).get(REPORT_ENV)
+    return Path(value) if value else report_dir() / f"{key or server_key()}.rank{rank}.json"
+
+
+@dataclass
+class Report:
+    path: Path
+    body: dict | None  # None: the file could not be read; `problem` says why
+    problem: str = ""
+
+
+def read_reports(environ=None, port: int | None = None) -> list[Report]:
+    """The reports `vllm-exl3 info` shows: the file VLLM_EXL3_PARITY_REPORT names, else every server's in
+    report_dir(), by name; only the server on `port`'s when given (by file name, and by the report's own
+    `server` where it can be read)."""
+    value = (os.environ if environ is None else environ).get(REPORT_ENV)
+    if value:
+        paths = [Path(value)] if Path(value).exists() else []
+    else:
+        paths = sorted(report_dir().glob(f"port-{port}.rank*.json" if port is not None else "*.rank*.json"))
+    reports = []
+    for path in paths:
+        try:
+            body = json.loads(path.read_text())
+            if not isinstance(body, dict):
+                raise ValueError(f"a JSON {type(body).__name__}, not an object")
+            if port is None or body.get("server") == f"port-{port}":
+                reports.append(Report(path, body))
+        except (OSError, ValueError) as e:
+            reports.append(Report(path, None, f"{type(e).__name__}: {e}"))
+    return reports
 
 
 _lock = threading.RLock()
@@ -181,14 +260,20 @@ def moe_error(backend: Backend, experts: ExpertStack, prepared: list[torch.Tenso
     return rel_error(y, y_ref), f"{MOE_TOKENS} tokens, top-{k} of experts {sample.tolist()}"
 
 
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def _write_report() -> None:
-    path = report_path()
-    body = {"pid": os.getpid(), "time": time.time(), "policy": policy(), "reference": REFERENCE,
+    key, rank = server_key(), _rank()
+    path = report_path(key=key, rank=rank)
+    body = {"server": key, "rank": rank, "pid": os.getpid(), "time": time.time(), "policy": policy(),
+            "reference": REFERENCE,
             "bounds": {str(d).replace("torch.", ""): b for d, b in BOUNDS.items()}, "served": dict(_served),
             "checks": [asdict(c) for c in _checks],
             "seconds": round(sum(c.seconds for c in _checks), 4)}
     try:
-        write_json(path, body, indent=2)
+        write_json(path, body, indent=2, make_parent=True)
     except OSError as e:
         logger.warning("EXL3 parity: could not write the report %s (%s)", path, e)
 

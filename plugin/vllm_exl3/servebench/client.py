@@ -50,7 +50,9 @@ class RequestResult:
 def _payload(workload: Workload, prompt: Prompt, model: str, vllm: bool) -> dict:
     body: dict = {"model": model, "max_tokens": prompt.max_tokens, "temperature": workload.temperature,
                   "seed": workload.seed, "stream": True, "stream_options": {"include_usage": True}}
-    if workload.api == "chat":
+    if prompt.token_ids is not None:
+        body["prompt"] = list(prompt.token_ids)
+    elif workload.api == "chat":
         body["messages"] = [{"role": "user", "content": prompt.text}]
     else:
         body["prompt"] = prompt.text
@@ -93,7 +95,7 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
                  vllm: bool, phase_start: float) -> RequestResult:
     """Send one streaming request; never raises for what the server does (the result says ok=False and why)."""
     r = RequestResult(prompt.category, prompt.index, prompt.max_tokens)
-    path = "/v1/chat/completions" if workload.api == "chat" else "/v1/completions"
+    path = "/v1/chat/completions" if workload.api == "chat" and prompt.token_ids is None else "/v1/completions"
     t0 = time.perf_counter()
     r.started = t0 - phase_start
     counted = 0
@@ -101,7 +103,11 @@ async def stream(session: aiohttp.ClientSession, base_url: str, workload: Worklo
     try:
         async with session.post(base_url + path, json=_payload(workload, prompt, model, vllm)) as resp:
             if resp.status != 200:
-                r.error = f"HTTP {resp.status} from {base_url}{path}: {error_text(await resp.read())}"
+                why = error_text(await resp.read())
+                r.error = f"HTTP {resp.status} from {base_url}{path}: {why}"
+                if path.endswith("/chat/completions") and "chat template" in why.lower():
+                    r.error += (" (this model has no chat template: measure it with --api completions, or give the "
+                                "server one with --chat-template)")
                 return r
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").strip()

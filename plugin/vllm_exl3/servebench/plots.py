@@ -33,11 +33,16 @@ def categories_png(report: dict, path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(sides)
-    for ax, key, unit in ((axes[0], "decode_tok_s", "decode tok/s per request (higher is better)"),
-                          (axes[1], "ttft_ms", "mean TTFT, ms (lower is better)")):
+    # What to trust leads: the server's own ms per decode step (its clock, no network or client scheduling in it);
+    # the client's decode speed only where a server reports no vLLM metrics.
+    server = all(rep._server(report, s, c, n).get("ms_per_step") for s in sides for n in names)
+    left = ((lambda s, n: rep._server(report, s, c, n).get("ms_per_step")), "server ms per decode step (lower is better)") \
+        if server else ((lambda s, n: cats[s][n]["decode_tok_s"]), "client decode tok/s per request (higher is better)")
+    right = ((lambda s, n: cats[s][n]["ttft_ms"]), "client mean TTFT, ms (lower is better)")
+    for ax, (value, unit) in ((axes[0], left), (axes[1], right)):
         for i, s in enumerate(sides):
             xs = [j + (i - (len(sides) - 1) / 2) * width for j in range(len(names))]
-            ax.bar(xs, [cats[s][n][key] or 0 for n in names], width, label=_label(report, s),
+            ax.bar(xs, [value(s, n) or 0 for n in names], width, label=_label(report, s),
                    color=COLOURS[i % len(COLOURS)])
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_title(unit)
@@ -51,24 +56,36 @@ def categories_png(report: dict, path: Path) -> Path | None:
 
 
 def concurrency_png(report: dict, path: Path) -> Path | None:
-    """tok/s against concurrency: all requests together (left), per request (right), one line per side."""
+    """Against concurrency, one line per side: the server's tok/s of all requests together (left) and its ms per
+    decode step (right), from its /metrics; the client's tok/s where a server reports no vLLM metrics."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     drawn: set[int] = set()
+    client_only = False
     for i, s in enumerate(report["sides"]):
-        ph = {c: rep.summary(p) for c, p in rep.phases(report, s).items()}
-        levels = sorted(c for c, summary in ph.items() if summary["aggregate_tok_s"])
+        phases = rep.phases(report, s)
+        server = {c: p.get("server") or {} for c, p in phases.items()}
+        if all(v.get("tokens_per_s") for v in server.values()) and server:
+            values = ({c: v["tokens_per_s"] for c, v in server.items()},
+                      {c: v.get("ms_per_step") for c, v in server.items()})
+        else:
+            client_only = True
+            ph = {c: rep.summary(p) for c, p in phases.items()}
+            values = ({c: v["aggregate_tok_s"] for c, v in ph.items()}, {c: v["decode_tok_s"] for c, v in ph.items()})
+        levels = sorted(c for c, v in values[0].items() if v)
         if not levels:
             continue
         drawn.update(levels)
         label = _label(report, s)
-        for ax, key in ((axes[0], "aggregate_tok_s"), (axes[1], "decode_tok_s")):
-            ax.plot(levels, [ph[c][key] for c in levels], marker="o", label=label,
+        for ax, series in zip(axes, values):
+            ax.plot(levels, [series[c] for c in levels], marker="o", label=label,
                     color=COLOURS[i % len(COLOURS)])
     if not drawn:
         plt.close(fig)
         return None
-    for ax, title in ((axes[0], "tok/s, all requests together"), (axes[1], "decode tok/s per request")):
+    titles = (("client tok/s, all requests together", "client decode tok/s per request") if client_only else
+              ("server tok/s, all requests together", "server ms per decode step (lower is better)"))
+    for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(drawn), [str(c) for c in sorted(drawn)])
         ax.set_xlabel("concurrent requests")

@@ -15,8 +15,13 @@ def _x(ratio: float | None) -> str:
 
 
 def phases(report: dict, side: str) -> dict[int, dict]:
-    """concurrency -> phase, for one side."""
-    return {p["concurrency"]: p for p in report["phases"] if p["side"] == side}
+    """concurrency -> phase, for one side (the concurrency phases; the prefill phase is prefill_phases')."""
+    return {p["concurrency"]: p for p in report["phases"] if p["side"] == side and "prefill_length" not in p}
+
+
+def prefill_phases(report: dict) -> list[dict]:
+    return sorted((p for p in report["phases"] if "prefill_length" in p),
+                  key=lambda p: (p["prefill_length"], p["side"]))
 
 
 def summary(phase: dict) -> dict:
@@ -131,7 +136,8 @@ def concurrency_table(report: dict) -> list[str]:
               "ITL p50 / p90 / p99 ms | E2E p50 ms | server tok/s | server ms/step | server tok/s per request | "
               "server tokens/step | tokens: received / server |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for p in sorted(report["phases"], key=lambda p: (p["concurrency"], p["side"])):
+    for p in sorted((p for p in report["phases"] if "prefill_length" not in p),
+                    key=lambda p: (p["concurrency"], p["side"])):
         s, srv = summary(p), p.get("server") or {}
         itl, ttft = s["itl_ms_pct"], s["ttft_ms_pct"]
         lines.append(
@@ -145,6 +151,23 @@ def concurrency_table(report: dict) -> list[str]:
     return lines
 
 
+def prefill_table(report: dict) -> list[str]:
+    """The prefill phase: long prompts one at a time; the server's prefill rate is what to compare."""
+    rows = prefill_phases(report)
+    if not rows:
+        return []
+    lines = ["Prefill (one long prompt at a time, token ids, a few output tokens; server: prompt tokens over the "
+             "engine's prefill time):", "",
+             "| side | prompt tokens | requests | server prefill tok/s | server TTFT ms | client TTFT p50 ms |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for p in rows:
+        s, srv = summary(p), p.get("server") or {}
+        lines.append(f"| {p['side']}{' (incomplete)' if p.get('incomplete') else ''} | {p['prefill_length']} | "
+                     f"{s['requests'] - s['failed']}/{s['requests']} | {_f(srv.get('prefill_tokens_per_s'), 0)} | "
+                     f"{_f(srv.get('ttft_ms'))} | {_f(s['ttft_ms_pct']['p50'])} |")
+    return lines
+
+
 def summary_line(report: dict) -> str:
     c = first_level(report)
     names = list(report["sides"])
@@ -153,14 +176,17 @@ def summary_line(report: dict) -> str:
         return f"{prefix}bench: nothing measured" + (f" ({report['error']})" if report["error"] else "")
     mean = {s: summary(phases(report, s)[c]) for s in names}
     srv = {s: _server(report, s, c, None).get("decode_tokens_per_s") for s in names}
-    parts = [f"{s} {_f(mean[s]['decode_tok_s'])} tok/s" + (f" (server {_f(srv[s])})" if srv[s] else "")
+    step = {s: _server(report, s, c, None).get("ms_per_step") for s in names}
+    # The server's counters lead (its own clock); the client's numbers follow in brackets.
+    parts = [(f"{s} server {_f(step[s], 2)} ms/step, {_f(srv[s])} tok/s (client {_f(mean[s]['decode_tok_s'])})"
+              if srv[s] and step[s] else f"{s} {_f(mean[s]['decode_tok_s'])} tok/s (client; no server metrics)")
              + f", TTFT {_f(mean[s]['ttft_ms'], 0)} ms" for s in names]
     line = f"{prefix}bench at concurrency {c}, all categories: " + "; ".join(parts)
     if len(names) == 2:
         a, b = names
-        line += f"; {b}/{a} decode speedup {_x(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']))}"
-        if srv[a] and srv[b]:
-            line += f" (server {_x(stats.speedup(srv[a], srv[b]))})"
+        client = _x(stats.speedup(mean[a]['decode_tok_s'], mean[b]['decode_tok_s']))
+        line += (f"; {b}/{a} decode speedup {_x(stats.speedup(srv[a], srv[b]))} (client {client})"
+                 if srv[a] and srv[b] else f"; {b}/{a} decode speedup {client} (client)")
     rates = [(summary(p)["aggregate_tok_s"], p) for p in report["phases"]]
     rate, top = max(((r, p) for r, p in rates if r), default=(None, None), key=lambda rp: rp[0])
     if top and top["concurrency"] != c:
@@ -182,6 +208,8 @@ def markdown(report: dict, title: str | None = None) -> str:
               f"concurrency {', '.join(map(str, w['concurrency']))}, {w['warmup']} warm-up request(s) per side "
               "not measured; each phase starts on an idle server."), ""]
     lines += category_table(report) + [""] + concurrency_table(report) + [""]
+    if prefill := prefill_table(report):
+        lines += prefill + [""]
     remarks = notes(report)
     lines += remarks + ([""] if remarks else []) + [summary_line(report), ""]
     return "\n".join(lines)

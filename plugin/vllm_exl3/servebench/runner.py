@@ -163,14 +163,15 @@ def _windows(workload: Workload, concurrency: int, side: Side) -> list[tuple[str
     between two scrapes, so the server's ms/step is known per category too; with more in flight the categories
     mix, as they would in service, and the phase is one window."""
     if concurrency > 1 or not side.vllm_metrics:
-        return [(None, list(workload.prompts))]
+        return [(None, workload.phase_prompts(concurrency))]
     return [(c, [p for p in workload.prompts if p.category == c]) for c in workload.categories]
 
 
 async def measure(session: aiohttp.ClientSession, side: Side, workload: Workload, concurrency: int,
-                  opts: Options, progress: ProgressFn) -> dict:
+                  opts: Options, progress: ProgressFn, prefill_length: int | None = None) -> dict:
     """One phase: its requests, the client's summary, the server's account of the whole phase and, one request at
-    a time, of each category. The wall time counts only the windows, not the scrapes between them."""
+    a time, of each category. The wall time counts only the windows, not the scrapes between them. With
+    `prefill_length`, the prefill phase of that prompt length instead (one request at a time, one window)."""
     t0 = time.perf_counter()
     results: list[client.RequestResult] = []
     wall = 0.0
@@ -178,8 +179,12 @@ async def measure(session: aiohttp.ClientSession, side: Side, workload: Workload
     by_category = {}
     phase = {"side": side.name, "concurrency": concurrency, "wall_s": 0.0, "requests": [], "summary": None,
              "server": None, "server_by_category": None}
+    windows = _windows(workload, concurrency, side)
+    if prefill_length is not None:
+        phase["prefill_length"] = prefill_length
+        windows = [(None, workload.prefill_phase(prefill_length))]
     try:
-        for category, window in _windows(workload, concurrency, side):
+        for category, window in windows:
             before = await _wait_idle(session, side, opts)
             got, seconds = await _send_all(session, side, workload, window, concurrency, progress, t0)
             results += got
@@ -227,10 +232,12 @@ async def _run(sides: list[Side], workload: Workload, opts: Options, progress: P
         for side in sides:
             progress(f"{side.name}: warm-up", 0)
             await warm_up(session, side, workload, progress)
-        for c in workload.concurrency:
+        levels = [(c, None) for c in workload.concurrency] + [(1, n) for n in workload.prefill_lengths]
+        for c, prefill_length in levels:
             for side in sides:
                 try:
-                    report["phases"].append(await measure(session, side, workload, c, opts, progress))
+                    report["phases"].append(await measure(session, side, workload, c, opts, progress,
+                                                          prefill_length))
                 except _PhaseFailed as e:
                     report["phases"].append(e.phase)
                     raise
@@ -244,7 +251,8 @@ def _version() -> str:
 
 
 def total_requests(sides: int, workload: Workload) -> int:
-    return sides * (workload.warmup + len(workload.prompts) * len(workload.concurrency))
+    return sides * (workload.warmup + sum(len(workload.phase_prompts(c)) for c in workload.concurrency)
+                    + len(workload.prefill_prompts))
 
 
 def new_report(workload: Workload) -> dict:

@@ -46,7 +46,8 @@ def workload_of(run: dict, path: str | Path) -> Workload:
     w = dict(run["workload"])
     try:
         prompts = [Prompt(**p) for p in w.pop("prompts")]
-        return Workload(**w, prompts=prompts)
+        prefill = [Prompt(**p) for p in w.pop("prefill_prompts", [])]
+        return Workload(**w, prompts=prompts, prefill_prompts=prefill)
     except (TypeError, KeyError) as e:
         raise SavedRunError(f"{path}: its workload is not one this version reads ({e})") from e
 

@@ -20,8 +20,10 @@ ITERATION_TOKENS = "vllm:iteration_tokens_total"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
+# One observation per request: the engine's time in the prefill of its prompt.
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
 COUNTERS = (GENERATION_TOKENS, PROMPT_TOKENS, *(f"{h}_{s}" for h in (ITERATION_TOKENS, INTER_TOKEN_LATENCY,
-                                                                     TIME_TO_FIRST_TOKEN, E2E_LATENCY)
+                                                                     TIME_TO_FIRST_TOKEN, E2E_LATENCY, PREFILL_TIME)
                                                 for s in ("sum", "count")))
 
 # The appliance's EXL3 exporter (`vllm-exl3 metrics`, beside vLLM on each node) exports these, not vLLM's /metrics:
@@ -94,6 +96,7 @@ class ServerPhase:
     tokens_per_s: float | None  # generation tokens over the phase's wall time
     decode_tokens_per_s: float | None  # tokens after the first over the decode time, all requests together
     tokens_per_step: float | None  # tokens after the first per decode step: 1 unless speculative decoding
+    prefill_tokens_per_s: float | None = None  # prompt tokens over the engine's prefill time, all requests together
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -119,4 +122,6 @@ def difference(before: Snapshot, after: Snapshot, wall_s: float) -> ServerPhase 
         ms_per_step=_mean_ms(d, INTER_TOKEN_LATENCY), ttft_ms=_mean_ms(d, TIME_TO_FIRST_TOKEN),
         e2e_ms=_mean_ms(d, E2E_LATENCY), tokens_per_s=gen / wall_s if wall_s > 0 else None,
         decode_tokens_per_s=(gen - first) / decode_s if decode_s > 0 else None,
-        tokens_per_step=(gen - first) / decode_steps if decode_steps > 0 else None)
+        tokens_per_step=(gen - first) / decode_steps if decode_steps > 0 else None,
+        prefill_tokens_per_s=(d.get(PROMPT_TOKENS, 0) / d[f"{PREFILL_TIME}_sum"]
+                              if d.get(f"{PREFILL_TIME}_sum", 0) > 0 else None))

@@ -3,6 +3,7 @@ and the sampling settings every request of a run shares (temperature 0, a seed, 
 
 from __future__ import annotations
 
+import random
 import sys
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -15,6 +16,13 @@ else:  # pragma: no cover - Python 3.10
 CATEGORY_DIR = "categories"
 # The order of the report's rows: the prior art's eight categories.
 CATEGORY_ORDER = ("coding", "prose", "reasoning", "summary", "format", "json", "html", "narrative")
+# The prefill phase's prompts are token ids drawn from this range: ids every tokenizer the bench meets has (real
+# vocabularies are far larger) and past the special tokens at the start; random, so no two prompts share a prefix
+# (prefix caching would skip the prefill being measured).
+PREFILL_ID_RANGE = (100, 1000)
+# Output tokens per prefill request: a few, so the time is the prompt's.
+PREFILL_OUTPUT_TOKENS = 8
+PREFILL_CATEGORY = "prefill-{}"
 
 
 class WorkloadError(ValueError):
@@ -37,6 +45,7 @@ class Prompt:
     index: int
     text: str
     max_tokens: int
+    token_ids: list[int] | None = None  # a prefill prompt: sent as token ids to /v1/completions, `text` unused
 
 
 @dataclass
@@ -53,11 +62,32 @@ class Workload:
     ignore_eos: bool = True
     warmup: int = 2
     prompts: list[Prompt] = field(default_factory=list)
+    fill: int = 1  # each concurrency phase sends at least fill x concurrency requests (the prompts repeated)
+    prefill_lengths: list[int] = field(default_factory=list)  # prompt lengths (tokens) of the prefill phase
+    prefill_prompts: list[Prompt] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["prompts"] = [asdict(p) for p in self.prompts]
-        return d
+        return asdict(self)
+
+    def phase_prompts(self, concurrency: int) -> list[Prompt]:
+        """The requests of one concurrency phase: every prompt once, repeated in order until there are at least
+        `fill` x `concurrency` of them, so the level stays busy instead of draining after the first wave."""
+        n = max(len(self.prompts), self.fill * concurrency)
+        return [self.prompts[i % len(self.prompts)] for i in range(n)]
+
+    def prefill_phase(self, length: int) -> list[Prompt]:
+        return [p for p in self.prefill_prompts if p.category == PREFILL_CATEGORY.format(length)]
+
+
+def prefill_prompts(lengths: list[int], requests: int, seed: int) -> list[Prompt]:
+    """`requests` prompts of each length, token ids drawn from PREFILL_ID_RANGE (deterministic in the seed)."""
+    out = []
+    for n in lengths:
+        for i in range(requests):
+            rng = random.Random(f"{seed}:{n}:{i}")
+            out.append(Prompt(PREFILL_CATEGORY.format(n), i, "", PREFILL_OUTPUT_TOKENS,
+                              [rng.randrange(*PREFILL_ID_RANGE) for _ in range(n)]))
+    return out
 
 
 def _check_category(name: str, raw: dict) -> Category:
@@ -87,9 +117,11 @@ def load_categories() -> dict[str, Category]:
 
 def build_workload(categories: list[str] | None, prompts_per_category: int | None, max_tokens: int | None,
                    concurrency: list[int], api: str, seed: int = 0, ignore_eos: bool = True,
-                   warmup: int = 2) -> Workload:
+                   warmup: int = 2, fill: int = 1, prefill_lengths: list[int] | None = None,
+                   prefill_requests: int = 3) -> Workload:
     """The prompts of a run: the first `prompts_per_category` prompts of each chosen category (all when None),
-    each with its category's output length unless `max_tokens` overrides it."""
+    each with its category's output length unless `max_tokens` overrides it; and the prefill phase's prompts,
+    `prefill_requests` of each length in `prefill_lengths`."""
     known = load_categories()
     chosen = categories or list(known)
     unknown = [c for c in chosen if c not in known]
@@ -103,10 +135,17 @@ def build_workload(categories: list[str] | None, prompts_per_category: int | Non
                             f"found {max_tokens}")
     if warmup < 0:
         raise WorkloadError(f"--warmup must be 0 or more, found {warmup}")
+    if fill < 1:
+        raise WorkloadError(f"--fill must be at least 1, found {fill}")
+    prefill_lengths = sorted(set(prefill_lengths or []))
+    if any(n < 1 for n in prefill_lengths) or (prefill_lengths and prefill_requests < 1):
+        raise WorkloadError(f"--prefill lengths and --prefill-requests must be positive, found {prefill_lengths} "
+                            f"and {prefill_requests}")
     prompts = []
     for name in chosen:
         cat = known[name]
         for i, text in enumerate(cat.prompts[:prompts_per_category]):
             prompts.append(Prompt(name, i, text, max_tokens or cat.max_tokens))
     return Workload(chosen, prompts_per_category or max(len(known[c].prompts) for c in chosen), max_tokens,
-                    concurrency, api, seed, 0.0, ignore_eos, warmup, prompts)
+                    concurrency, api, seed, 0.0, ignore_eos, warmup, prompts, fill, prefill_lengths,
+                    prefill_prompts(prefill_lengths, prefill_requests, seed))

@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[3]
 CSRC = ROOT / "csrc"
 CHECK_CUBINS = ROOT / "tools" / "check-cubins"
 ARCHS = ("sm_90a", "sm_121a")
-NVCC_FLAGS = ["-std=c++17", "-O3", f"-I{CSRC}"]
+sys.path.insert(0, str(ROOT))
+import setup as build_setup  # noqa: E402  (setup.py: the flags the extension is built with)
+
+NVCC_FLAGS = [build_setup.CXX_STD, "-O3", f"-I{CSRC}"]
 
 
 def _tool(name: str) -> str | None:

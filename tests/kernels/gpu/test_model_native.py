@@ -7,7 +7,6 @@ otherwise, unless VLLM_EXL3_REQUIRE_EXLLAMAV3=1)."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,7 @@ from vllm_exl3.format.pack import Pack  # noqa: E402
 from vllm_exl3.format.tensors import load_weights  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "format"))
-from test_model_logits import dequantized_checkpoint  # noqa: E402
+from support.packs import dequantized_checkpoint  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
 PACKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden" / "logits.safetensors").is_file())

@@ -12,7 +12,12 @@ Imports fine without the package; `unavailable_reason()` says why it cannot run.
 from __future__ import annotations
 
 import functools
+import importlib.machinery
+import importlib.util
+import logging
+import re
 import threading
+from pathlib import Path
 
 import torch
 
@@ -25,20 +30,53 @@ from . import exllamav3_moe
 SUPPORTED_VERSIONS = ("1.6.",)  # the format and kernel behaviour this wrapper was checked against
 
 
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def installed_version() -> str | None:
+    """ExLlamaV3's version, read from its files without importing it: `import exllamav3` imports its extension,
+    which ExLlamaV3 compiles on the spot (minutes, a CUDA toolkit needed) unless a prebuilt `exllamav3_ext` is
+    importable. Asking whether the backend is there (every boot, for the decision log and the metrics) must not
+    do that; only binding a layer to it does (prebuilt_extension())."""
+    spec = importlib.util.find_spec("exllamav3")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    version_file = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    m = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", version_file.read_text()) if version_file.is_file() \
+        else None
+    return m.group(1) if m else "unknown"
+
+
+def prebuilt_extension() -> bool:
+    """Is ExLlamaV3's compiled extension importable as is (the appliance image builds it, tools/build-exllamav3-ext)?
+    The same test ExLlamaV3's own exllamav3/ext.py makes before it falls back to compiling."""
+    spec = importlib.util.find_spec("exllamav3_ext")
+    return bool(spec and spec.origin and spec.origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)))
+
+
 @functools.lru_cache(maxsize=None)
 def _import_error() -> str | None:
-    try:
-        import exllamav3  # noqa: F401
-        from exllamav3.version import __version__ as version
-    except ImportError as e:
-        return f"exllamav3 not installed ({e})"
+    version = installed_version()
+    if version is None:
+        return "exllamav3 not installed"
     if not version.startswith(SUPPORTED_VERSIONS):
         return f"exllamav3 {version} not supported (need {' or '.join(v + 'x' for v in SUPPORTED_VERSIONS)})"
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def load_package() -> None:
+    """Import ExLlamaV3 once, when the first layer is bound to it, saying so when that means compiling."""
+    if not prebuilt_extension():
+        logger.warning("EXL3: ExLlamaV3's CUDA extension is not prebuilt: ExLlamaV3 compiles it now, which takes "
+                       "minutes (tools/build-exllamav3-ext builds it ahead of time, as the appliance image does)")
+    import exllamav3  # noqa: F401
+
+
 def make_layer(w: Exl3Weights):
     """ExLlamaV3's LinearEXL3 over the stored (padded) tensors; building it loads/compiles exllamav3_ext."""
+    load_package()
     return exllamav3_moe.linear_exl3(w.trellis, w.suh, w.svh, w.codebook)
 
 
@@ -56,6 +94,11 @@ class ExLlamaV3Backend(Backend):
         if not torch.cuda.is_available():
             return "no CUDA device"
         return None
+
+    def build_id(self) -> str:
+        if _import_error() is not None:
+            return ""
+        return f"exllamav3 {installed_version()} ({'prebuilt' if prebuilt_extension() else 'JIT'} extension)"
 
     def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
         if spec.device_type != "cuda":
@@ -90,7 +133,10 @@ class ExLlamaV3Backend(Backend):
             return f"needs a CUDA device (layer on {spec.device_type})"
         if spec.act_dtype not in (torch.float16, torch.bfloat16):
             return f"activations must be fp16 or bf16, not {spec.act_dtype}"
-        return exllamav3_moe.unsupported_reason(spec) or exllamav3_moe.api_reason()
+        if reason := exllamav3_moe.unsupported_reason(spec):
+            return reason
+        load_package()  # the API check below imports ExLlamaV3
+        return exllamav3_moe.api_reason()
 
     @staticmethod
     def _moe_key(experts: ExpertStack) -> tuple[int, int, int, int]:

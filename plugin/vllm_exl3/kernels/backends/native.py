@@ -120,6 +120,9 @@ class NativeBackend(Backend):
     def unavailable_reason(self) -> str | None:
         return unavailable_reason()
 
+    def build_id(self) -> str:
+        return build_info() or ""
+
     def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
         return limits_reason(spec.device_type, spec.act_dtype, [(spec.codebook, spec.bits)],
                              [spec.in_padded, spec.out_padded])

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU machine (bench/gpu/vgpu prepared the chunks):
+#   bash .vgpu/cNN/device.sh stage      keep this call's chunk in /tmp/vgpu (one call per chunk folder)
+#   source /tmp/vgpu/device.sh env      once all chunks are there: unpack (first time only), then export PYTHONPATH etc.
+#                                       so that python3 imports the staged torch + vLLM, and vLLM finds the plugin from
+#                                       ./plugin through its entry point (a dist-info written beside the staged tree)
+S=/tmp/vgpu/site
+case "${1:-}" in
+stage)
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+  mkdir -p /tmp/vgpu/parts && cp "$here"/part-* /tmp/vgpu/parts/ && cp "$here"/device.sh /tmp/vgpu/
+  echo "vgpu: $(ls /tmp/vgpu/parts | wc -l) chunks staged ($(du -sh /tmp/vgpu/parts | cut -f1))" ;;
+env)
+  if [ ! -d $S/vllm ]; then
+    mkdir -p $S && cat /tmp/vgpu/parts/part-* | gzip -dc | tar -x -C $S \
+      || { echo "vgpu: unpack failed (a chunk missing?)"; rm -rf $S; return 1 2>/dev/null || exit 1; }
+  fi
+  plug=$S/vllm_exl3_checkout-0.dist-info
+  mkdir -p $plug
+  printf 'Metadata-Version: 2.1\nName: vllm-exl3-checkout\nVersion: 0\n' > $plug/METADATA
+  printf '[vllm.general_plugins]\nexl3 = vllm_exl3:register\n[console_scripts]\nvllm-exl3 = vllm_exl3.cli:main\n' \
+    > $plug/entry_points.txt
+  # FlashInfer's JIT sources are stripped from the staged tree, so its sampler cannot build: vLLM's own sampler.
+  export PYTHONPATH=$S:$PWD/plugin${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+  export PATH=$S/bin:$PATH
+  python3 -c "import torch, vllm; print('vgpu: torch', torch.__version__, 'vllm', vllm.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tail -1 ;;
+*) echo "usage: device.sh stage | source device.sh env"; exit 2 ;;
+esac

@@ -1,0 +1,197 @@
+"""Full-size EXL3 packs with random trellis, shaped like real MoE models, for the serving benchmarks on the GPU.
+
+Every tensor is what ExLlamaV3's converter writes for that model (names, dtypes, padded shapes; routed experts,
+attention and the head as EXL3 linears, the head at 6 bits as `head_bits` says, the router and norms plain), so
+the pack loads in the plugin and in ExLlamaV3 alike; only the values are random (any 16-bit trellis state decodes,
+dev/synthetic.py), so the text is meaningless and only speed is measured on it. A WordLevel tokenizer with one
+token per id covers the whole vocabulary, so vLLM and ExLlamaV3 can detokenize whatever the model emits.
+
+    python3 bench/gpu/packs.py OUT --shape qwen3-30b-a3b --bits 4 [--layers N] [--codebook mcg]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_exl3.dev.synthetic import linear_tensors, random_weights
+from vllm_exl3.format.constants import TILE
+from vllm_exl3.format.tensors import Exl3Weights
+
+HEAD_BITS = 6  # ExLlamaV3's default head_bits (its converter's -hb)
+SHARD_BYTES = 4 * 10**9
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The parts of a model's config.json that set the tensors' shapes (values from the published configs)."""
+
+    architecture: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    vocab: int
+    dense_intermediate: int
+    dense_layers: int = 0  # leading dense-MLP layers (GLM's first_k_dense_replace)
+    shared_experts: int = 0
+    qk_norm: bool = False
+    attention_bias: bool = False
+    extra_config: tuple[tuple[str, object], ...] = ()
+
+
+SHAPES = {
+    "qwen3-30b-a3b": Shape("Qwen3MoeForCausalLM", "qwen3_moe", 2048, 48, 32, 4, 128, 128, 8, 768, 151936, 6144,
+                           qk_norm=True,
+                           extra_config=(("decoder_sparse_step", 1), ("mlp_only_layers", []), ("rope_theta", 1e6),
+                                         ("max_position_embeddings", 40960), ("rms_norm_eps", 1e-6))),
+    "glm-4.5-air": Shape("Glm4MoeForCausalLM", "glm4_moe", 4096, 46, 96, 8, 128, 128, 8, 1408, 151552, 10944,
+                         dense_layers=1, shared_experts=1, attention_bias=True,
+                         extra_config=(("first_k_dense_replace", 1), ("n_group", 1), ("topk_group", 1),
+                                       ("routed_scaling_factor", 1.0), ("partial_rotary_factor", 0.5),
+                                       ("use_qk_norm", False), ("num_nextn_predict_layers", 0),
+                                       ("rope_theta", 1e6), ("max_position_embeddings", 131072),
+                                       ("rms_norm_eps", 1e-5))),
+}
+
+
+def layer_tensors(shape: Shape, layer: int, bits: float, codebook: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + layer)
+    p = f"model.layers.{layer}"
+    out: dict[str, torch.Tensor] = {}
+    h, q_out, kv_out = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    for name, (k, n) in (("q_proj", (h, q_out)), ("k_proj", (h, kv_out)), ("v_proj", (h, kv_out)),
+                         ("o_proj", (q_out, h))):
+        w = random_weights(k, n, bits, codebook, seed=layer * 8 + len(out))
+        if shape.attention_bias and name != "o_proj":
+            w = Exl3Weights(w.trellis, w.suh, w.svh, w.codebook, w.bits, torch.randn(n, generator=g).half() * 0.02)
+        out.update(linear_tensors(f"{p}.self_attn.{name}", w))
+    if shape.qk_norm:
+        for n in ("q_norm", "k_norm"):
+            out[f"{p}.self_attn.{n}.weight"] = torch.ones(shape.head_dim, dtype=torch.bfloat16)
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{p}.{n}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    if layer < shape.dense_layers:
+        for name, (k, n) in (("gate_proj", (h, shape.dense_intermediate)), ("up_proj", (h, shape.dense_intermediate)),
+                             ("down_proj", (shape.dense_intermediate, h))):
+            out.update(linear_tensors(f"{p}.mlp.{name}", random_weights(k, n, bits, codebook, seed=layer * 8 + 5)))
+        return out
+    out[f"{p}.mlp.gate.weight"] = (torch.randn(shape.experts, h, generator=g) * 0.02).half()
+    if shape.architecture.startswith("Glm4Moe"):
+        out[f"{p}.mlp.gate.e_score_correction_bias"] = torch.zeros(shape.experts, dtype=torch.float32)
+    # One random draw per layer for all routed experts (a pack of tens of GB in about a minute), split per expert.
+    words, i = round(bits * TILE), shape.moe_intermediate
+    trellis = torch.randint(-2**15, 2**15, (shape.experts, 3, h // TILE, i // TILE, words), dtype=torch.int16,
+                            generator=g)
+    up = random_weights(h, i, bits, codebook, seed=layer)
+    down = random_weights(i, h, bits, codebook, seed=layer + 7)
+    for e in range(shape.experts):
+        for j, name in enumerate(("gate_proj", "up_proj", "down_proj")):
+            t, src = trellis[e, j].clone(), (up if name != "down_proj" else down)
+            if name == "down_proj":
+                t = t.reshape(i // TILE, h // TILE, words)
+            w = Exl3Weights(t, src.suh.clone(), src.svh.clone(), codebook, float(bits))
+            out.update(linear_tensors(f"{p}.mlp.experts.{e}.{name}", w))
+    for s in range(shape.shared_experts):
+        n_shared = shape.moe_intermediate * shape.shared_experts
+        for name, (k, n) in (("gate_proj", (h, n_shared)), ("up_proj", (h, n_shared)), ("down_proj", (n_shared, h))):
+            out.update(linear_tensors(f"{p}.mlp.shared_experts.{name}",
+                                      random_weights(k, n, bits, codebook, seed=layer * 8 + 6)))
+    return out
+
+
+def tokenizer_files(vocab: int) -> dict[str, str]:
+    """A WordLevel tokenizer with one token per id ("t0" ... ), whitespace-split: every id the model can emit
+    detokenizes, and prompts tokenize (unknown words to t0)."""
+    model = {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab)}, "unk_token": "t0"}
+    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+           "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+           "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False}, "model": model}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t1", "eos_token": "t2", "unk_token": "t0",
+              "model_max_length": 1 << 20}
+    return {"tokenizer.json": json.dumps(tok), "tokenizer_config.json": json.dumps(config)}
+
+
+def config_json(shape: Shape, layers: int, bits: float, codebook: str) -> dict:
+    c = {"architectures": [shape.architecture], "model_type": shape.model_type, "hidden_size": shape.hidden,
+         "intermediate_size": shape.dense_intermediate, "moe_intermediate_size": shape.moe_intermediate,
+         "num_hidden_layers": layers, "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+         "head_dim": shape.head_dim, "vocab_size": shape.vocab, "num_experts_per_tok": shape.top_k,
+         "norm_topk_prob": True, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+         "attention_bias": shape.attention_bias, "bos_token_id": 1, "eos_token_id": 2,
+         **dict(shape.extra_config)}
+    if shape.model_type == "glm4_moe":
+        c.update(n_routed_experts=shape.experts, n_shared_experts=shape.shared_experts)
+    else:
+        c.update(num_experts=shape.experts)
+    c["quantization_config"] = {"quant_method": "exl3", "version": "vllm-exl3 bench/gpu/packs.py (random trellis)",
+                                "bits": float(bits), "head_bits": HEAD_BITS,
+                                "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook}
+    return c
+
+
+def write(out: Path, shape_name: str, bits: float, layers: int | None = None, codebook: str = "mcg") -> dict:
+    from safetensors.torch import save_file
+
+    shape = SHAPES[shape_name]
+    layers = layers or shape.layers
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    head = random_weights(shape.hidden, shape.vocab, HEAD_BITS, codebook, seed=99)
+    pending = {"model.embed_tokens.weight": (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).bfloat16(),
+               "model.norm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+               **linear_tensors("lm_head", head)}
+    weight_map: dict[str, str] = {}
+    shards: list[str] = []
+    total = 0
+
+    def flush() -> None:
+        nonlocal pending, total
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in pending.items()}, str(out / name), metadata={"format": "pt"})
+        total += sum(v.nbytes for v in pending.values())
+        weight_map.update({k: name for k in pending})
+        shards.append(name)
+        pending = {}
+
+    for layer in range(layers):
+        pending.update(layer_tensors(shape, layer, bits, codebook))
+        if sum(v.nbytes for v in pending.values()) >= SHARD_BYTES:
+            flush()
+    if pending:
+        flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(config_json(shape, layers, bits, codebook), indent=1))
+    for name, text in tokenizer_files(shape.vocab).items():
+        (out / name).write_text(text)
+    return {"pack": str(out), "shape": shape_name, "layers": layers, "of_layers": shape.layers, "bits": bits,
+            "codebook": codebook, "bytes": total, "seconds": round(time.time() - t0, 1)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--bits", type=float, default=4.0)
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model has (disk, time)")
+    ap.add_argument("--codebook", default="mcg", choices=("mcg", "mul1", "3inst"))
+    a = ap.parse_args(argv)
+    print(json.dumps(write(a.out, a.shape, a.bits, a.layers, a.codebook)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

