@@ -32,7 +32,8 @@ def env_file(tmp_path_factory) -> Path:
     model.mkdir()
     text = ENV_EXAMPLE.read_text()
     for key, value in {"MODEL_DIR": str(model), "HEAD_ADDR": "192.168.100.10", "VLLM_HOST_IP": "192.168.100.11",
-                       "SERVED_MODEL_NAME": "glm-air", "VLLM_EXTRA_ARGS": "--max-model-len 32768"}.items():
+                       "SERVED_MODEL_NAME": "glm-air", "VLLM_EXTRA_ARGS": "--max-model-len 32768",
+                       "PEER_SECRET": "0123456789abcdef0123456789abcdef"}.items():
         text = re.sub(rf"^{key}=.*$", f"{key}={value}", text, flags=re.M)
     path = tmp_path_factory.mktemp("env") / ".env"
     path.write_text(text)
@@ -110,6 +111,7 @@ def test_the_services_environment_launches_the_intended_command(configs, profile
     assert expected in line
     if profile != "single":
         assert "--master-addr 192.168.100.10 --master-port 29501" in line
+        assert env["VLLM_EXL3_PEER_SECRET"] == "0123456789abcdef0123456789abcdef"  # both boxes sign heartbeats
     if profile != "worker":
         # no key in this .env: the API stays on loopback (exposure.py)
         assert "--served-model-name glm-air --port 8000" in line and "--host 127.0.0.1" in line

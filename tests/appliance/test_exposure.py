@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import random
+import socket
 import subprocess
 import sys
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 
+from support.servers import free_port
 from vllm_exl3 import demo
 from vllm_exl3.appliance import exposure
 from vllm_exl3.appliance.api_guard import GuardAllPaths
@@ -28,7 +34,7 @@ def test_bind_address(env, host):
     assert exposure.api_host(env) == host
     flags = build_spec("single", load_preset("spark-1x", {}), env).flags
     assert flags["host"] == host  # always explicit: vLLM's default is every interface
-    assert (flags.get("middleware") == exposure.GUARD_MIDDLEWARE) == bool(env.get("VLLM_API_KEY", "").strip())
+    assert flags["middleware"] == exposure.GUARD_MIDDLEWARE  # key or not: 503 while draining, idle connections closed
 
 
 @pytest.mark.parametrize("host,env,refused", [
@@ -47,7 +53,21 @@ def test_open_bind_without_key_is_refused(host, env, refused):
 def launch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     base = {"PATH": "/usr/bin:/bin", "VLLM_EXL3_MODEL": str(demo.PACK)}
     return subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "launch", "--role", "single", "--dry-run", *args],
-                          capture_output=True, text=True, env=base | env, timeout=120)
+                          capture_output=True, text=True, env=base | env, timeout=300)
+
+
+@pytest.mark.parametrize("where", ["VLLM_EXL3_EXTRA_ARGS", "--"])
+def test_an_abbreviated_host_is_read_as_vllm_reads_it(where):
+    """vLLM's parser takes `--ho` for `--host`: the launcher must not log "loopback only" while vLLM listens on
+    every interface with no key."""
+    args = ["--ho", "0.0.0.0"]
+    if where == "--":
+        r = launch({}, "--no-preflight", "--", *args)
+    else:
+        r = launch({where: " ".join(args)}, "--no-preflight")
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert "REFUSED: the API would listen on every interface with no key" in r.stderr
+    assert "loopback only" not in r.stderr
 
 
 def test_launch_refuses_an_open_api_even_without_preflight():
@@ -98,9 +118,41 @@ def test_guard_open_paths_and_pass_through():
     assert call(guard, "/health")[0] == 200 and call(guard, "/metrics")[0] == 200
     assert call(guard, "/static/x.css")[0] == 200
     assert call(guard, "/healthz")[0] == 401  # exact paths, not prefixes
-    assert call(guard, "/v1/models", method="OPTIONS")[0] == 200  # CORS preflight carries no credentials
     assert call(guard, "/ws", kind="websocket")[0] == "websocket.close"
     assert call(GuardAllPaths(None, key="", opened=""), "/invocations")[0] == 200  # no key: vLLM's behaviour
+
+
+PREFLIGHT = [(b"origin", b"https://app.example"), (b"access-control-request-method", b"POST")]
+
+
+def test_options_passes_only_as_a_cors_preflight():
+    """/metrics answers every method with the full scrape: a bare OPTIONS must not reach it without the key.
+    A CORS preflight (Origin + Access-Control-Request-Method) passes: vLLM's CORS middleware answers it itself."""
+    guard = GuardAllPaths(None, key="s3cret", opened="/health")
+    assert call(guard, "/metrics", method="OPTIONS")[0] == 401
+    assert call(guard, "/metrics", [(b"origin", b"https://app.example")], method="OPTIONS")[0] == 401
+    assert call(guard, "/metrics", PREFLIGHT[1:], method="OPTIONS")[0] == 401
+    assert call(guard, "/v1/models", PREFLIGHT, method="OPTIONS")[0] == 200
+    assert call(guard, "/metrics", [(b"authorization", b"Bearer s3cret")], method="OPTIONS")[0] == 200
+
+
+METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "get", "CONNECT"]
+PATHS = ["/health", "/metrics", "/metrics/", "/static/a.css", "/v1/completions", "/invocations", "/tokenize", "/"]
+
+
+def test_guard_fuzz_no_unauthenticated_request_reaches_a_route_but_reads_of_open_paths():
+    """Seeded fuzz over methods, paths and headers: without the key, only GET/HEAD of an open path and CORS
+    preflights (which vLLM's CORS middleware answers without a route) get past the guard."""
+    rng = random.Random(20)
+    guard = GuardAllPaths(None, key="s3cret", opened="/health /static/")
+    for _ in range(400):
+        method, path = rng.choice(METHODS), rng.choice(PATHS)
+        headers = [h for h in (*PREFLIGHT, (b"authorization", rng.choice([b"Bearer nope", b"Basic s3cret", b""])))
+                   if rng.random() < 0.5]
+        status, _ = call(guard, path, headers, method=method)
+        preflight = method == "OPTIONS" and len([h for h in headers if h in PREFLIGHT]) == 2
+        readable = method in ("GET", "HEAD") and (path == "/health" or path.startswith("/static/"))
+        assert (status == 200) == (preflight or readable), (method, path, headers, status)
 
 
 # --- the fabric link -------------------------------------------------------------------------------------------
@@ -142,3 +194,62 @@ def test_one_neighbour_passes_more_warn(tmp_path):
 def test_point_to_point_not_checkable(tmp_path):
     assert not check_point_to_point("10.9.9.9", None, arp(tmp_path), networks("192.168.100.10/31")).checked
     assert not check_point_to_point("spark-a", None, arp(tmp_path), networks("192.168.100.10/31")).checked
+
+
+# --- the guard in a real uvicorn server (what vLLM runs): connections that send no request are closed ----------
+@contextmanager
+def guarded_server(idle_timeout: float):
+    """Starlette + uvicorn as vLLM builds them: the guard as app middleware, the server in the app's state."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    app = Starlette(routes=[Route("/health", lambda request: PlainTextResponse("ok"))],
+                    middleware=[Middleware(GuardAllPaths, key="", opened="", idle_timeout=idle_timeout)])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    app.state.server = server
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except (socket.timeout, ConnectionResetError):
+        return False
+
+
+def test_idle_connections_are_closed_and_busy_ones_are_not():
+    with guarded_server(idle_timeout=1.0) as port:
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]  # connect, send nothing
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # a request head that never ends
+        started = time.monotonic()
+        assert all(closed_by_server(s, 5) for s in [*idle, slow])
+        took = time.monotonic() - started
+        assert 0.9 <= took <= 4, took  # the timeout plus at most two sweeps
+        # a client that keeps asking is served on its one connection throughout
+        busy = socket.create_connection(("127.0.0.1", port))
+        for _ in range(6):
+            busy.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"ok"):
+                chunk = busy.recv(4096)
+                assert chunk, answer  # closed in the middle of a conversation
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200")
+            time.sleep(0.5)
+        for s in [*idle, slow, busy]:
+            s.close()

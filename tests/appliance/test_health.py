@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from contextlib import contextmanager
 import pytest
 
 from support.appliance import HEALTHCHECK
-from vllm_exl3.appliance.health import decode_address, worker_connected
+from vllm_exl3.appliance.health import (decode_address, group_members, process_state, stop_leftovers, stop_vllm,
+                                        worker_connected)
 
 
 def run_check(mode: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -181,3 +183,77 @@ def test_watchdog_idles_on_other_roles():
     r = subprocess.run([sys.executable, "-m", "vllm_exl3.appliance.health", "watch"], capture_output=True, text=True,
                        env={**os.environ, "VLLM_EXL3_ROLE": "head"}, timeout=30)
     assert r.returncode == 0 and "no rendezvous to watch" in r.stderr
+
+
+# --- stopping vLLM: its process tree as vLLM has it (an API server leading its group, an engine child) --------
+# The leader drains on SIGTERM (keeps serving DRAIN_S seconds, then stops its engine and exits), as vLLM's API
+# server does with --shutdown-timeout; the engine has no handler of its own, as SIGTERM to the group kills it.
+TREE = r"""
+import os, signal, subprocess, sys, time
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(engine.pid, flush=True)
+def drain(*_):
+    if sys.argv[1] == "ignore":
+        return
+    time.sleep(float(sys.argv[1]))
+    engine.terminate(); engine.wait(); sys.exit(0)
+signal.signal(signal.SIGTERM, drain)
+time.sleep(300)
+"""
+
+
+@contextmanager
+def vllm_like_tree(drain: str):
+    leader = subprocess.Popen([sys.executable, "-c", TREE, drain], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    engine = int(leader.stdout.readline())
+    try:
+        yield leader, engine
+    finally:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        leader.wait()
+
+
+def gone(pid: int) -> bool:
+    return process_state(pid) in (None, "Z", "X")
+
+
+def test_stop_lets_vllm_drain_then_leaves_nothing_of_its_group():
+    """SIGTERM to the main process only: the engine keeps running while the API server drains (a SIGTERM to the
+    group killed it at once, cutting every stream); once the main process is done, nothing of the group is left."""
+    with vllm_like_tree("1.5") as (leader, engine):
+        lines = []
+        stopper = threading.Thread(target=stop_vllm, args=(leader.pid, lines.append, 20))
+        started = time.monotonic()
+        stopper.start()
+        time.sleep(0.8)
+        assert not gone(engine) and leader.poll() is None  # draining: the engine still serves
+        stopper.join(30)
+        assert leader.wait(5) == 0 and gone(engine) and not group_members(leader.pid)
+        assert 1.4 < time.monotonic() - started < 10 and not lines  # no SIGKILL was needed
+
+
+def test_stop_kills_the_group_of_a_vllm_that_does_not_finish():
+    with vllm_like_tree("ignore") as (leader, engine):
+        lines = []
+        stop_vllm(leader.pid, lines.append, timeout=1)
+        leader.wait(5)
+        assert leader.returncode == -signal.SIGKILL and not group_members(leader.pid)
+        assert any("did not finish within 1s of SIGTERM; SIGKILL" in ln for ln in lines)
+
+
+def test_leftovers_of_a_killed_api_server_are_stopped_and_nothing_else():
+    """`kill -9` of vLLM's API server leaves its engine running in its group; a new vLLM must not start beside
+    it. A group whose leader is alive is another program's, and is left alone."""
+    with vllm_like_tree("ignore") as (leader, engine):
+        lines = []
+        assert stop_leftovers(leader.pid, lines.append) == 0 and not gone(engine)  # leader alive: not leftovers
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.wait()
+        assert not gone(engine) and group_members(leader.pid) == [engine]  # the orphaned engine
+        assert stop_leftovers(leader.pid, lines.append, grace=2) == 1
+        assert gone(engine) and not group_members(leader.pid)
+        assert any(f"left 1 process(es) running: {engine}" in ln for ln in lines)

@@ -3,18 +3,30 @@ vLLM (CPU build) argument parser; the CLI's dry run and refusals."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 from vllm_exl3 import demo
-from vllm_exl3.appliance.launch import (EXIT_REFUSED, ROLES, TOPOLOGY_FLAGS, LaunchError, apply_plan, available_presets,
-                              build_spec, exec_argv, flag_value, load_preset)
+from vllm_exl3.appliance.launch import (EXIT_REFUSED, EXTRA_AFTER_DASHES, EXTRA_ENV, ROLES, TOPOLOGY_OPTIONS,
+                                        LaunchError, apply_plan, available_presets, build_spec, check_options,
+                                        exec_argv, load_preset, plan_request)
+from vllm_exl3.appliance.vllm_options import VllmOptions
 
 SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency")
 TWO_NODE_ENV = {"VLLM_EXL3_HEAD_ADDR": "192.168.100.10", "VLLM_EXL3_SERVED_NAME": "glm", "VLLM_EXL3_PORT": "8000",
-                "VLLM_EXL3_HOST": "0.0.0.0", "VLLM_EXL3_MODEL": "/model"}
+                "VLLM_EXL3_HOST": "0.0.0.0", "VLLM_EXL3_MODEL": "/model", "VLLM_EXL3_PEER_SECRET": "s" * 32}
+
+
+def parsed(spec) -> VllmOptions:
+    """What vllm_options.read_options answers for this spec, from vLLM's own parser in this process (the child
+    process it normally runs in is tested in test_vllm_options.py)."""
+    from vllm_exl3.integration.vllm_cli import parse_serve_args
+
+    answer = parse_serve_args(spec.model, spec.argv()[3:], spec.option_groups())
+    return VllmOptions(answer["effective"], answer["given"], answer["flags"])
 
 
 def preset_role_pairs():
@@ -43,7 +55,7 @@ def test_presets_are_found_and_complete():
         assert p.vllm["long-prefill-token-threshold"] == 1024  # long prefills must not starve decode
         assert p.vllm["load-format"] == "exl3_parallel"  # no mmap of the model on unified memory
         assert p.vllm["max-num-batched-tokens"] >= p.vllm["max-num-seqs"]
-        assert not set(p.vllm) & TOPOLOGY_FLAGS
+        assert not {k.replace("-", "_") for k in p.vllm} & TOPOLOGY_OPTIONS
         assert 0 < p.memory.max_gpu_memory_utilization <= 0.9
 
 
@@ -66,35 +78,70 @@ def test_head_and_worker_commands_agree_on_topology():
         assert f["master-port"] == "29501" and f["distributed-executor-backend"] == "mp"
     assert head["node-rank"] == "0" and "headless" not in head and head["served-model-name"] == "glm"
     assert worker["node-rank"] == "1" and worker["headless"] is True
-    assert not {"served-model-name", "port", "host"} & set(worker)  # no API server on the worker
-    same = {k for k in head if k not in ("node-rank", "served-model-name", "port", "host")}
+    assert not {"served-model-name", "port", "host", "middleware"} & set(worker)  # no API server on the worker
+    same = {k for k in head if k not in ("node-rank", "served-model-name", "port", "host", "middleware")}
     assert {k: head[k] for k in same} == {k: worker[k] for k in same}  # everything else identical
 
 
 def test_environment_and_extra_arguments():
-    env = TWO_NODE_ENV | {"VLLM_EXL3_MASTER_PORT": "31000", "VLLM_EXL3_EXTRA_ARGS": "--max-model-len 32768 --quiet"}
+    env = TWO_NODE_ENV | {"VLLM_EXL3_MASTER_PORT": "31000",
+                          "VLLM_EXL3_EXTRA_ARGS": "--max-model-len 32768 --disable-log-stats"}
     spec = build_spec("head", load_preset("low-latency", {}), env, ["--max-num-seqs", "2"])
     argv = spec.argv()
-    assert argv[-5:] == ["--max-num-seqs", "2", "--max-model-len", "32768", "--quiet"]  # last: they win
+    assert argv[-5:] == ["--max-num-seqs", "2", "--max-model-len", "32768", "--disable-log-stats"]  # last: they win
     assert pairs(argv)["master-port"] == "31000"
-    assert spec.value("max-num-seqs") == "2" and spec.value("max-model-len") == "32768"
+    assert spec.sources == {EXTRA_AFTER_DASHES: ["--max-num-seqs", "2"],
+                            EXTRA_ENV: ["--max-model-len", "32768", "--disable-log-stats"]}
+    options = parsed(spec)
+    assert options.set_by(*spec.sources) == {"max_num_seqs": 2, "max_model_len": 32768, "disable_log_stats": True}
+    assert options.value("max_num_seqs") == 2 and options.value("max_model_len") == 32768
 
 
-@pytest.mark.parametrize("role,preset,env,extra,message", [
-    ("head", "spark-2x-tp2", {}, [], "HEAD_ADDR"),
-    ("single", "spark-2x-tp2", {}, [], "--role head/worker"),
-    ("worker", "spark-1x", TWO_NODE_ENV, [], "--role single"),
-    ("single", "spark-1x", {}, ["--tensor-parallel-size", "2"], "the role sets the topology"),
-    ("single", "spark-1x", {"VLLM_EXL3_EXTRA_ARGS": "--headless"}, [], "the role sets the topology"),
-    ("leader", "spark-1x", {}, [], "unknown role"),
+@pytest.mark.parametrize("role,preset,env,message", [
+    ("head", "spark-2x-tp2", {}, "HEAD_ADDR"),
+    ("head", "spark-2x-tp2", {"VLLM_EXL3_HEAD_ADDR": "10.0.0.1"}, "VLLM_EXL3_PEER_SECRET is not set"),
+    ("worker", "spark-2x-tp2", TWO_NODE_ENV | {"VLLM_EXL3_PEER_SECRET": "short"}, "5 characters, fewer than 16"),
+    ("single", "spark-2x-tp2", {}, "--role head/worker"),
+    ("worker", "spark-1x", TWO_NODE_ENV, "--role single"),
+    ("single", "spark-1x", {"VLLM_EXL3_EXTRA_ARGS": "--served-model-name 'x"}, "not valid shell words"),
+    ("leader", "spark-1x", {}, "unknown role"),
 ])
-def test_impossible_launches_say_what_to_change(role, preset, env, extra, message):
+def test_impossible_launches_say_what_to_change(role, preset, env, message):
     with pytest.raises(LaunchError, match=message.replace("/", ".")):
-        build_spec(role, load_preset(preset, {}), env, extra)
+        build_spec(role, load_preset(preset, {}), env)
+
+
+# Spellings vLLM's parser takes for a topology option that a check by name let through: prefixes, short forms,
+# underscores, `=`, a --config file.
+TOPOLOGY_SPELLINGS = [["--tensor-parallel-size", "2"], ["-tp", "2"], ["--tensor-parallel", "2"],
+                      ["--tensor_parallel_size=2"], ["-tp=2"], ["--headless"], ["--head"], ["-n", "2"],
+                      ["--node-r", "1"], ["--master-ad", "10.0.0.9"], ["--distributed-executor-backend", "ray"],
+                      ["--config", "{config}"]]
+
+
+@pytest.mark.parametrize("where", ["extra", "env"])
+@pytest.mark.parametrize("spelling", TOPOLOGY_SPELLINGS, ids=" ".join)
+def test_topology_is_the_roles_in_every_spelling_vllm_reads(tmp_path, where, spelling):
+    config = tmp_path / "vllm.yaml"
+    config.write_text("tensor-parallel-size: 2\n")
+    args = [a.replace("{config}", str(config)) for a in spelling]
+    env = {"VLLM_EXL3_EXTRA_ARGS": " ".join(args)} if where == "env" else {}
+    spec = build_spec("single", load_preset("spark-1x", {}), env, args if where == "extra" else [])
+    source = EXTRA_ENV if where == "env" else EXTRA_AFTER_DASHES
+    with pytest.raises(LaunchError, match=f"{re.escape(source)} set.*the topology comes from --role"):
+        check_options(spec, parsed(spec))
+
+
+@pytest.mark.parametrize("key", ["tensor-parallel-size", "tensor-parallel", "tensor_parallel_size", "node-r"])
+def test_a_preset_cannot_set_the_topology(tmp_path, key):
+    path = tmp_path / "mine.toml"
+    path.write_text(f'[vllm]\n{key} = 1\n')
+    spec = build_spec("single", load_preset(str(path), {}), {})
+    with pytest.raises(LaunchError, match=f"preset mine .*{re.escape(str(path))}.* set.*the topology comes from"):
+        check_options(spec, parsed(spec))
 
 
 @pytest.mark.parametrize("text,message", [
-    ('[vllm]\ntensor-parallel-size = 2\n', "come.* from --role"),
     ('[vllm]\nmax-model-len = 4096\n[serve]\n', "unknown key"),
     ('[memory]\nheadroom = 3\n', "unknown \\[memory\\] key"),
     ('[vllm\n', "not valid TOML"),
@@ -113,12 +160,19 @@ def test_preset_search_path_prefers_the_environment(tmp_path):
     assert load_preset("spark-1x", {"VLLM_EXL3_PRESET_DIR": str(tmp_path)}).description == "mine"
 
 
-def test_flag_value_forms():
-    args = ["--max_model_len", "100", "--enforce-eager", "--max-model-len=200", "--x", "--kv-cache-dtype", "fp8"]
-    assert flag_value(args, "max-model-len") == "200"
-    assert flag_value(args, "enforce-eager") is True
-    assert flag_value(args, "kv-cache-dtype") == "fp8"
-    assert flag_value(args, "port") is None
+def test_the_plan_reads_the_users_values_as_vllm_does():
+    """The user's explicit values, in spellings a name-based reader missed, are checked, not replaced."""
+    spec = build_spec("single", load_preset("spark-1x", {}), {}, ["--max_model_len", "100", "--max-model=2k",
+                                                                  "--kv-cache-memory", "1G", "--gpu-memory-util", "0.5",
+                                                                  "--enforce-eager", "--kv-cache-dtype", "fp8"])
+    request = plan_request(spec, parsed(spec))
+    assert request.max_model_len == 2000 and request.max_model_len_pinned
+    assert request.kv_cache_memory_bytes == 2**30 and request.gpu_memory_utilization == 0.5
+    assert request.enforce_eager and request.kv_cache_dtype == "fp8" and request.max_num_seqs == 8
+    preset_only = build_spec("single", load_preset("spark-1x", {}), {})
+    request = plan_request(preset_only, parsed(preset_only))
+    assert request.max_model_len == 65536 and not request.max_model_len_pinned  # the preset's wish
+    assert request.gpu_memory_utilization is None and not request.enforce_eager
 
 
 def test_plan_figures_and_threshold_follow_the_context():
@@ -128,6 +182,8 @@ def test_plan_figures_and_threshold_follow_the_context():
     assert small["long-prefill-token-threshold"] == "512"  # vLLM refuses a threshold above the context
     assert pairs(apply_plan(spec, 65536).argv())["long-prefill-token-threshold"] == "1024"
     assert "gpu-memory-utilization" not in pairs(apply_plan(spec, 65536).argv())
+    # the user's own context wins over the plan's, and the threshold follows the one vLLM will use
+    assert pairs(apply_plan(spec, 65536, pinned_len=600).argv())["long-prefill-token-threshold"] == "600"
 
 
 def test_exec_goes_through_the_cli_shim():
@@ -152,7 +208,7 @@ def test_every_command_parses_with_vllms_own_serve_parser(preset, role):
     assert args.max_model_len == 4096 and args.gpu_memory_utilization == 0.8
     assert args.kv_cache_memory_bytes == 12 * 2**30
     assert args.shutdown_timeout == load_preset(preset, {}).vllm["shutdown-timeout"]
-    if not ROLES[role].headless:  # the key then covers every path (api_guard.py)
+    if not ROLES[role].headless:  # the key on every path, 503 while draining, idle connections closed
         assert args.middleware == ["vllm_exl3.appliance.api_guard.GuardAllPaths"] and args.host == "0.0.0.0"
 
 
@@ -160,7 +216,7 @@ def test_every_command_parses_with_vllms_own_serve_parser(preset, role):
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     base = {"PATH": "/usr/bin:/bin", "VLLM_EXL3_MODEL": str(demo.PACK)}
     return subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "launch", *args], capture_output=True, text=True,
-                          env=base | (env or {}), timeout=120)
+                          env=base | (env or {}), timeout=300)
 
 
 def test_dry_run_prints_the_checked_command():
@@ -190,7 +246,9 @@ def test_dry_run_on_unified_memory_hands_vllm_an_exact_kv_size(tmp_path):
     assert f["gpu-memory-utilization"] == "0.88" and int(f["kv-cache-memory-bytes"]) > 0
     assert f"--kv-cache-memory-bytes {f['kv-cache-memory-bytes']} " in r.stderr  # the plan's line says the same
     r = launch("--role", "single", "--dry-run", "--meminfo", str(meminfo), "--", "--kv-cache-memory-bytes", "lots")
-    assert r.returncode == 2 and "not a byte count" in r.stderr
+    assert r.returncode == EXIT_REFUSED and "Traceback" not in r.stderr
+    assert "the arguments after `--`: argument --kv-cache-memory-bytes: Value lots cannot be converted to " \
+        "human_readable_int" in r.stderr
 
 
 def test_cli_usage_errors():

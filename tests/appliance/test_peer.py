@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -13,9 +14,14 @@ import time
 
 from support.servers import free_port
 from test_health import MODELS, http_server, run_check
-from vllm_exl3.appliance.peer import HeadView, peer_verdict, run_head, run_worker
+from vllm_exl3.appliance.peer import HeadView, main, peer_verdict, run_head, run_worker, seal, unseal
 
 PEER_CONTRACT = {"time": float, "role": str, "peer": str, "alive": bool, "last_seen": (float, type(None))}
+SECRET = "a-secret-both-boxes-share"
+
+
+def heartbeat(ready: bool = True, secret: str = SECRET, **extra) -> bytes:
+    return seal(secret.encode(), {"role": "worker", "ready": ready, "time": time.time()} | extra)
 
 
 def free_udp_port() -> int:
@@ -27,11 +33,34 @@ def free_udp_port() -> int:
 def test_head_view():
     v = HeadView(timeout=15)
     assert not v.alive(100)
-    v.heard("10.0.0.2", {"ready": True}, 100)
+    assert v.heard("10.0.0.2", {"ready": True, "time": 99.5}, 100) is None
     assert v.alive(100) and v.alive(115) and not v.alive(116)  # silence past the timeout
-    v.heard("10.0.0.2", {"ready": False, "detail": "no connection"}, 117)
+    assert v.heard("10.0.0.2", {"ready": False, "detail": "no connection", "time": 116.5}, 117) is None
     assert not v.alive(117) and v.last_seen == 100  # the worker says its vLLM lost the head: not alive at once
     assert v.document(117) == {"time": 117, "role": "head", "peer": "10.0.0.2", "alive": False, "last_seen": 100}
+    # replays and datagrams from another time are not heard
+    assert "replay" in v.heard("10.0.0.2", {"ready": True, "time": 110}, 118)
+    assert "replay" in v.heard("10.0.0.2", {"ready": True, "time": 116.5}, 118)
+    assert "+20s" in v.heard("10.0.0.2", {"ready": True, "time": 138}, 118)
+    assert "-16s" in v.heard("10.0.0.2", {"ready": True, "time": 102}, 118)
+    assert v.heard("10.0.0.2", {"ready": True}, 118) == "no time" and not v.alive(118)
+
+
+def test_seal_fuzz_only_the_shared_secret_verifies():
+    """Seeded fuzz: every change to a sealed datagram (a flipped byte, a cut, another secret, no signature) is
+    rejected; the untouched datagram verifies."""
+    rng = random.Random(21)
+    secret = SECRET.encode()
+    for _ in range(300):
+        message = {"role": "worker", "ready": rng.random() < 0.5, "time": rng.uniform(0, 2e9),
+                   "detail": "x" * rng.randrange(40)}
+        sealed = seal(secret, message)
+        assert unseal(secret, sealed) == message
+        i = rng.randrange(len(sealed))
+        flipped = sealed[:i] + bytes([sealed[i] ^ (1 << rng.randrange(8))]) + sealed[i + 1:]
+        for bad in (flipped, sealed[:rng.randrange(len(sealed))], seal(b"another-secret-entirely", message),
+                    json.dumps(message).encode(), b"", b" " + sealed):
+            assert unseal(secret, bad) is None, bad
 
 
 def test_verdict_from_the_state_file(tmp_path):
@@ -53,7 +82,7 @@ def test_worker_heartbeats_reach_the_head_and_its_readiness_follows(tmp_path):
         rendezvous.listen()
         base = {"VLLM_EXL3_HEAD_ADDR": "127.0.0.1", "VLLM_EXL3_HEARTBEAT_PORT": str(port),
                 "VLLM_EXL3_MASTER_PORT": str(rendezvous.getsockname()[1]), "VLLM_EXL3_PEER_TIMEOUT": "3",
-                "VLLM_EXL3_RENDEZVOUS_GRACE": "1000"}
+                "VLLM_EXL3_RENDEZVOUS_GRACE": "1000", "VLLM_EXL3_PEER_SECRET": SECRET}
         worker_dir.mkdir()
         (worker_dir / "vllm.pid").write_text(f"{os.getpid()}\n")
         worker_env = base | {"VLLM_EXL3_ROLE": "worker", "VLLM_EXL3_RUN_DIR": str(worker_dir),
@@ -94,14 +123,14 @@ def test_head_stops_the_engine_its_worker_left_and_only_that_one(tmp_path):
     (tmp_path / "vllm.pid").write_text(f"{vllm.pid}\n")
     env = {"VLLM_EXL3_ROLE": "head", "VLLM_EXL3_HEAD_ADDR": "127.0.0.1", "VLLM_EXL3_HEARTBEAT_PORT": str(port),
            "VLLM_EXL3_RUN_DIR": str(tmp_path), "VLLM_EXL3_STATE_DIR": str(tmp_path / "state"),
-           "VLLM_EXL3_PEER_TIMEOUT": "1", "VLLM_EXL3_RENDEZVOUS_GRACE": "2"}
+           "VLLM_EXL3_PEER_TIMEOUT": "1", "VLLM_EXL3_RENDEZVOUS_GRACE": "2", "VLLM_EXL3_PEER_SECRET": SECRET}
     stopped, log = [], []
     head = threading.Thread(target=run_head, args=(env, log.append, 7), kwargs={"stop": stopped.append})
     head.start()
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for _ in range(3):  # the worker is alive for a moment, then silent (its box went away)
-                s.sendto(json.dumps({"role": "worker", "ready": True}).encode(), ("127.0.0.1", port))
+                s.sendto(heartbeat(), ("127.0.0.1", port))
                 time.sleep(0.3)
         head.join(30)
     finally:
@@ -123,7 +152,7 @@ def test_head_stops_the_engine_its_worker_left_and_only_that_one(tmp_path):
             for _ in range(25):  # until the head saw it (a few seconds at most)
                 if state.exists() and json.loads(state.read_text())["alive"]:
                     break
-                s.sendto(json.dumps({"role": "worker", "ready": True}).encode(), ("127.0.0.1", port))
+                s.sendto(heartbeat(), ("127.0.0.1", port))
                 time.sleep(0.2)
             else:
                 raise AssertionError(f"the head never saw the worker alive: {log}")
@@ -133,3 +162,60 @@ def test_head_stops_the_engine_its_worker_left_and_only_that_one(tmp_path):
         newer.kill()
         newer.wait()
     assert not stopped, log
+
+
+def head_env(tmp_path, port: int, **extra: str) -> dict[str, str]:
+    return {"VLLM_EXL3_ROLE": "head", "VLLM_EXL3_HEAD_ADDR": "127.0.0.1", "VLLM_EXL3_HEARTBEAT_PORT": str(port),
+            "VLLM_EXL3_RUN_DIR": str(tmp_path), "VLLM_EXL3_STATE_DIR": str(tmp_path / "state"),
+            "VLLM_EXL3_PEER_SECRET": SECRET} | extra
+
+
+def test_forged_heartbeats_neither_fake_a_worker_nor_stop_the_head(tmp_path):
+    """What anyone on the fabric could send: unsigned "ready" datagrams (a fake live worker), a flood of "not
+    ready" ones signed with a guessed secret (which used to turn the head red and then stop its vLLM), replays of
+    a real heartbeat. None of it is heard: the worker is alive exactly as long as its one real heartbeat says."""
+    port = free_udp_port()
+    env = head_env(tmp_path, port, VLLM_EXL3_PEER_TIMEOUT="3", VLLM_EXL3_RENDEZVOUS_GRACE="1000")
+    state, log = tmp_path / "state" / "peer.json", []
+    head = threading.Thread(target=run_head, args=(env, log.append, 9))
+    head.start()
+    wait_for(state.exists, 10)
+    alive_seen = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        real = heartbeat()  # the worker's, captured by the attacker
+        s.sendto(real, ("127.0.0.1", port))
+        heard_at = time.monotonic()
+        wait_for(lambda: json.loads(state.read_text())["alive"], 5)
+        i = 0
+        while time.monotonic() - heard_at < 6:
+            forged = [json.dumps({"role": "worker", "ready": True, "time": time.time()}).encode(),
+                      heartbeat(ready=False, secret="guessed-secret-0000", detail="flood"), real,
+                      seal(SECRET.encode(), {"role": "worker", "ready": True})]  # signed, no time: not a heartbeat
+            s.sendto(forged[i % len(forged)], ("127.0.0.1", port))
+            i += 1
+            if i % 20 == 0:
+                alive_seen.append((time.monotonic() - heard_at, json.loads(state.read_text())["alive"]))
+            time.sleep(0.01)
+    head.join(30)
+    # alive while the real heartbeat is fresh (no forged "not ready" heard), then not (no forged "ready" heard)
+    assert all(alive for t, alive in alive_seen if t < 2.5), alive_seen
+    assert not any(alive for t, alive in alive_seen if t > 4.5), alive_seen
+    assert not any("it reports: flood" in ln for ln in log), log
+    assert any("not signed with this PEER_SECRET" in ln for ln in log), log
+    assert sum("ignored" in ln for ln in log) == 1  # one report a minute, not a line per datagram
+
+
+def wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_no_secret_no_heartbeat(tmp_path, capsys):
+    env = head_env(tmp_path, free_udp_port(), VLLM_EXL3_PEER_SECRET="")
+    assert main(env) == 2
+    err = capsys.readouterr().err
+    assert "VLLM_EXL3_PEER_SECRET is not set" in err and "PEER_SECRET in the .env of both boxes" in err
+    assert main(env | {"VLLM_EXL3_ROLE": "worker", "VLLM_EXL3_PEER_SECRET": "short"}) == 2
+    assert "5 characters, fewer than 16" in capsys.readouterr().err

@@ -28,7 +28,7 @@ def console_script() -> str:
     return str(script) if script.exists() else shutil.which("vllm-exl3") or pytest.skip("no vllm-exl3 script")
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     r = subprocess.run([console_script(), *args], capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, **(env or {})})
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
@@ -147,6 +147,36 @@ def test_launch_and_preflight_take_the_pack_as_an_argument():
     assert "role single" in r.stderr
 
 
+@pytest.mark.parametrize("args,reason", [
+    (["--max-model-len", "abc"], "argument --max-model-len: invalid human_readable_int_or_auto value: 'abc'"),
+    (["--bogus-flag", "3"], "unrecognized arguments: --bogus-flag 3"),
+    (["--max-num-seqs"], "argument --max-num-seqs: expected one argument"),
+    (["--kv-cache-dtype", "fp7"], "argument --kv-cache-dtype: invalid choice: 'fp7'"),
+    (["--max-num", "4"], "ambiguous option: --max-num could match"),
+])
+def test_preflight_checks_vllms_options_with_vllms_parser(args, reason):
+    """Before: "internal error ... please include it in a bug report", or "ok" and a command vLLM rejects."""
+    r = cli("preflight", str(demo.PACK), "--", *args)
+    assert r.returncode == 78, r.stderr
+    assert f"REFUSED: vLLM refuses the options: the arguments after `--`: {reason}" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr and r.stdout == ""  # no command vLLM would reject
+
+
+def test_serve_checks_vllms_options_before_starting_anything():
+    r = cli("serve", str(demo.PACK), "--once", "--port", str(free_port()), "--", "--bogus-flag", "3")
+    assert r.returncode == 2 and "unrecognized arguments: --bogus-flag 3" in r.stderr, r.stderr
+    assert "vLLM     log" not in r.stdout  # nothing started
+
+
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--", "--ho", "0.0.0.0"], ["--", "--host=::"]])
+def test_serve_binds_like_the_appliance(args):
+    """An address beyond loopback without VLLM_API_KEY is refused, in any spelling vLLM reads."""
+    r = cli("serve", str(demo.PACK), "--once", "--port", str(free_port()), *args, env={"VLLM_API_KEY": ""})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "refusing to serve: the API would listen on every interface with no key" in r.stderr
+    assert "--host 127.0.0.1" in r.stderr and "vLLM     log" not in r.stdout
+
+
 def test_preflight_refuses_a_missing_pack(tmp_path):
     r = cli("preflight", str(tmp_path / "model"))
     assert r.returncode == 78 and "FAIL pack" in r.stderr
@@ -154,7 +184,8 @@ def test_preflight_refuses_a_missing_pack(tmp_path):
 
 def test_worker_dry_run_before_the_head_is_up():
     r = cli("preflight", str(demo.PACK), "--role", "worker",
-            env={"VLLM_EXL3_HEAD_ADDR": "127.0.0.1", "VLLM_EXL3_MASTER_PORT": str(free_port())})
+            env={"VLLM_EXL3_HEAD_ADDR": "127.0.0.1", "VLLM_EXL3_MASTER_PORT": str(free_port()),
+                 "VLLM_EXL3_PEER_SECRET": "0123456789abcdef"})
     assert r.returncode == 0, r.stderr
     assert "preflight: --   head rendezvous:" in r.stderr and "not checked" in r.stderr
     assert "--headless" in r.stdout

@@ -7,6 +7,7 @@ engine with `--nnodes 2` over gloo/TCP (TP 2, one rank per "node", each bound to
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
@@ -15,6 +16,7 @@ import requests
 
 from support.appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
 from support.servers import free_port
+from vllm_exl3.appliance.health import group_members
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +26,7 @@ def supervisord():
     return required("supervisord (PyPI supervisor)", tool("supervisord"))
 
 
-def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
+def test_supervised_single_serves_recovers_from_a_crash(tmp_path, request):
     port, key = free_port(), "appliance-test-key"
     env = appliance_env("single", tmp_path / "run", VLLM_EXL3_PORT=str(port), VLLM_API_KEY=key)
     with supervised(env, tmp_path / "supervisord.log") as box:
@@ -38,14 +40,20 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path):
         first = box.vllm_pid
         assert health(env, "liveness").returncode == 0
 
-        kill_group(first, signal.SIGKILL)  # vLLM crashes: API server, engine core, all of it
+        engine = sorted(p for p in group_members(first) if p != first)
+        assert engine  # vLLM's engine core runs in the API server's process group
+        request.addfinalizer(lambda: kill_group(first))  # should the test fail, leave no orphaned engine behind
+        os.kill(first, signal.SIGKILL)  # the API server alone dies (kill -9, the OOM killer): its engine is orphaned
         wait_until("vLLM down", lambda: not alive(first), 30)
         assert not box.healthy()
         wait_until("a new vLLM", lambda: box.vllm_pid not in (None, first), 60, box.proc, box.log)
+        # The new vLLM started only once the old group was gone: nothing of it runs beside the new one.
+        assert not group_members(first), group_members(first)
         box.wait_healthy()
         assert completion(port, api_key=key)["choices"][0]["text"] == text  # same pack, greedy: same tokens
         log = box.log.read_text()
         assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
+        assert f"the previous vLLM (process group {first}) left" in log, tail(box.log)
         assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
 
 
@@ -66,7 +74,8 @@ def test_fatal_program_ends_supervisord(tmp_path):
     env = appliance_env("single", tmp_path / "run", VLLM_EXL3_MODEL=str(tmp_path / "missing"),
                         VLLM_EXL3_PORT=str(free_port()))
     with supervised(env, tmp_path / "supervisord.log") as box:
-        wait_until("supervisord to exit", lambda: box.proc.poll() is not None, 90, log=box.log)
+        # four refused starts (each reads vLLM's options: ~10 s on a busy 2-core box) and supervisord's backoff
+        wait_until("supervisord to exit", lambda: box.proc.poll() is not None, 300, log=box.log)
         log = box.log.read_text()
     assert log.count("exit status 78") == 4  # startretries=3: the first start and three retries, all refused
     assert "gave up: vllm entered FATAL state" in log
@@ -79,7 +88,7 @@ def two_node_env(role: str, tmp_path, master_port: int, api_port: int) -> dict[s
         role, tmp_path / role,
         VLLM_EXL3_HEAD_ADDR="127.0.0.1", VLLM_EXL3_MASTER_PORT=str(master_port), VLLM_EXL3_PORT=str(api_port),
         VLLM_HOST_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo", VLLM_EXL3_HEAD_WAIT="240",
-        VLLM_EXL3_RENDEZVOUS_GRACE="5",
+        VLLM_EXL3_RENDEZVOUS_GRACE="5", VLLM_EXL3_PEER_SECRET="two-node-test-secret-0123",
         # one core per "node": both nodes' rank 0 would otherwise bind the same core
         VLLM_CPU_OMP_THREADS_BIND="0" if role == "head" else "1")
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import threading
 import time
@@ -25,6 +27,7 @@ from vllm_exl3.appliance.settings import default
 
 pytestmark = pytest.mark.e2e
 KEY = "resilience-test-key"
+IDLE_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +35,17 @@ def box(tmp_path_factory):
     required("supervisord (PyPI supervisor)", tool("supervisord"))
     tmp = tmp_path_factory.mktemp("box")
     port = free_port()
+    meminfo = tmp / "meminfo"  # what the memory watchdog reads: this machine's, until a test says memory is short
+    meminfo.write_text(Path("/proc/meminfo").read_text())
     env = appliance_env("single", tmp / "run", VLLM_EXL3_PORT=str(port), VLLM_API_KEY=KEY,
-                        VLLM_EXL3_HOST="")  # with a key and no host: every interface; the guard covers every path
+                        VLLM_EXL3_HOST="",  # with a key and no host: every interface; the guard covers every path
+                        VLLM_EXL3_HTTP_IDLE_TIMEOUT=str(IDLE_TIMEOUT_S), VLLM_EXL3_MEMINFO=str(meminfo),
+                        VLLM_EXL3_MEM_STOP_GRACE="90")  # above the preset's --shutdown-timeout: a whole drain
     with supervised(env, tmp / "supervisord.log") as b:
         b.wait_healthy()
         b.port = port
         b.base = f"http://127.0.0.1:{port}"
+        b.meminfo = meminfo
         yield b
 
 
@@ -63,6 +71,66 @@ def test_the_key_guards_every_path_but_health_and_metrics(box):
     assert requests.get(box.base + "/health", timeout=10).status_code == 200  # Docker's health check
     metrics = requests.get(box.base + "/metrics", timeout=10)  # Prometheus (VLLM_EXL3_OPEN_PATHS)
     assert metrics.status_code == 200 and "vllm:" in metrics.text
+
+
+def test_open_paths_are_open_to_reads_only_and_options_is_no_way_round_the_key(box):
+    """/metrics answers every method with the full scrape: OPTIONS (and any method but GET/HEAD) needs the key."""
+    for method in ("OPTIONS", "POST", "PUT", "DELETE"):
+        r = requests.request(method, box.base + "/metrics", timeout=10)
+        assert r.status_code == 401 and "vllm:" not in r.text, (method, r.status_code, r.text[:200])
+    assert requests.head(box.base + "/metrics", timeout=10).status_code == 200
+    assert requests.options(box.base + "/metrics", headers=auth(), timeout=10).status_code == 200
+    # a browser's CORS preflight carries no key: the guard lets it pass and vLLM's CORS middleware answers it,
+    # no route runs (vLLM 0.32 allows no origin by default: --allowed-origins)
+    r = requests.options(box.base + "/metrics", timeout=10,
+                         headers={"Origin": "https://app.example", "Access-Control-Request-Method": "GET"})
+    assert r.status_code == 400 and r.text == "Disallowed CORS origin", (r.status_code, r.text[:200])
+
+
+def test_one_request_cannot_ask_for_more_sequences_than_the_engine_runs(box):
+    """A huge `n` starved /health past the health check's timeout; n is bounded by --max-num-seqs (8 here)."""
+    for n in (9, 10**6):
+        r = requests.post(box.base + "/v1/completions", json=body(n=n, temperature=1.0, stream=True),
+                          headers=auth(), timeout=60)
+        assert r.status_code == 400 and "n must be at most 8" in r.text, (n, r.status_code, r.text[:300])
+    slowest, done = [0.0], threading.Event()
+
+    def probe():
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert requests.get(box.base + "/health", timeout=30).status_code == 200
+            slowest[0] = max(slowest[0], time.monotonic() - t0)
+            time.sleep(0.2)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        with requests.post(box.base + "/v1/completions", stream=True, headers=auth(), timeout=120,
+                           json=body(n=8, temperature=1.0, max_tokens=200, ignore_eos=True, stream=True)) as r:
+            chunks = sum(1 for line in r.iter_lines() if line.startswith(b"data: {"))
+    finally:
+        done.set()
+        prober.join(60)
+    print(f"a stream of n=8 x 200 tokens: {chunks} chunks, slowest /health {slowest[0]:.2f}s")
+    assert r.status_code == 200 and chunks >= 8 * 200
+    assert slowest[0] < float(default("VLLM_EXL3_HEALTH_TIMEOUT")), slowest
+
+
+def test_connections_that_send_nothing_are_closed(box):
+    """Idle, unauthenticated connections were never closed; now after VLLM_EXL3_HTTP_IDLE_TIMEOUT seconds."""
+    idle = [socket.create_connection(("127.0.0.1", box.port)) for _ in range(300)]
+    started = time.monotonic()
+    try:
+        assert requests.get(box.base + "/health", timeout=10).status_code == 200  # served meanwhile
+        for s in idle:
+            s.settimeout(max(0.1, IDLE_TIMEOUT_S + 5 - (time.monotonic() - started)))
+            assert s.recv(1) == b""  # closed by the server
+        took = time.monotonic() - started
+    finally:
+        for s in idle:
+            s.close()
+    print(f"300 idle connections closed after {took:.1f}s (VLLM_EXL3_HTTP_IDLE_TIMEOUT={IDLE_TIMEOUT_S})")
+    assert took >= IDLE_TIMEOUT_S - 0.5
 
 
 @pytest.mark.parametrize("what,send", [
@@ -154,11 +222,10 @@ def test_bounded_streaming_load_without_errors_and_flat_memory(box):
     assert requests.get(box.base + "/health", timeout=10).status_code == 200
 
 
-def test_a_stop_during_a_stream_lets_it_finish(box):
-    """supervisord's stop (what `docker compose stop` does): vLLM drains for the preset's --shutdown-timeout."""
-    ctl = [required("supervisorctl", tool("supervisorctl")), "-s", f"unix://{box.run_dir}/supervisor.sock"]
-    started = threading.Event()
-    result: dict = {}
+def long_stream(base: str) -> tuple[threading.Thread, dict]:
+    """A 1000-token stream (the demo model's context is 1024) in a thread, returned once it is under way; the dict
+    gets "out" (stream()'s answer) or "error", and "last_chunk" (monotonic time)."""
+    started, result = threading.Event(), {}
 
     def on_chunk(n: int) -> None:
         result["last_chunk"] = time.monotonic()
@@ -167,14 +234,53 @@ def test_a_stop_during_a_stream_lets_it_finish(box):
 
     def client():
         try:
-            result["out"] = stream(box.base, 1000, on_chunk=on_chunk)  # the demo model's context is 1024
-        except Exception as e:  # noqa: BLE001
+            result["out"] = stream(base, 1000, on_chunk=on_chunk)
+        except Exception as e:  # noqa: BLE001 - reported by the test
             result["error"] = repr(e)
         started.set()
 
     t = threading.Thread(target=client)
     t.start()
     assert started.wait(120)
+    return t, result
+
+
+def test_a_memory_watchdog_stop_drains_and_new_requests_get_503(box):
+    """Below the hard floor the memory watchdog stops vLLM as supervisord does: the running stream finishes
+    (it was cut when the watchdog signalled the whole group), and new requests meanwhile get 503 (they got 500:
+    vLLM had already shut the executors they need) until vLLM is gone; then it is restarted."""
+    pid, original = box.vllm_pid, box.meminfo.read_text()
+    t, result = long_stream(box.base)
+    box.meminfo.write_text(re.sub(r"^MemAvailable:.*$", "MemAvailable:      65536 kB", original, flags=re.M))
+    statuses: list[int] = []
+    try:
+        while t.is_alive():
+            try:
+                r = requests.post(box.base + "/v1/completions", json=body(), headers=auth(), timeout=30)
+            except requests.ConnectionError:
+                break  # the drain is over: vLLM has closed its port
+            statuses.append(r.status_code)
+            if r.status_code == 503:
+                assert r.headers.get("retry-after") and "shutting down" in r.text
+                assert requests.get(box.base + "/health", timeout=10).status_code == 503  # readiness goes red
+            time.sleep(0.2)
+        t.join(180)
+    finally:
+        box.meminfo.write_text(original)
+    assert "error" not in result, (result, tail(box.log))
+    text, finish, chunks = result["out"]
+    assert finish == "length" and chunks >= 900, (finish, chunks)  # every token, not a cut stream
+    assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+    log = box.log.read_text()
+    assert f"stopping vLLM (pid {pid})" in log and "did not finish" not in log, tail(box.log)
+    wait_until("a new vLLM", lambda: box.vllm_pid not in (None, pid), 120, box.proc, box.log)
+    box.wait_healthy()
+
+
+def test_a_stop_during_a_stream_lets_it_finish(box):
+    """supervisord's stop (what `docker compose stop` does): vLLM drains for the preset's --shutdown-timeout."""
+    ctl = [required("supervisorctl", tool("supervisorctl")), "-s", f"unix://{box.run_dir}/supervisor.sock"]
+    t, result = long_stream(box.base)
     pid = box.vllm_pid
     stop_issued = time.monotonic()
     stop = subprocess.run([*ctl, "stop", "vllm"], capture_output=True, text=True, timeout=180)

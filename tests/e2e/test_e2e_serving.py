@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import requests
@@ -14,7 +19,9 @@ from safetensors.torch import load_file, save_file
 from conftest import PACKS, pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.dev import parity
+from support.appliance import alive
 from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server
+from vllm_exl3.appliance.health import descendants
 
 pytestmark = pytest.mark.e2e
 
@@ -152,6 +159,46 @@ def test_cli_serve_demo_answers(tmp_path):
                            str(free_port())], env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "healthy after" in proc.stdout and "completion (" in proc.stdout and "chat (" in proc.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_cli_serve_stops_vllm_however_it_is_stopped(tmp_path, sig):
+    """`timeout`, systemd and CI stop `vllm-exl3 serve` with SIGTERM, and a kill -9 leaves it no chance to clean
+    up: either way vLLM's API server and engine go too, and the port is free again."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--port", str(port), "--log",
+                             str(tmp_path / "vllm.log")], env=cpu_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    tree: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("serving  ") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.5)
+        tree = descendants(proc.pid) - {proc.pid}
+        assert len(tree) >= 2, tree  # vLLM's API server and its engine core
+        os.kill(proc.pid, sig)
+        assert proc.wait(120) == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while [p for p in tree if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in tree if alive(p)], "vLLM outlived `vllm-exl3 serve`"
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT is no listener
+            s.bind(("127.0.0.1", port))  # nothing listens on the port any more
+        reader.join(10)
+        if sig == signal.SIGTERM:
+            assert "stopping vLLM ..." in "".join(lines)
+    finally:
+        for pid in [proc.pid, *tree]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
 
 def test_cli_serve_refuses_a_broken_pack_before_starting_vllm(tmp_path):

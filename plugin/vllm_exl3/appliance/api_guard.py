@@ -1,19 +1,39 @@
-"""ASGI middleware that makes vLLM's API key cover every path, not only /v1, /v2, /inference and /cohere.
+"""ASGI middleware in front of vLLM's API server: the key on every path, 503 while draining, idle connections closed.
 
-vLLM loads it with `--middleware vllm_exl3.appliance.api_guard.GuardAllPaths` (the launcher adds that when
-VLLM_API_KEY is set; see exposure.py). It reads the key from VLLM_API_KEY and the paths left open from
-VLLM_EXL3_OPEN_PATHS (comma- or space-separated exact paths; a path ending in `/` opens everything below it).
-Standard library only: it runs inside vLLM's API server but never imports vLLM.
+vLLM loads it with `--middleware vllm_exl3.appliance.api_guard.GuardAllPaths`, which the launcher and
+`vllm-exl3 serve` always add (exposure.py). vLLM adds user middleware after its own (vllm/entrypoints/serve/
+middleware/register.py), so this one runs first, in front of vLLM's CORS and key checks. Standard library only:
+it runs inside vLLM's API server but never imports vLLM.
+
+- The key. vLLM checks VLLM_API_KEY only under /v1, /v2, /inference and /cohere; with a key set, this checks it
+  on every path except GET and HEAD of VLLM_EXL3_OPEN_PATHS (comma- or space-separated exact paths; a path ending
+  in `/` opens everything below it). Without the key an OPTIONS request passes only as a CORS preflight (it
+  carries Origin and Access-Control-Request-Method): vLLM's CORS middleware answers that itself and calls no
+  route. Any other OPTIONS would reach the route, and /metrics answers every method with the full scrape.
+- Draining. On SIGTERM vLLM lets running requests finish for --shutdown-timeout seconds but has already shut
+  the executors new requests need: they fail with 500 ("cannot schedule new futures after shutdown") while
+  /health still says 200. From the moment vLLM starts shutting its engine client down, every new request gets
+  503 with Retry-After, so clients and load balancers go elsewhere; running streams continue.
+- Idle connections. uvicorn closes a kept-alive connection some seconds after a response, but a connection that
+  never sends a complete request head stays open for ever (thousands of them hold thousands of descriptors). A
+  connection without a request in progress for VLLM_EXL3_HTTP_IDLE_TIMEOUT seconds is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import os
+import time
+import weakref
 
 from .settings import default
+
+READ_METHODS = ("GET", "HEAD")
+DRAIN_RETRY_AFTER_S = 5
+SWEEP_INTERVAL_S = 1.0
 
 
 def open_paths(value: str) -> tuple[str, ...]:
@@ -24,31 +44,111 @@ def path_is_open(path: str, opened: tuple[str, ...]) -> bool:
     return any(path == p or (p.endswith("/") and path.startswith(p)) for p in opened)
 
 
+def header(scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return value
+    return None
+
+
+def is_cors_preflight(scope) -> bool:
+    return (scope.get("method") == "OPTIONS" and header(scope, b"origin") is not None
+            and header(scope, b"access-control-request-method") is not None)
+
+
 class GuardAllPaths:
-    def __init__(self, app, key: str | None = None, opened: str | None = None) -> None:
+    def __init__(self, app, key: str | None = None, opened: str | None = None,
+                 idle_timeout: float | None = None) -> None:
         self.app = app
         key = os.environ.get("VLLM_API_KEY", "") if key is None else key
         self.digest = hashlib.sha256(key.encode()).digest() if key else None
         self.opened = open_paths(os.environ.get("VLLM_EXL3_OPEN_PATHS", default("VLLM_EXL3_OPEN_PATHS"))
                                  if opened is None else opened)
+        self.idle_timeout = float(os.environ.get("VLLM_EXL3_HTTP_IDLE_TIMEOUT")
+                                  or default("VLLM_EXL3_HTTP_IDLE_TIMEOUT")) if idle_timeout is None else idle_timeout
+        self.draining = False
+        self.sweeper: asyncio.Task | None = None
 
     def authorized(self, scope) -> bool:
-        for name, value in scope.get("headers") or ():
-            if name.lower() == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    hashlib.sha256(token.encode("latin-1")).digest(), self.digest)
-        return False
+        value = header(scope, b"authorization")
+        if value is None:
+            return False
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            hashlib.sha256(token.encode("latin-1")).digest(), self.digest)
+
+    def admitted(self, scope) -> bool:
+        if self.digest is None or is_cors_preflight(scope) or self.authorized(scope):
+            return True
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        return scope["type"] == "http" and scope.get("method") in READ_METHODS and path_is_open(path, self.opened)
 
     async def __call__(self, scope, receive, send):
-        if (self.digest is None or scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS"
-                or path_is_open(scope["path"].removeprefix(scope.get("root_path", "")), self.opened)
-                or self.authorized(scope)):
+        if scope["type"] == "lifespan":
+            self.start(scope.get("app"))
             return await self.app(scope, receive, send)
-        if scope["type"] == "websocket":
-            return await send({"type": "websocket.close", "code": 1008})
-        body = json.dumps({"error": "Unauthorized: send `Authorization: Bearer <key>`"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        if self.draining:
+            return await refuse(scope, send, 503, "the server is shutting down; retry on another server",
+                                [(b"retry-after", str(DRAIN_RETRY_AFTER_S).encode()), (b"connection", b"close")])
+        if self.admitted(scope):
+            return await self.app(scope, receive, send)
+        return await refuse(scope, send, 401, "Unauthorized: send `Authorization: Bearer <key>`",
+                            [(b"www-authenticate", b"Bearer")])
+
+    # --- the server around the app: vLLM's engine client and uvicorn's connections -------------------------------
+    def start(self, app) -> None:
+        """At the server's start: learn when vLLM begins to drain, and start closing idle connections. vLLM keeps
+        its engine client and its uvicorn server in the app's state (vllm/entrypoints/launchers/launcher.py)."""
+        state = getattr(app, "state", None)
+        client = getattr(state, "engine_client", None)
+        if client is not None and callable(getattr(client, "shutdown", None)):
+            shutdown = client.shutdown
+
+            def draining_shutdown(*args, **kwargs):  # vLLM's SIGTERM handler calls it first, then drains
+                self.draining = True
+                return shutdown(*args, **kwargs)
+
+            client.shutdown = draining_shutdown
+        server = getattr(state, "server", None)
+        if server is not None and self.idle_timeout > 0 and self.sweeper is None:
+            self.sweeper = asyncio.get_running_loop().create_task(sweep_idle(server, self.idle_timeout))
+
+
+async def refuse(scope, send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+    if scope["type"] == "websocket":
+        return await send({"type": "websocket.close", "code": 1013 if status == 503 else 1008})
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def idle(connection) -> bool:
+    """A uvicorn HTTP connection with no request in progress: none yet (its head not complete), or the last one
+    answered. WebSocket connections (no `cycle`) are never idle here."""
+    if not hasattr(connection, "cycle"):
+        return False
+    cycle = connection.cycle
+    return cycle is None or bool(getattr(cycle, "response_complete", False))
+
+
+async def sweep_idle(server, timeout: float, interval: float = SWEEP_INTERVAL_S, clock=time.monotonic) -> None:
+    """Close connections that stay idle for `timeout` seconds (uvicorn's `server_state.connections`)."""
+    since: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> (its request then, idle since)
+    while True:
+        await asyncio.sleep(interval)
+        now = clock()
+        for connection in list(getattr(getattr(server, "server_state", None), "connections", ())):
+            if not idle(connection):
+                since.pop(connection, None)
+                continue
+            cycle, first = since.get(connection, (None, None))
+            if first is None or cycle is not connection.cycle:  # first seen idle, or a request came in between
+                since[connection] = (connection.cycle, now)
+                continue
+            transport = getattr(connection, "transport", None)
+            if now - first >= timeout and transport is not None and not transport.is_closing():
+                transport.close()

