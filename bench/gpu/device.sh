@@ -9,11 +9,15 @@ case "${1:-}" in
 stage)
   here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
   mkdir -p /tmp/vgpu/parts && cp "$here"/part-* /tmp/vgpu/parts/ && cp "$here"/device.sh /tmp/vgpu/
-  echo "vgpu: $(ls /tmp/vgpu/parts | wc -l) chunks staged ($(du -sh /tmp/vgpu/parts | cut -f1))" ;;
+  echo "vgpu: $(find /tmp/vgpu/parts -name 'part-*' | wc -l) chunks staged ($(du -sh /tmp/vgpu/parts | cut -f1))" ;;
 env)
   if [ ! -d $S/vllm ]; then
-    mkdir -p $S && cat /tmp/vgpu/parts/part-* | gzip -dc | tar -x -C $S \
-      || { echo "vgpu: unpack failed (a chunk missing?)"; rm -rf $S; return 1 2>/dev/null || exit 1; }
+    mkdir -p $S
+    if ! cat /tmp/vgpu/parts/part-* | gzip -dc | tar -x -C $S; then
+      echo "vgpu: unpack failed (a chunk missing?)"
+      rm -rf $S
+      return 1
+    fi
   fi
   plug=$S/vllm_exl3_checkout-0.dist-info
   mkdir -p $plug

@@ -190,3 +190,13 @@ def test_moe_workspace_counts_the_native_backends_shared_buffer():
                                                                            pairs * 384 * 2 + pairs * 2048 * 4)
     dense = ModelShape.from_config({"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4}, 1)
     assert dense.moe_workspace_bytes(1, 1024) == 0
+
+
+@pytest.mark.parametrize("text, tok", [
+    ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, None),
+    ({"max_position_embeddings": 4096}, {"model_max_length": float("nan")}),
+    ({"max_position_embeddings": 4096, "max_sequence_length": float("inf")}, {"model_max_length": 1e400}),
+    ({"max_position_embeddings": 4096, "seq_length": True}, {"model_max_length": -1}),
+])
+def test_non_finite_lengths_in_a_config_are_skipped_not_a_crash(text, tok):
+    assert model_max_len(text, tok) == 4096

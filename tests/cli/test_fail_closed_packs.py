@@ -200,3 +200,13 @@ def test_the_issues_examples_are_refused_by_every_gate(tmp_path, example):
     results = {gate: run_gate(gate, mutant) for gate in mutant.expect.gates}
     wrong = {gate: f"{result}: {text[-1500:]}" for gate, (result, text) in results.items() if result != "refused"}
     assert not wrong, f"{example} (expect {mutant.expect}): {wrong}"
+
+
+def test_serve_refuses_a_pack_with_markup_in_a_name_as_text(tmp_path):
+    """`vllm-exl3 serve` prints the refusal as it is: a tensor named '[/]' is not Rich markup (it was an internal
+    error, MarkupError)."""
+    root = copy_pack(SOURCES[0], tmp_path / "p")
+    ISSUE_EXAMPLES["stale .weight beside an EXL3 linear"](root)
+    _add("model.layers.0.[/]mlp.weight", "BF16", [4])(root)
+    code, err = run_cli("serve", str(root))
+    assert code == 1 and "refusing to serve" in err and "[/]" in err and "internal error" not in err, err

@@ -57,16 +57,21 @@ LENGTH_SCALING_ROPE_TYPES = ("linear", "dynamic")
 
 
 def model_max_len(text_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None) -> int | None:
-    """The longest context vLLM will accept for this model, as vLLM derives it from the configs."""
-    lengths = [int(text_config[k]) for k in MAX_LENGTH_KEYS if isinstance(text_config.get(k), (int, float))]
+    """The longest context vLLM will accept for this model, as vLLM derives it from the configs. Values that are not
+    finite positive numbers (a hand-edited config's NaN, Infinity or 1e400) say nothing and are skipped."""
+
+    def usable(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+    lengths = [int(text_config[k]) for k in MAX_LENGTH_KEYS if usable(text_config.get(k))]
     if not lengths:
         return None
     length = float(min(lengths))
     rope = text_config.get("rope_scaling") or text_config.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type")) in LENGTH_SCALING_ROPE_TYPES and rope.get("factor"):
+    if rope.get("rope_type", rope.get("type")) in LENGTH_SCALING_ROPE_TYPES and usable(rope.get("factor")):
         length *= float(rope["factor"])
     tokenizer_max = (tokenizer_config or {}).get("model_max_length")
-    if isinstance(tokenizer_max, (int, float)):
+    if usable(tokenizer_max):
         length = min(length, tokenizer_max)
     return int(length)
 

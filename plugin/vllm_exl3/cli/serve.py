@@ -272,7 +272,7 @@ def default_log_path(port: int) -> Path:
 def serve_main(a, console, err_console) -> int:
     """`vllm-exl3 serve`: refuse what cannot work, boot vLLM with its log in a file, show the path working."""
     from ..format.pack import verify_pack
-    from .main import UsageError
+    from .main import UsageError, lit
 
     def say(text: str) -> None:
         console.print(text, highlight=False, soft_wrap=True, markup=False)
@@ -283,7 +283,7 @@ def serve_main(a, console, err_console) -> int:
     t_start = time.monotonic()
     pack, problems = verify_pack(opts.pack)
     for e in problems:
-        err_console.print(f"[red]refusing to serve:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]refusing to serve:[/] {lit(e)}", highlight=False, soft_wrap=True)
     if problems:
         return 1
     try:
@@ -324,7 +324,8 @@ def serve_main(a, console, err_console) -> int:
             wait_healthy(base, proc, a.boot_timeout, progress)
         except BootError as e:
             progress(None)
-            err_console.print(f"[red]error:[/] {e}. The end of its log ({log_path}):", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/] {lit(e)}. The end of its log ({lit(log_path)}):", highlight=False,
+                              soft_wrap=True)
             err_console.print(log_tail(log_path), highlight=False, markup=False, soft_wrap=True)
             return 1
         progress(None)
