@@ -3,8 +3,9 @@
 Targets (issue 6): the loader reaches >= 90% of the raw-read rate, and >= 3x its own single-worker rate where the
 device has the parallelism. The pack is shaped like Qwen3-30B-A3B at 4 bits (128 experts of 2048x768 trellis
 linears, a bf16 embedding of 151936x2048) with as many layers as `--size-gb` asks for, written as several shards
-with an index. Every measurement starts from a cold page cache (see vllm_exl3/loadbench.py) and ends with every
-tensor copied to a destination on the target device (the GPU when there is one), as vLLM's weight loaders do.
+with an index. Every measurement starts from a cold page cache (see plugin/vllm_exl3/loader/load_bench.py) and
+ends with every tensor copied to a destination on the target device (the GPU when there is one), as vLLM's weight
+loaders do.
 Before timing, the loader's tensors are checked byte-identical to `safetensors`' on that device.
 
 Writes bench/results/<machine>-loader.json.
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from vllm_exl3.loader import bench as loadbench
+from vllm_exl3.loader import load_bench as loadbench
 from vllm_exl3.format.constants import TILE
 from vllm_exl3.format.tensors import Exl3Weights
 from vllm_exl3.format.units import GB

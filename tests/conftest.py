@@ -1,15 +1,12 @@
+"""Fixtures only: helpers the tests import live in tests/support/."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures" / "exl3"
-PACKS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and (p / "golden").is_dir())
-
-
-def pack_dir(name: str) -> Path:
-    return FIXTURES / name
+from support.fixtures import PACKS, pack_dir
 
 
 @pytest.fixture(params=PACKS)

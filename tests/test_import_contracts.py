@@ -1,6 +1,7 @@
-"""The package's layering holds: import-linter's contracts in pyproject.toml (layers, only `integration` imports
-vLLM, `appliance` and the header-only `format` modules stay free of torch), and at run time the appliance and the
-header-only format modules import without loading torch or vLLM (Docker's HEALTHCHECK must work when they cannot)."""
+"""The package's layering holds: import-linter's contracts in pyproject.toml (layers with `base` at the bottom, only
+`integration` imports vLLM, `base` is standard library only, `appliance` and the header-only `format` modules stay
+free of torch), and at run time base, the appliance, the header-only format modules and the CLI's entry import
+without loading torch or vLLM (Docker's HEALTHCHECK must work when they cannot; `vllm-exl3 --help` stays fast)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_FREE = ["vllm_exl3.appliance." + m for m in ("health", "launch", "memory_plan", "preflight", "supervisor_listener",
-                                                   "settings")] + \
+TORCH_FREE = ["vllm_exl3.base." + m for m in ("settings", "state", "http", "version")] + \
+    ["vllm_exl3.appliance." + m for m in ("health", "launch", "memory_plan", "preflight", "supervisor_listener",
+                                          "watchdog", "peer")] + \
     ["vllm_exl3.format." + m for m in ("constants", "errors", "headers", "records", "pack", "index", "contract",
                                         "geometry", "units", "summary")] + ["vllm_exl3.kernels.choice"] + \
     ["vllm_exl3.servebench." + m for m in ("workload", "client", "server_metrics", "stats", "runner", "report",
-                                           "plots")] + ["vllm_exl3.cli.bench"]
+                                           "plots")] + ["vllm_exl3.cli.bench", "vllm_exl3.cli.main"]
 
 
 def test_import_linter_contracts_hold():

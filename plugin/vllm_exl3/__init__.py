@@ -1,6 +1,8 @@
 """vLLM plugin for EXL3 (ExLlamaV3 trellis) quantized models."""
 
-__version__ = "0.1.0"
+from .base.version import __version__
+
+__all__ = ["__version__", "register"]
 
 _registered = False
 
@@ -23,11 +25,13 @@ def _attach_logging() -> None:
     import logging
     import os
 
-    log = logging.getLogger("vllm_exl3")
+    from .base import settings
+
+    log = logging.getLogger(__name__)  # the package's logger: every module's logger is its child
     if log.handlers:
         return
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
     log.addHandler(handler)
-    log.setLevel(os.environ.get("VLLM_EXL3_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "INFO")).upper())
+    log.setLevel((settings.get("VLLM_EXL3_LOGGING_LEVEL") or os.environ.get("VLLM_LOGGING_LEVEL") or "INFO").upper())
     log.propagate = False

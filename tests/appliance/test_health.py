@@ -6,8 +6,6 @@ server stands in only for answers vLLM gives rarely (503 from a dead engine, a m
 
 from __future__ import annotations
 
-import http.server
-import json
 import os
 import signal
 import socket
@@ -19,19 +17,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from support.appliance import HEALTHCHECK
+from support.health import MODELS, http_server, pid_file, run_check
 from vllm_exl3.appliance.health import (decode_address, group_members, process_state, stop_leftovers, stop_vllm,
                                         worker_connected)
-
-
-def run_check(mode: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(HEALTHCHECK), mode], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=30)
-
-
-def pid_file(tmp_path, pid: int) -> dict[str, str]:
-    (tmp_path / "vllm.pid").write_text(f"{pid}\n")
-    return {"VLLM_EXL3_RUN_DIR": str(tmp_path)}
 
 
 def test_proc_net_addresses():
@@ -62,37 +50,6 @@ def test_no_process_is_unhealthy_in_both_modes(tmp_path):
         assert r.returncode == 1 and "no running vLLM process" in r.stdout
     r = run_check("sometimes", {})
     assert r.returncode == 1 and "usage" in r.stderr
-
-
-class Answers(http.server.BaseHTTPRequestHandler):
-    routes: dict[str, tuple[int, bytes]] = {}
-    key: str | None = None  # like vLLM with --api-key: /v1/* needs it, /health does not
-
-    def do_GET(self):
-        status, body = self.routes.get(self.path, (404, b""))
-        if self.key and self.path.startswith("/v1/") and self.headers.get("Authorization") != f"Bearer {self.key}":
-            status, body = 401, b""
-        self.send_response(status)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@contextmanager
-def http_server(routes, key=None):
-    Answers.routes, Answers.key = routes, key
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-MODELS = json.dumps({"data": [{"id": "demo"}]}).encode()
 
 
 @pytest.mark.parametrize("routes,live,ready,says", [

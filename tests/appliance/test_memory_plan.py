@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.format.pack import Pack
 from vllm_exl3.appliance.memory_plan import GIB, MemoryFigures, ModelShape, PlanSettings, Request, model_max_len, plan

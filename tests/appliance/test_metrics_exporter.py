@@ -25,7 +25,7 @@ from support.servers import free_port
 from vllm_exl3 import demo
 from vllm_exl3.appliance.metrics import collector, gpu
 from vllm_exl3.appliance.metrics.exporter import registry
-from vllm_exl3.appliance.metrics.state import StateError, read_peer, read_watchdog, read_worker
+from vllm_exl3.base.state import StateError, read_peer, read_watchdog, read_worker
 
 WATCHDOG = {"time": 1.7e9, "mem_available_bytes": 52e9, "mem_total_bytes": 128e9, "swap_used_bytes": 1e6,
             "psi_some_avg10": 1.5, "psi_full_avg10": 0.25, "state": "soft", "soft_floor_bytes": 8e9,
@@ -122,7 +122,7 @@ def test_a_bad_state_file_is_named_once_and_exported_invalid(tmp_path, caplog, n
     # the collector logs each distinct problem once, however often it is scraped
     col = collector.Exl3Collector(tmp_path, "", "single")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="vllm_exl3.metrics"):
+    with caplog.at_level("WARNING", logger="vllm_exl3.appliance.metrics"):
         for _ in range(3):
             list(col.collect())
     assert len([r for r in caplog.records if name in r.getMessage()]) == 1
@@ -212,14 +212,14 @@ def test_memory_plan_written_by_the_launcher_is_exported(tmp_path):
     """The launcher's real plan for the demo pack on a 128 GiB machine, through the writer it uses."""
     from vllm_exl3.appliance import preflight
     from vllm_exl3.appliance.memory_plan import MemoryFigures, PlanSettings, Request
-    from vllm_exl3.appliance.metrics.state import write_memory_plan
+    from vllm_exl3.appliance.launch import publish_plan
     from vllm_exl3.format.pack import Pack
 
     gib = 1024 ** 3
     plan = preflight.memory_plan(Pack.open(demo.PACK), Request(), PlanSettings(),
                                  MemoryFigures(128 * gib, 120 * gib, 120 * gib))
     assert plan.fits and plan.weights_bytes > 0 and plan.kv_cache_memory_bytes > 0
-    write_memory_plan(tmp_path, plan)
+    assert publish_plan(plan, {"VLLM_EXL3_STATE_DIR": str(tmp_path)}) == tmp_path / "memory-plan.json"
     s = scrape(tmp_path)
     assert value(s, "vllm_exl3_memory_plan_weights_bytes") == plan.weights_bytes
     assert value(s, "vllm_exl3_memory_plan_kv_tokens") == plan.kv_tokens

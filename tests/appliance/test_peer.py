@@ -13,8 +13,9 @@ import threading
 import time
 
 from support.servers import free_port
-from test_health import MODELS, http_server, run_check
-from vllm_exl3.appliance.peer import HeadView, main, peer_verdict, run_head, run_worker, seal, unseal
+from support.health import MODELS, http_server, run_check
+from vllm_exl3.appliance.health import peer_verdict
+from vllm_exl3.appliance.peer import HeadView, main, run_head, run_worker, seal, unseal
 
 PEER_CONTRACT = {"time": float, "role": str, "peer": str, "alive": bool, "last_seen": (float, type(None))}
 SECRET = "a-secret-both-boxes-share"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.appliance import SUPERVISORD_CONF, appliance_env, required, tail, tool, wait_until
-from test_health import http_server, pid_file
+from support.health import http_server, pid_file
 from vllm_exl3.appliance.health import monitor
 from vllm_exl3.appliance.supervisor_listener import CrashPolicy, Listener
 

@@ -14,7 +14,7 @@ from vllm_exl3.format import reference as R
 from vllm_exl3.format.pack import Pack
 from vllm_exl3.format.tensors import load_weights
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

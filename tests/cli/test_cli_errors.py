@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from vllm_exl3 import __version__, demo
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 from support.servers import cpu_env, free_port
 
 PACK = pack_dir("qwen3moe-a-exl3-mcg-b3")

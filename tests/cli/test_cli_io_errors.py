@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 from support import fs_faults
 
 SEED = 23

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import pack_dir
+from support.fixtures import pack_dir
 from support.mutants import (ST, SIDECAR, copy_pack as copy_source, dup_key_text, edit_json, entries, nan_scale,
                              read_raw, rebuild, run_cli as run_cli_capturing, write_raw)
 

@@ -14,7 +14,7 @@ import json
 import math
 
 import pytest
-from conftest import PACKS, pack_dir
+from support.fixtures import PACKS, pack_dir
 from support.mutants import (CATEGORIES, GATE_RUNNERS, GATES, INDEX, SIDECAR, SOURCES, ST, Expect, Mutant, copy_pack,
                              edit_json, entries, make_mutant, read_raw, rebuild, run_cli, run_gate, write_raw)
 from vllm_exl3 import demo

@@ -23,7 +23,7 @@ import requests
 from support.appliance import SERVED_NAME, appliance_env, required, supervised, tail, tool, wait_until
 from support.servers import free_port
 from vllm_exl3.appliance.health import descendants
-from vllm_exl3.appliance.settings import default
+from vllm_exl3.base.settings import default
 
 pytestmark = pytest.mark.e2e
 KEY = "resilience-test-key"

@@ -16,7 +16,7 @@ import pytest
 import requests
 from safetensors.torch import load_file, save_file
 
-from conftest import PACKS, pack_dir
+from support.fixtures import PACKS, pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.dev import parity
 from support.appliance import alive

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES
+from support.fixtures import FIXTURES
 from support.servers import cpu_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]

@@ -78,7 +78,7 @@ def _prometheus_config(ports: dict[str, int], directory: Path) -> Path:
 
 
 def _state_files(state: Path) -> None:
-    """The memory watchdog's and the heartbeat's files, in their documented shape (appliance/metrics/state.py)."""
+    """The memory watchdog's and the heartbeat's files, in their documented shape (base/state.py)."""
     now = time.time()
     (state / "memory-watchdog.json").write_text(json.dumps({
         "time": now, "mem_available_bytes": 60e9, "mem_total_bytes": 128e9, "swap_used_bytes": 0,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 from support.packs import copy_pack, dequantized_model
 from support.servers import vllm_server
 from vllm_exl3.format import packtools

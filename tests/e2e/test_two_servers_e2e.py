@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from vllm_exl3 import demo
-from vllm_exl3.cli.serve import boot_phase
+from vllm_exl3.cli.serve_report import boot_phase
 from support.servers import cpu_env, server_argv, vllm_command, vllm_serve_argv, vllm_servers
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ from vllm_exl3.format.pack import Pack, verify_pack
 from vllm_exl3.format.tensors import load_weights
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 
 
 def test_fixture_packs_read_per_tensor_bits_and_codebook(fixture_pack):

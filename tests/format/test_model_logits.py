@@ -35,7 +35,7 @@ def test_unquantized_head_with_padded_input_columns(tmp_path):
     checkpoint helper keeps the first `hidden` columns, and the model still reproduces the goldens."""
     import shutil
 
-    from conftest import pack_dir
+    from support.fixtures import pack_dir
 
     src = pack_dir("qwen3moe-a-exl3-mul1-b4")
     pack = tmp_path / "plain-head"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 from support.packs import copy_pack, dequantized_model
 from vllm_exl3.cli.main import main
 from vllm_exl3.format import deep, packtools

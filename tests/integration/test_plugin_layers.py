@@ -31,7 +31,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  
 
 from vllm_exl3.integration.config import Exl3Config, Exl3ConfigError  # noqa: E402
 
-from conftest import pack_dir  # noqa: E402
+from support.fixtures import pack_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -367,3 +367,43 @@ def test_kernel_choice_enters_vllms_compile_key(tmp_path, rank):
         selection._decision_counts.pop(other)
         compile_key.record()
     assert vllm_config.compute_hash() == bound
+
+
+def test_worker_state_is_published_once_per_load(tmp_path, rank, monkeypatch):
+    """Binding a model's layers writes the metrics exporter's state file once, after the last layer, not once per
+    layer (integration/telemetry.py): counted at the atomic writer every publish goes through."""
+    import json
+    import time
+
+    from vllm_exl3.integration import telemetry
+    from vllm_exl3.kernels import selection
+
+    writes = []
+    real_write = telemetry.write_json
+
+    def counting_write(path, body, *args, **kwargs):
+        writes.append(body)
+        return real_write(path, body, *args, **kwargs)
+
+    monkeypatch.setenv("VLLM_EXL3_STATE_DIR", str(tmp_path / "state"))
+    telemetry.flush()  # what earlier tests left pending goes now, before counting
+    monkeypatch.setattr(telemetry, "write_json", counting_write)
+    monkeypatch.setattr(telemetry, "QUIET_S", 2.0)  # binding 12 tiny layers takes far less, even on a busy CI box
+    rank(0, 1)
+    w = random_weights(128, 128, 2, "3inst", seed=4)
+    prefixes = [f"model.layers.{i}.mlp.down_proj" for i in range(12)]
+    cfg, tensors = make_config(tmp_path, dict.fromkeys(prefixes, w))
+    layer_type = "linear:3inst:2b:cpu"
+    bound_before = sum(n for d, n in selection.decision_counts().items() if d.layer_type == layer_type)
+    for prefix in prefixes:
+        layer = vllm_linear.RowParallelLinear(128, 128, bias=False, quant_config=cfg, prefix=prefix,
+                                              reduce_results=False, return_bias=False)
+        load(layer, tensors)
+    deadline = time.monotonic() + 30
+    while not writes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2 * telemetry.QUIET_S)  # a second write would come within this
+    assert len(writes) == 1, f"{len(writes)} writes for {len(prefixes)} layers"
+    published = json.loads((tmp_path / "state" / "exl3-rank0.json").read_text())
+    assert [d["layers"] for d in published["decisions"] if d["layer_type"] == layer_type] == \
+        [bound_before + len(prefixes)]  # written after the last layer was bound

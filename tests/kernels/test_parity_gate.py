@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import pack_dir
+from support.fixtures import pack_dir
 from vllm_exl3.dev.synthetic import expert_stack
 from vllm_exl3.format.pack import Pack
 from vllm_exl3.format.tensors import load_weights

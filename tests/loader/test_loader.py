@@ -14,9 +14,9 @@ import pytest
 import torch
 import vllm_exl3.loader.reader as L
 import vllm_exl3.loader.progress as progress
-from conftest import FIXTURES
+from support.fixtures import FIXTURES
 from safetensors.torch import load_file
-from vllm_exl3.loader import bench as loadbench
+from vllm_exl3.loader import load_bench as loadbench
 from vllm_exl3.format.errors import Exl3FormatError
 from vllm_exl3.format.headers import read_safetensors_header
 from vllm_exl3.format.pack import Pack

@@ -192,7 +192,7 @@ def test_saved_runs_with_different_workloads_are_refused():
 
 
 def test_the_default_exporter_port_is_the_appliance_default():
-    from vllm_exl3.appliance.settings import default
+    from vllm_exl3.base.settings import default
     from vllm_exl3.servebench import runner, server_metrics
 
     assert server_metrics.EXPORTER_PORT == int(default("VLLM_EXL3_METRICS_PORT"))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import pack_dir
+from .fixtures import pack_dir
 from vllm_exl3 import demo
 
 ST = "model.safetensors"

@@ -29,7 +29,7 @@ import os
 import time
 import weakref
 
-from .settings import default
+from ..base import settings
 
 READ_METHODS = ("GET", "HEAD")
 DRAIN_RETRY_AFTER_S = 5
@@ -62,10 +62,8 @@ class GuardAllPaths:
         self.app = app
         key = os.environ.get("VLLM_API_KEY", "") if key is None else key
         self.digest = hashlib.sha256(key.encode()).digest() if key else None
-        self.opened = open_paths(os.environ.get("VLLM_EXL3_OPEN_PATHS", default("VLLM_EXL3_OPEN_PATHS"))
-                                 if opened is None else opened)
-        self.idle_timeout = float(os.environ.get("VLLM_EXL3_HTTP_IDLE_TIMEOUT")
-                                  or default("VLLM_EXL3_HTTP_IDLE_TIMEOUT")) if idle_timeout is None else idle_timeout
+        self.opened = open_paths(settings.get("VLLM_EXL3_OPEN_PATHS", keep_empty=True) if opened is None else opened)
+        self.idle_timeout = settings.get_float("VLLM_EXL3_HTTP_IDLE_TIMEOUT") if idle_timeout is None else idle_timeout
         self.draining = False
         self.sweeper: asyncio.Task | None = None
 

@@ -22,13 +22,12 @@ import ipaddress
 from collections.abc import Mapping
 
 from .memory_plan import Request
-from .settings import default
+from ..base import settings
 from .vllm_options import VllmOptions
 
 LOOPBACK_BIND = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 GUARD_MIDDLEWARE = "vllm_exl3.appliance.api_guard.GuardAllPaths"
-TRUE_WORDS = ("1", "true", "yes", "on")
 
 
 def has_key(env: Mapping[str, str]) -> bool:
@@ -36,12 +35,12 @@ def has_key(env: Mapping[str, str]) -> bool:
 
 
 def open_api_allowed(env: Mapping[str, str]) -> bool:
-    return env.get("VLLM_EXL3_ALLOW_OPEN_API", default("VLLM_EXL3_ALLOW_OPEN_API")).strip().lower() in TRUE_WORDS
+    return settings.get("VLLM_EXL3_ALLOW_OPEN_API", env).strip().lower() in settings.TRUE
 
 
 def api_host(env: Mapping[str, str]) -> str:
     """The address vLLM binds: the configured one, else loopback without a key and every interface with one."""
-    configured = env.get("VLLM_EXL3_HOST", "").strip()
+    configured = settings.get("VLLM_EXL3_HOST", env).strip()
     if configured:
         return configured
     return ALL_INTERFACES if has_key(env) else LOOPBACK_BIND
@@ -66,7 +65,7 @@ def refusal(host: str, env: Mapping[str, str], port: int | str | None = None,
     if is_loopback(host) or has_key(env) or open_api_allowed(env):
         return None
     where = "every interface" if host in ("", ALL_INTERFACES, "::") else host
-    port = port or env.get("VLLM_EXL3_PORT", default("VLLM_EXL3_PORT"))
+    port = port or settings.get("VLLM_EXL3_PORT", env)
     return (f"the API would listen on {where} with no key: anyone who reaches port {port} could use the model. "
             "Set VLLM_API_KEY (clients send `Authorization: Bearer <key>`), "
             f"or bind loopback ({loopback_hint}), or set ALLOW_OPEN_API=1 (VLLM_EXL3_ALLOW_OPEN_API) on a network you trust")
@@ -74,7 +73,7 @@ def refusal(host: str, env: Mapping[str, str], port: int | str | None = None,
 
 def describe(host: str, env: Mapping[str, str]) -> str:
     if has_key(env):
-        paths = env.get("VLLM_EXL3_OPEN_PATHS", default("VLLM_EXL3_OPEN_PATHS"))
+        paths = settings.get("VLLM_EXL3_OPEN_PATHS", env, keep_empty=True)
         return f"API on {host}, key required on every path except {paths or 'none'}"
     if is_loopback(host):
         return f"API on {host} (loopback only), no key"

@@ -27,6 +27,9 @@ VLLM_EXL3_RENDEZVOUS_GRACE seconds (30) makes the watchdog stop vLLM; the exit-o
 launcher, whose preflight waits for the head and joins it again. On other roles it exits at once.
 
 `python -m vllm_exl3.appliance.health monitor` (a supervisord program, every role) acts on liveness: see `monitor`.
+
+The programs beside it publish their state in files (base/state.py) that this module only reads: the memory
+watchdog (watchdog.py) and the heartbeat (peer.py) import it, never the reverse.
 """
 
 from __future__ import annotations
@@ -39,21 +42,25 @@ import sys
 import time
 from pathlib import Path
 
-from .http_client import http_request
-from .settings import default
+from ..base import settings
+from ..base.http import http_request
+from ..base.state import PEER_FILE, WATCHDOG_FILE, StateError, load, state_file
 
 HEALTHY, UNHEALTHY = 0, 1
 TCP_ESTABLISHED = "01"  # state column of /proc/net/tcp
 PROC = Path("/proc")
 PID_FILE = "vllm.pid"  # written by the launcher into $VLLM_EXL3_RUN_DIR; the pid stays vLLM's after exec
-DEFAULT_RUN_DIR = default("VLLM_EXL3_RUN_DIR")
 WATCH_INTERVAL_S = 5.0
 STOP_TIMEOUT_S = 60.0  # SIGTERM, then SIGKILL: a worker stuck on a dead rendezvous may not honour SIGTERM
 
 
+def pid_file(env) -> Path:
+    return Path(settings.get("VLLM_EXL3_RUN_DIR", env)) / PID_FILE
+
+
 def vllm_pid(env) -> int | None:
     try:
-        pid = int((Path(env.get("VLLM_EXL3_RUN_DIR", DEFAULT_RUN_DIR)) / PID_FILE).read_text())
+        pid = int(pid_file(env).read_text())
     except (OSError, ValueError):
         return None
     return None if process_state(pid) in (None, "Z", "X") else pid
@@ -134,12 +141,19 @@ def worker_connected(pid: int, head: str, port: int) -> bool:
 MEMORY_STATE_FRESH_S = 15.0  # an older memory-watchdog.json means the watchdog is not running: ignore it
 
 
+def read_state(path: Path) -> dict | None:
+    """A state file as the checks read it: its JSON object, None when it is missing or not one (a check never
+    fails on a file it cannot read; the metrics exporter reports such a file)."""
+    try:
+        return load(path)
+    except StateError:
+        return None
+
+
 def memory_pressure(env) -> str | None:
     """The memory watchdog's verdict when it is not `ok` (watchdog.py writes it every second), else None."""
-    from .watchdog import read_state
-
-    state = read_state(env)
-    if not isinstance(state, dict) or state.get("state") in (None, "ok"):
+    state = read_state(state_file(WATCHDOG_FILE, env))
+    if state is None or state.get("state") in (None, "ok"):
         return None
     if not isinstance(state.get("time"), (int, float)) or time.time() - state["time"] > MEMORY_STATE_FRESH_S:
         return None
@@ -147,24 +161,45 @@ def memory_pressure(env) -> str | None:
             f"floor {state.get('soft_floor_bytes', 0) / 2**30:.2f} GiB, PSI full avg10 {state.get('psi_full_avg10')}")
 
 
+def peer_verdict(env, now: float | None = None) -> str | None:
+    """For the head's readiness: None when its worker is alive (peer.py's heartbeat state), else why not."""
+    path = state_file(PEER_FILE, env)
+    doc = read_state(path)
+    now = time.time() if now is None else now
+    if doc is None:
+        return f"no heartbeat state ({path}): is the peer-heartbeat program running?"
+    if not isinstance(doc.get("time"), (int, float)) or now - doc["time"] > settings.get_float("VLLM_EXL3_PEER_TIMEOUT", env):
+        return f"heartbeat state {path} is stale: is the peer-heartbeat program running?"
+    if doc.get("alive") is True:
+        return None
+    seen = doc.get("last_seen")
+    return ("worker not alive: " + (f"last ready heartbeat {now - seen:.0f}s ago" if isinstance(seen, (int, float))
+                                    else "no ready heartbeat yet") + (f" from {doc['peer']}" if doc.get("peer") else ""))
+
+
+def rendezvous(env) -> tuple[str, int]:
+    """The worker's head: its address on the fabric link and its rendezvous port."""
+    return env.get("VLLM_EXL3_HEAD_ADDR", ""), settings.get_int("VLLM_EXL3_MASTER_PORT", env)
+
+
 def check(mode: str, env) -> tuple[int, str]:
-    role = env.get("VLLM_EXL3_ROLE", "single")
+    role = env.get("VLLM_EXL3_ROLE") or "single"
     pid = vllm_pid(env)
     if pid is None:
-        return UNHEALTHY, f"{role}: no running vLLM process (pid file {env.get('VLLM_EXL3_RUN_DIR', DEFAULT_RUN_DIR)}/{PID_FILE})"
+        return UNHEALTHY, f"{role}: no running vLLM process (pid file {pid_file(env)})"
     if mode == "readiness" and (pressure := memory_pressure(env)):
         return UNHEALTHY, f"{role}: vLLM pid {pid} running, but {pressure}"
 
     if role == "worker":
         if mode == "liveness":
             return HEALTHY, f"worker: vLLM pid {pid} running"
-        head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", default("VLLM_EXL3_MASTER_PORT")))
+        head, port = rendezvous(env)
         if worker_connected(pid, head, port):
             return HEALTHY, f"worker: pid {pid} connected to the head's rendezvous {head}:{port}"
         return UNHEALTHY, f"worker: pid {pid} has no connection to {head}:{port} (head down or not yet joined)"
 
-    timeout = float(env.get("VLLM_EXL3_HEALTH_TIMEOUT", default("VLLM_EXL3_HEALTH_TIMEOUT")))
-    base = f"http://{api_address(env.get('VLLM_EXL3_HOST', ''))}:{env.get('VLLM_EXL3_PORT', default('VLLM_EXL3_PORT'))}"
+    timeout = settings.get_float("VLLM_EXL3_HEALTH_TIMEOUT", env)
+    base = f"http://{api_address(settings.get('VLLM_EXL3_HOST', env))}:{settings.get_int('VLLM_EXL3_PORT', env)}"
     status, _ = http_request(base + "/health", timeout)
     if mode == "liveness":
         if status is not None and status >= 500:
@@ -175,7 +210,7 @@ def check(mode: str, env) -> tuple[int, str]:
         return HEALTHY, f"{role}: vLLM pid {pid} running, /health " + (str(status) if status else "not up yet (booting)")
     if status != 200:
         return UNHEALTHY, f"{role}: /health " + (f"answers {status}" if status else "not answering (booting?)")
-    name = env.get("VLLM_EXL3_SERVED_NAME") or env.get("VLLM_EXL3_MODEL", default("VLLM_EXL3_MODEL"))
+    name = settings.get("VLLM_EXL3_SERVED_NAME", env) or settings.get("VLLM_EXL3_MODEL", env)
     status, body = http_request(base + "/v1/models", timeout, api_key=env.get("VLLM_API_KEY"))  # /v1 needs the key, if set
     try:
         served = [m.get("id") for m in json.loads(body).get("data", [])] if status == 200 else []
@@ -184,8 +219,6 @@ def check(mode: str, env) -> tuple[int, str]:
     if name not in served:
         return UNHEALTHY, f"{role}: /v1/models lists {served or 'nothing'}, not {name!r}"
     if role == "head":  # TP across two boxes: serving needs the worker too (peer.py's heartbeat)
-        from .peer import peer_verdict
-
         if (verdict := peer_verdict(env)) is not None:
             return UNHEALTHY, f"head: serving {name!r} but {verdict}"
     return HEALTHY, f"{role}: serving {name!r}"
@@ -285,8 +318,8 @@ def watch(env, log=stderr_log) -> int:
     if env.get("VLLM_EXL3_ROLE") != "worker":
         log(f"watch: role {env.get('VLLM_EXL3_ROLE')}: no rendezvous to watch")
         return 0
-    head, port = env.get("VLLM_EXL3_HEAD_ADDR", ""), int(env.get("VLLM_EXL3_MASTER_PORT", default("VLLM_EXL3_MASTER_PORT")))
-    grace = float(env.get("VLLM_EXL3_RENDEZVOUS_GRACE", default("VLLM_EXL3_RENDEZVOUS_GRACE")))
+    head, port = rendezvous(env)
+    grace = settings.get_float("VLLM_EXL3_RENDEZVOUS_GRACE", env)
     interval = min(WATCH_INTERVAL_S, grace / 2)
     joined, lost_since = None, None  # the pid that has been connected; when it lost the connection
     while True:
@@ -311,8 +344,8 @@ def monitor(env, log=stderr_log, stop=None, sleep=time.sleep, rounds: int | None
     server: /health 5xx) ends the container: supervisord is stopped (vLLM gets its graceful stop) and Docker's
     restart policy starts a fresh one. A missing process is not counted: restarting it is supervisord's job
     (supervisor_listener.py)."""
-    limit = int(env.get("VLLM_EXL3_LIVENESS_FAILURES") or default("VLLM_EXL3_LIVENESS_FAILURES"))
-    interval = float(env.get("VLLM_EXL3_LIVENESS_INTERVAL") or default("VLLM_EXL3_LIVENESS_INTERVAL"))
+    limit = settings.get_int("VLLM_EXL3_LIVENESS_FAILURES", env)
+    interval = settings.get_float("VLLM_EXL3_LIVENESS_INTERVAL", env)
     supervisord = os.getppid()
     stop = stop or (lambda: os.kill(supervisord, signal.SIGTERM))
     failures = 0
@@ -334,14 +367,17 @@ def monitor(env, log=stderr_log, stop=None, sleep=time.sleep, rounds: int | None
 
 def main(argv: list[str]) -> int:
     mode = argv[1] if len(argv) > 1 else "readiness"
-    if mode == "watch":
-        return watch(os.environ)
-    if mode == "monitor":
-        return monitor(os.environ)
-    if mode not in ("liveness", "readiness"):
+    if mode not in ("liveness", "readiness", "watch", "monitor"):
         print(f"usage: {argv[0]} [liveness|readiness|watch|monitor]", file=sys.stderr)
         return UNHEALTHY
-    code, message = check(mode, os.environ)
+    try:
+        if mode == "watch":
+            return watch(os.environ)
+        if mode == "monitor":
+            return monitor(os.environ)
+        code, message = check(mode, os.environ)
+    except settings.SettingError as e:  # one line that names the variable, as Docker keeps it
+        code, message = UNHEALTHY, f"{mode}: {e}"
     print(message)
     return code
 

@@ -20,17 +20,19 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..base import settings
+from ..base.state import PLAN_FILE, state_file
+from ..format.jsonfile import write_json
 from . import exposure, preflight
 from .health import PID_FILE, stop_leftovers
-from .memory_plan import MemoryFigures, PlanSettings, Request
-from .metrics.state import state_dir, write_memory_plan
+from .memory_plan import MemoryFigures, Plan, PlanSettings, Request
 from .peer import PeerSecretError, peer_secret
-from .settings import SETTINGS, default
 from .vllm_options import VllmOptions, VllmOptionsError, read_options
 
 try:
@@ -41,9 +43,8 @@ except ModuleNotFoundError:  # Python 3.10
 # Exit status when preflight refuses (sysexits' EX_CONFIG): the configuration, not the software, must change.
 EXIT_REFUSED = 78
 
-DEFAULT_MODEL_DIR = default("VLLM_EXL3_MODEL")  # where compose mounts the pack, read-only
-DEFAULT_MASTER_PORT = int(default("VLLM_EXL3_MASTER_PORT"))  # vLLM's own default for --master-port
-DEFAULT_HEAD_WAIT_S = float(default("VLLM_EXL3_HEAD_WAIT"))
+DEFAULT_MODEL_DIR = settings.default("VLLM_EXL3_MODEL")  # where compose mounts the pack, read-only
+DEFAULT_MASTER_PORT = int(settings.default("VLLM_EXL3_MASTER_PORT"))  # vLLM's own default for --master-port
 IMAGE_PRESET_DIR = Path("/etc/vllm-exl3/presets")
 PACKAGE_PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: in the wheel and the source tree
 
@@ -80,7 +81,7 @@ PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
 # The appliance's own variables, consumed by the launcher, supervisord and the health checks. They are taken out
 # of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
 # (VLLM_EXL3_KERNEL, ...) stay.
-APPLIANCE_VARIABLES = {s.name for s in SETTINGS if s.area == "appliance"} - {
+APPLIANCE_VARIABLES = {s.name for s in settings.SETTINGS if s.area == "appliance"} - {
     "VLLM_EXL3_OPEN_PATHS", "VLLM_EXL3_HTTP_IDLE_TIMEOUT",  # read inside vLLM's API server by api_guard.py
     "VLLM_EXL3_STATE_DIR"}  # vLLM's workers publish their state there (integration/telemetry.py)
 # The sources of vLLM options a user writes, as vllm_options.py names them in messages (read in this order).
@@ -215,7 +216,7 @@ def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_arg
         flags.setdefault("master-port", DEFAULT_MASTER_PORT)
         flags.update({"distributed-executor-backend": "mp", "nnodes": role.nnodes, "node-rank": role.node_rank,
                       "headless": role.headless})
-    return LaunchSpec(role, preset, env.get("VLLM_EXL3_MODEL") or DEFAULT_MODEL_DIR, flags,
+    return LaunchSpec(role, preset, settings.get("VLLM_EXL3_MODEL", env), flags,
                       [a for args in sources.values() for a in args], sources)
 
 
@@ -319,12 +320,17 @@ def pinned(request: Request) -> int | None:
     return request.max_model_len if request.max_model_len_pinned else None
 
 
-def _publish_plan(plan, env: Mapping[str, str]) -> None:
-    """The plan for the metrics exporter (docs/observability.md); metrics never stop a launch."""
+def publish_plan(plan: Plan, env: Mapping[str, str]) -> Path | None:
+    """The plan for the metrics exporter (base/state.py reads it back; docs/observability.md), written atomically;
+    metrics never stop a launch."""
+    body = {"time": time.time(), "fits": plan.fits, "gpu_memory_utilization": plan.gpu_memory_utilization,
+            "max_model_len": plan.max_model_len, "kv_tokens": plan.kv_tokens, "weights_bytes": plan.weights_bytes,
+            "kv_bytes": plan.kv_cache_memory_bytes}
     try:
-        write_memory_plan(state_dir(env), plan)
+        return write_json(state_file(PLAN_FILE, env), body, make_parent=True)
     except OSError as e:
         preflight.log_stderr(f"vllm-exl3 launch: cannot write the memory plan for the metrics exporter ({e})")
+        return None
 
 
 def replace_pid_file(env: Mapping[str, str], log) -> None:
@@ -348,13 +354,13 @@ def replace_pid_file(env: Mapping[str, str], log) -> None:
 def add_arguments(p: argparse.ArgumentParser, preflight_only: bool = False) -> None:
     """launch's options; preflight_only: `vllm-exl3 preflight` (the same checks, never starts vLLM, role defaults
     to single). vLLM's own extra arguments come after `--` (the CLI puts them in args.vllm_args)."""
-    p.add_argument("pack", nargs="?", default=os.environ.get("VLLM_EXL3_MODEL") or DEFAULT_MODEL_DIR,
+    p.add_argument("pack", nargs="?", default=settings.get("VLLM_EXL3_MODEL"),
                    help=f"EXL3 model directory; default $VLLM_EXL3_MODEL, else {DEFAULT_MODEL_DIR} (the container's)")
-    default_role = os.environ.get("VLLM_EXL3_ROLE") or ("single" if preflight_only else None)
+    default_role = settings.get("VLLM_EXL3_ROLE") or ("single" if preflight_only else None)
     p.add_argument("--role", choices=sorted(ROLES), default=default_role,
                    help="single (one Spark), head or worker (two Sparks); default $VLLM_EXL3_ROLE"
                         + (", else single" if preflight_only else ""))
-    p.add_argument("--preset", default=os.environ.get("VLLM_EXL3_PRESET"),
+    p.add_argument("--preset", default=settings.get("VLLM_EXL3_PRESET") or None,
                    help="preset name or .toml file; default $VLLM_EXL3_PRESET, else the role's "
                         "(single: spark-1x, head/worker: spark-2x-tp2)")
     p.add_argument("--list-presets", action="store_true", help="list the presets found and exit")
@@ -370,9 +376,8 @@ def add_arguments(p: argparse.ArgumentParser, preflight_only: bool = False) -> N
                    help="plan against this meminfo file instead of /proc/meminfo, and enforce the plan "
                         "even without a GPU (what-if planning, tests)")
     p.add_argument("--head-wait", type=float, metavar="SECONDS",
-                   default=float(os.environ.get("VLLM_EXL3_HEAD_WAIT", DEFAULT_HEAD_WAIT_S)),
-                   help="worker: how long to wait for the head's rendezvous port (default %(default)s; "
-                        "a dry run does not wait)")
+                   help="worker: how long to wait for the head's rendezvous port (default $VLLM_EXL3_HEAD_WAIT, "
+                        f"else {settings.default('VLLM_EXL3_HEAD_WAIT')}; a dry run does not wait)")
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
@@ -394,9 +399,10 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
         env["VLLM_EXL3_MODEL"] = args.pack
     extra = list(getattr(args, "vllm_args", None) or [])
     try:
+        head_wait = args.head_wait if args.head_wait is not None else settings.get_float("VLLM_EXL3_HEAD_WAIT", env)
         preset = load_preset(args.preset or ROLES[args.role].default_preset, env)
         spec = build_spec(args.role, preset, env, extra)
-    except LaunchError as e:
+    except (LaunchError, settings.SettingError) as e:
         out(f"{me}: {e}")
         return 2
     out(f"{me}: role {spec.role.name}, preset {preset.name} ({preset.path}), pack {spec.model}")
@@ -422,7 +428,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     refused = open_api is not None
     if not args.no_preflight:
         try:
-            report, spec = run_preflight(spec, options, env, args.meminfo, None if args.dry_run else args.head_wait)
+            report, spec = run_preflight(spec, options, env, args.meminfo, None if args.dry_run else head_wait)
         except LaunchError as e:
             out(f"{me}: {e}")
             return 2
@@ -438,7 +444,7 @@ def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     if args.dry_run:
         return 0
     if not args.no_preflight and report.plan is not None:
-        _publish_plan(report.plan, env)
+        publish_plan(report.plan, env)
     replace_pid_file(env, lambda m: out(f"{me}: {m}"))
     target = exec_argv(argv)
     os.execvpe(target[0], target, vllm_env | exposure.api_environment(options, env))

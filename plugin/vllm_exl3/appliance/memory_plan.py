@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..format.geometry import ceil_to
-from ..format.units import GIB, format_bytes
-
-KIB = 2**10
+from ..format.units import GIB, KIB, format_bytes
+from .meminfo import read_meminfo
 
 # vLLM allocates KV in blocks; planning to whole blocks keeps the promised context honest.
 KV_BLOCK_TOKENS = 16
@@ -90,15 +89,7 @@ class MemoryFigures:
 
     @classmethod
     def from_meminfo(cls, path: str | Path = "/proc/meminfo") -> "MemoryFigures":
-        fields: dict[str, int] = {}
-        for line in Path(path).read_text().splitlines():
-            name, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                fields[name.strip()] = int(parts[0]) * (KIB if parts[1:2] == ["kB"] else 1)
-        missing = [k for k in ("MemTotal", "MemFree", "MemAvailable") if k not in fields]
-        if missing:
-            raise ValueError(f"{path}: no {', '.join(missing)} line (not a Linux meminfo file?)")
+        fields = read_meminfo(path, ("MemTotal", "MemFree", "MemAvailable"))
         return cls(fields["MemTotal"], fields["MemFree"], fields["MemAvailable"])
 
 

@@ -35,14 +35,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
+from ..base import settings
+from ..base.state import PEER_FILE, state_file
 from ..format.jsonfile import write_json
-from .health import check, stderr_log, stop_vllm, vllm_pid
-from .settings import default
+from .health import HEALTHY, check, stderr_log, stop_vllm, vllm_pid
 
-STATE_FILE = "peer.json"
-HEALTHY = 0
 MAX_DATAGRAM = 1024
 SIGNATURE_TAG = b"vllm-exl3 heartbeat 1\n"  # what the MAC covers besides the JSON: this format and its version
 MIN_SECRET_CHARS = 16
@@ -82,37 +80,6 @@ def unseal(secret: bytes, datagram: bytes) -> dict | None:
     return message if isinstance(message, dict) else None
 
 
-def setting(env: Mapping[str, str], name: str) -> str:
-    return env.get(name) or default(name)
-
-
-def state_path(env: Mapping[str, str]) -> Path:
-    return Path(setting(env, "VLLM_EXL3_STATE_DIR")) / STATE_FILE
-
-
-def read_state(env: Mapping[str, str]) -> dict | None:
-    try:
-        doc = json.loads(state_path(env).read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def peer_verdict(env: Mapping[str, str], now: float | None = None) -> str | None:
-    """For the head's readiness: None when its worker is alive, else why not."""
-    doc = read_state(env)
-    now = time.time() if now is None else now
-    if doc is None:
-        return f"no heartbeat state ({state_path(env)}): is the peer-heartbeat program running?"
-    if not isinstance(doc.get("time"), (int, float)) or now - doc["time"] > float(setting(env, "VLLM_EXL3_PEER_TIMEOUT")):
-        return f"heartbeat state {state_path(env)} is stale: is the peer-heartbeat program running?"
-    if doc.get("alive") is True:
-        return None
-    seen = doc.get("last_seen")
-    return ("worker not alive: " + (f"last ready heartbeat {now - seen:.0f}s ago" if isinstance(seen, (int, float))
-                                    else "no ready heartbeat yet") + (f" from {doc['peer']}" if doc.get("peer") else ""))
-
-
 @dataclass
 class HeadView:
     """What the head knows of its worker (pure: times are arguments)."""
@@ -147,7 +114,7 @@ class HeadView:
 
 
 def heartbeat_port(env: Mapping[str, str]) -> int:
-    return int(setting(env, "VLLM_EXL3_HEARTBEAT_PORT"))
+    return settings.get_int("VLLM_EXL3_HEARTBEAT_PORT", env)
 
 
 class Rejections:
@@ -170,8 +137,8 @@ def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | N
              stop: Callable[[int], None] | None = None) -> int:
     secret = peer_secret(env)
     bind = env.get("VLLM_EXL3_HEAD_ADDR") or "0.0.0.0"
-    timeout = float(setting(env, "VLLM_EXL3_PEER_TIMEOUT"))
-    grace = float(setting(env, "VLLM_EXL3_RENDEZVOUS_GRACE"))
+    timeout = settings.get_float("VLLM_EXL3_PEER_TIMEOUT", env)
+    grace = settings.get_float("VLLM_EXL3_RENDEZVOUS_GRACE", env)
     stop = stop or (lambda pid: stop_vllm(pid, log))
     view = HeadView(timeout)
     rejected = Rejections(log)
@@ -220,9 +187,9 @@ def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | N
                     stop(paired)
                 paired, lost_since = None, None
             try:
-                write_json(state_path(env), view.document(now), make_parent=True)
+                write_json(state_file(PEER_FILE, env), view.document(now), make_parent=True)
             except OSError as e:
-                log(f"peer-heartbeat: cannot write {state_path(env)}: {e}")
+                log(f"peer-heartbeat: cannot write {state_file(PEER_FILE, env)}: {e}")
     return 0
 
 
@@ -230,7 +197,7 @@ def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int |
                sleep: Callable[[float], None] = time.sleep) -> int:
     secret = peer_secret(env)
     head = env.get("VLLM_EXL3_HEAD_ADDR", "")
-    interval = float(setting(env, "VLLM_EXL3_HEARTBEAT_INTERVAL"))
+    interval = settings.get_float("VLLM_EXL3_HEARTBEAT_INTERVAL", env)
     target = (head, heartbeat_port(env))
     family = socket.AF_INET6 if ":" in head else socket.AF_INET
     last_seen: float | None = None
@@ -247,10 +214,10 @@ def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int |
             except OSError as e:  # no route yet: the head's box may be down; keep trying
                 detail = f"{detail}; heartbeat not sent: {e}"
             try:
-                write_json(state_path(env), {"time": now, "role": "worker", "peer": head, "alive": ready,
+                write_json(state_file(PEER_FILE, env), {"time": now, "role": "worker", "peer": head, "alive": ready,
                                              "last_seen": last_seen}, make_parent=True)
             except OSError as e:
-                log(f"peer-heartbeat: cannot write {state_path(env)}: {e}")
+                log(f"peer-heartbeat: cannot write {state_file(PEER_FILE, env)}: {e}")
             sleep(interval)
     return 0
 
@@ -262,7 +229,7 @@ def main(env: Mapping[str, str] = os.environ) -> int:
             return run_head(env, stderr_log)
         if role == "worker":
             return run_worker(env, stderr_log)
-    except PeerSecretError as e:
+    except (PeerSecretError, settings.SettingError) as e:
         stderr_log(f"peer-heartbeat: cannot start: {e}")
         return 2
     stderr_log(f"peer-heartbeat: role {role}: no peer")

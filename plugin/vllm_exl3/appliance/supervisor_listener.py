@@ -30,7 +30,7 @@ import xmlrpc.client
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .settings import default
+from ..base import settings
 
 SUPERVISED = "vllm"  # the program this listener restarts
 
@@ -51,10 +51,9 @@ class CrashPolicy:
 
     @classmethod
     def from_env(cls, env) -> "CrashPolicy":
-        def get(name: str) -> float:
-            return float(env.get(name) or default(name))
-        return cls(int(get("VLLM_EXL3_CRASH_LIMIT")), get("VLLM_EXL3_CRASH_WINDOW"),
-                   get("VLLM_EXL3_RESTART_BACKOFF"), get("VLLM_EXL3_RESTART_BACKOFF_MAX"))
+        return cls(settings.get_int("VLLM_EXL3_CRASH_LIMIT", env), settings.get_float("VLLM_EXL3_CRASH_WINDOW", env),
+                   settings.get_float("VLLM_EXL3_RESTART_BACKOFF", env),
+                   settings.get_float("VLLM_EXL3_RESTART_BACKOFF_MAX", env))
 
     def on_exit(self, now: float) -> float | None:
         """Seconds to wait before restarting, or None: give up."""
@@ -86,7 +85,7 @@ class UnixStreamTransport(xmlrpc.client.Transport):
 
 def supervisor_rpc(env) -> xmlrpc.client.ServerProxy:
     """supervisord's XML-RPC interface; it tells its children where (SUPERVISOR_SERVER_URL)."""
-    url = env.get("SUPERVISOR_SERVER_URL") or f"unix://{env.get('VLLM_EXL3_RUN_DIR', default('VLLM_EXL3_RUN_DIR'))}/supervisor.sock"
+    url = env.get("SUPERVISOR_SERVER_URL") or f"unix://{settings.get('VLLM_EXL3_RUN_DIR', env)}/supervisor.sock"
     if url.startswith("unix://"):
         return xmlrpc.client.ServerProxy("http://localhost/RPC2", transport=UnixStreamTransport(url[len("unix://"):]))
     return xmlrpc.client.ServerProxy(url.rstrip("/") + "/RPC2")

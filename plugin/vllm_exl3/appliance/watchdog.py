@@ -22,7 +22,6 @@ publishes it. The PSI fields are null where the kernel has no PSI.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -31,17 +30,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..base import settings
+from ..base.state import WATCHDOG_FILE, state_file
 from ..format.jsonfile import write_json
 from .health import stderr_log, stop_vllm, vllm_pid
-from .settings import default
-
-STATE_FILE = "memory-watchdog.json"
-GIB = 2**30
-KIB = 2**10
-
-
-def setting(env: Mapping[str, str], name: str) -> str:
-    return env.get(name) or default(name)
+from ..format.units import GIB
+from . import meminfo as proc_meminfo
 
 
 @dataclass(frozen=True)
@@ -56,15 +50,7 @@ class Sample:
 
 def read_meminfo(path: Path) -> tuple[int, int, int]:
     """(MemTotal, MemAvailable, swap in use) in bytes; ValueError naming the file when a field is missing."""
-    fields: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            fields[name.strip()] = int(parts[0]) * (KIB if parts[1:2] == ["kB"] else 1)
-    missing = [k for k in ("MemTotal", "MemAvailable") if k not in fields]
-    if missing:
-        raise ValueError(f"{path}: no {', '.join(missing)} line (not a Linux meminfo file?)")
+    fields = proc_meminfo.read_meminfo(path, ("MemTotal", "MemAvailable"))
     return fields["MemTotal"], fields["MemAvailable"], max(0, fields.get("SwapTotal", 0) - fields.get("SwapFree", 0))
 
 
@@ -135,30 +121,20 @@ class Watchdog:
                 "hard_stops_total": self.hard_stops_total}
 
 
-def state_path(env: Mapping[str, str]) -> Path:
-    return Path(setting(env, "VLLM_EXL3_STATE_DIR")) / STATE_FILE
-
-
-def read_state(env: Mapping[str, str]) -> dict | None:
-    try:
-        return json.loads(state_path(env).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def run(env: Mapping[str, str], log: Callable[[str], None] = stderr_log, rounds: int | None = None,
         sleep: Callable[[float], None] = time.sleep) -> int:
-    meminfo, psi = Path(setting(env, "VLLM_EXL3_MEMINFO")), Path(setting(env, "VLLM_EXL3_PSI"))
-    interval = float(setting(env, "VLLM_EXL3_WATCHDOG_INTERVAL"))
-    grace = float(setting(env, "VLLM_EXL3_MEM_STOP_GRACE"))
+    meminfo, psi = Path(settings.get("VLLM_EXL3_MEMINFO", env)), Path(settings.get("VLLM_EXL3_PSI", env))
+    path = state_file(WATCHDOG_FILE, env)
 
     def stop(pid: int) -> None:  # in a thread: the watchdog keeps reporting while vLLM shuts down
         threading.Thread(target=stop_vllm, args=(pid, log, grace), daemon=True).start()
 
     try:
-        dog = Watchdog(int(float(setting(env, "VLLM_EXL3_MEM_SOFT_FLOOR_GIB")) * GIB),
-                       int(float(setting(env, "VLLM_EXL3_MEM_HARD_FLOOR_GIB")) * GIB),
-                       float(setting(env, "VLLM_EXL3_MEM_PSI_FULL_SOFT")), stop, lambda: vllm_pid(env), log)
+        interval = settings.get_float("VLLM_EXL3_WATCHDOG_INTERVAL", env)
+        grace = settings.get_float("VLLM_EXL3_MEM_STOP_GRACE", env)
+        dog = Watchdog(int(settings.get_float("VLLM_EXL3_MEM_SOFT_FLOOR_GIB", env) * GIB),
+                       int(settings.get_float("VLLM_EXL3_MEM_HARD_FLOOR_GIB", env) * GIB),
+                       settings.get_float("VLLM_EXL3_MEM_PSI_FULL_SOFT", env), stop, lambda: vllm_pid(env), log)
         read_meminfo(meminfo)
     except (OSError, ValueError) as e:
         log(f"memory-watchdog: cannot start: {e}")
@@ -166,7 +142,7 @@ def run(env: Mapping[str, str], log: Callable[[str], None] = stderr_log, rounds:
     psi_seen = read_psi(psi)[0] is not None
     log(f"memory-watchdog: watching {meminfo} and {psi if psi_seen else f'no PSI ({psi} unreadable)'} every "
         f"{interval:g}s; soft floor {dog.soft_floor / GIB:.2f} GiB, hard floor {dog.hard_floor / GIB:.2f} GiB; "
-        f"state in {state_path(env)}")
+        f"state in {path}")
     while rounds is None or rounds > 0:
         rounds = None if rounds is None else rounds - 1
         try:
@@ -178,9 +154,9 @@ def run(env: Mapping[str, str], log: Callable[[str], None] = stderr_log, rounds:
         sample = Sample(time.time(), available, total, swap, *read_psi(psi))
         dog.tick(sample)
         try:
-            write_json(state_path(env), dog.document(sample), make_parent=True)
+            write_json(path, dog.document(sample), make_parent=True)
         except OSError as e:
-            log(f"memory-watchdog: cannot write {state_path(env)}: {e}")
+            log(f"memory-watchdog: cannot write {path}: {e}")
         sleep(interval)
     return 0
 

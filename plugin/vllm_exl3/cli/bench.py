@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .main import worker_counts
+from .common import UsageError, console, err_console, worker_counts
 
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16]
 RESULTS, REPORT, CATEGORIES_PNG, CONCURRENCY_PNG = "results.json", "report.md", "categories.png", "concurrency.png"
@@ -121,7 +121,6 @@ def _workload(a: argparse.Namespace, specs: dict[str, str], saved: dict[str, dic
 def run(a: argparse.Namespace) -> int:
     from ..servebench import runner
     from ..servebench import saved as saved_runs
-    from .main import UsageError, console, err_console
 
     if a.report:
         try:
@@ -178,3 +177,11 @@ def run(a: argparse.Namespace) -> int:
                           highlight=False)
         return EXIT_PARTIAL
     return 0
+
+
+def bench(p: argparse.ArgumentParser):
+    """Serving benchmark of an OpenAI-compatible endpoint, or two head to head (--a URL --b URL): eight prompt
+    categories, streaming, TTFT, decode tok/s, ITL, E2E per concurrency level, with the server's own /metrics beside
+    the client's numbers; writes raw JSON, a Markdown report and PNG plots (docs/bench.md)."""
+    add_arguments(p)
+    return run

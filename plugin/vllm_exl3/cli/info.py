@@ -3,12 +3,16 @@ and the parity gate's report of each server on this machine (kernels/parity.py),
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import time
 from dataclasses import asdict, dataclass, field
 
-import torch
+from rich.table import Table
 
-from .. import __version__
+from ..base import settings
+from ..base.version import __version__
+from .common import console
 
 
 @dataclass
@@ -58,6 +62,8 @@ def writer_running(report: dict) -> bool | None:
 
 
 def collect(port: int | None = None) -> Info:
+    import torch
+
     from ..kernels.backend import get_backend
     from ..kernels.choice import KERNEL_ENV, PREFERENCE
 
@@ -70,7 +76,7 @@ def collect(port: int | None = None) -> Info:
             p = torch.cuda.get_device_properties(i)
             devices.append(f"cuda:{i} {p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
                            f"{p.total_memory / 2**30:.0f} GiB)")
-    info = Info(__version__, torch.__version__, torch.version.cuda, devices, os.environ.get(KERNEL_ENV, "auto"))
+    info = Info(__version__, torch.__version__, torch.version.cuda, devices, settings.get(KERNEL_ENV))
     for name in PREFERENCE:
         try:
             reason = get_backend(name).unavailable_reason()
@@ -83,3 +89,89 @@ def collect(port: int | None = None) -> Info:
     info.parity_reports = [ParityReport(str(r.path), r.body, r.problem, writer_running(r.body) if r.body else None)
                            for r in read_reports(port=port)]
     return info
+
+
+def info(p: argparse.ArgumentParser):
+    """Kernel backends this install can run (and why not), the native build's targets, the CUDA devices, and the
+    parity gate's report of each server on this machine (--port: only the server on that API port)."""
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--port", type=int, help="only the parity report of the server on this API port")
+
+    def run(a: argparse.Namespace) -> int:
+        found = collect(a.port)
+        if a.json:
+            print(json.dumps(found.to_json(), indent=2))
+            return 0
+        console.print(f"vllm-exl3 {found.version}, torch {found.torch} (CUDA {found.torch_cuda or 'none'}), "
+                      f"VLLM_EXL3_KERNEL={found.kernel_env}")
+        for d in found.devices or ["no CUDA device"]:
+            console.print(f"  {d}")
+        t = Table(title="kernel backends (auto prefers them in this order)")
+        for col in ("backend", "available", "why not"):
+            t.add_column(col)
+        for b in found.backends:
+            t.add_row(b.name, "[green]yes[/]" if b.available else "[red]no[/]", b.reason or "")
+        console.print(t)
+        if found.native_build:
+            console.print(f"native build: {found.native_build}")
+        _print_parity(found.parity_reports, a.port)
+        return 0
+
+    return run
+
+
+def _server_label(report: dict) -> str:
+    """`port-8000` -> "the server on port 8000" (kernels/parity.py server_key), plus the rank."""
+    key, rank = str(report.get("server", "")), report.get("rank", 0)
+    what = (f"the server on port {key.removeprefix('port-')}" if key.startswith("port-") else
+            "a headless node" if key == "headless" else "an offline engine (no API server)" if key == "offline"
+            else "a server")
+    return f"{what}, rank {rank}"
+
+
+def _print_parity(reports: list, port: int | None) -> None:
+    from ..kernels.parity import REPORT_ENV, report_dir
+
+    if not reports:
+        where = settings.lookup(REPORT_ENV) or report_dir()
+        console.print(f"parity gate: no report{f' of a server on port {port}' if port is not None else ''} in "
+                      f"{where} (each server writes its own when it loads a pack)", highlight=False)
+        return
+    # every report of the server asked for; else those of processes that still run, and a line for the rest
+    shown = reports if port is not None else [r for r in reports if r.running is not False]
+    for r in shown:
+        report = r.report
+        if report is None:
+            console.print(f"parity gate: {r.path} cannot be read ({r.problem})", highlight=False, soft_wrap=True)
+            continue
+        try:
+            line, checks = _parity_summary(report, r.running, r.path)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a file edited by hand, or half a copy
+            console.print(f"parity gate: {r.path} is not a parity report ({type(e).__name__}: {e})",
+                          highlight=False, soft_wrap=True)
+            continue
+        console.print(line, highlight=False, soft_wrap=True)
+        console.print(checks if checks is not None else
+                      "  no layer checked (the torch reference serves every layer type)")
+    exited = [str(r.report.get("server")) for r in reports if r not in shown]
+    if exited:
+        console.print(f"parity gate: {len(exited)} more report(s) of processes that have exited "
+                      f"({', '.join(exited[:8])}{', ...' if len(exited) > 8 else ''}); "
+                      "`vllm-exl3 info --port N` shows one", highlight=False, soft_wrap=True)
+
+
+def _parity_summary(report: dict, running: bool | None, path: str) -> tuple[str, Table | None]:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.get("time", 0)))
+    state = {True: "running", False: "exited", None: "unknown"}[running]
+    line = (f"parity gate of {_server_label(report)} (pid {report.get('pid')}, {state}; {when}, policy "
+            f"{report.get('policy')}, {report.get('seconds', 0):.3f} s; {path}): "
+            + ", ".join(f"{t} -> {b}" for t, b in report.get("served", {}).items()))
+    if not report.get("checks"):
+        return line, None
+    t = Table(title=f"parity checks against the {report.get('reference')} reference")
+    for col in ("layer", "layer type", "backend", "rel. error", "bound", "result", "s"):
+        t.add_column(col)
+    for c in report["checks"]:
+        t.add_row(c["layer"], c["layer_type"], c["backend"], f"{c['error']:.2e}", f"{c['bound']:g}",
+                  "[green]pass[/]" if c["passed"] else "[red]FAIL[/]", f"{c['seconds']:.3f}")
+    return line, t

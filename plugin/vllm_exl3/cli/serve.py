@@ -16,10 +16,9 @@ process dies without that chance (kill -9).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
-import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -32,9 +31,11 @@ from pathlib import Path
 from .. import demo
 from ..appliance import exposure
 from ..appliance.health import api_address
-from ..appliance.http_client import http_request
 from ..appliance.launch import EXTRA_AFTER_DASHES
 from ..appliance.vllm_options import VllmOptions, VllmOptionsError, read_options
+from ..base.http import http_request
+from .common import UsageError, console, err_console, lit
+from .serve_report import demo_requests, has_chat_template, log_tail, plugin_summary, progress_printer
 
 DEMO_NAME = "qwen3moe-tiny-exl3"
 
@@ -156,98 +157,6 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def has_chat_template(pack: Path, options: VllmOptions) -> bool:
-    """Whether a chat request can succeed: a template given to vLLM, or one the pack's tokenizer ships."""
-    if options.value("chat_template"):
-        return True
-    if any((pack / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
-        return True
-    try:
-        return bool(json.loads((pack / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-@dataclass
-class Answer:
-    kind: str  # completion, chat
-    text: str | None  # None: the request failed or was skipped; `note` says why
-    seconds: float = 0.0
-    note: str = ""
-
-
-def _ask(kind: str, url: str, body: dict, pick, api_key: str | None = None) -> Answer:
-    t0 = time.monotonic()
-    status, raw = http_request(url, 120, body, api_key)
-    if status is None:
-        return Answer(kind, None, time.monotonic() - t0, "no answer")
-    try:
-        doc = json.loads(raw or b"{}")
-        if status != 200:
-            detail = doc.get("error", {}).get("message", "") if isinstance(doc.get("error"), dict) else ""
-            return Answer(kind, None, time.monotonic() - t0, f"HTTP {status}" + (f": {detail}" if detail else ""))
-        text = pick(doc)
-    except (ValueError, AttributeError, KeyError, IndexError, TypeError) as e:
-        return Answer(kind, None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
-    return Answer(kind, text, time.monotonic() - t0)
-
-
-def demo_requests(base: str, model: str, chat: bool = True, api_key: str | None = None) -> list[Answer]:
-    """One completion and one chat turn (skipped when the pack has no chat template)."""
-    out = [_ask("completion", f"{base}/v1/completions",
-                {"model": model, "prompt": "The history of the city", "max_tokens": 24, "temperature": 0},
-                lambda r: r["choices"][0]["text"], api_key)]
-    if chat:
-        out.append(_ask("chat", f"{base}/v1/chat/completions",
-                        {"model": model, "max_tokens": 24, "temperature": 0,
-                         "messages": [{"role": "user", "content": "Say hello."}]},
-                        lambda r: r["choices"][0]["message"]["content"], api_key))
-    else:
-        out.append(Answer("chat", None, note="skipped: the pack's tokenizer has no chat template "
-                                             "(give one with `-- --chat-template FILE`)"))
-    return out
-
-
-# What the log says while vLLM boots, for the progress line: the last marker seen names the phase. The plugin's
-# pack line comes from the API server reading the pack's config (milliseconds); what follows is vLLM starting its
-# engine process, then its worker, each importing vLLM afresh (most of a CPU boot); weights load after that.
-BOOT_PHASES = (
-    ("EXL3 pack", "starting vLLM's engine process"),
-    ("Initializing a V1 LLM engine", "starting vLLM's model worker"),
-    ("Starting to load model", "loading weights"),
-    ("Loading weights", "loading weights"),
-    ("loaded ", "loading weights"),
-    ("KV cache", "sizing the KV cache"),
-    ("Starting vLLM API server", "starting the HTTP server"),
-    ("Starting vLLM server on", "starting the HTTP server"),
-)
-_PACK_LINE = re.compile(r"EXL3 pack .*?: (\d+) EXL3 linears \((\d+) routed-expert")
-_BACKEND_LINE = re.compile(r"EXL3 (\S+) -> (\S+) backend")
-
-
-def boot_phase(log_text: str) -> str:
-    found, at = "starting vLLM", -1
-    for marker, phase in BOOT_PHASES:
-        i = log_text.rfind(marker)
-        if i > at:
-            found, at = phase, i
-    return found
-
-
-def plugin_summary(log_text: str) -> tuple[str | None, dict[str, str]]:
-    """From vLLM's log: the plugin's pack line ("57 EXL3 linears, 48 routed-expert") and backend per layer type."""
-    m = _PACK_LINE.search(log_text)
-    pack = f"{m.group(1)} EXL3 linears ({m.group(2)} routed-expert projections)" if m else None
-    return pack, {layer: backend for layer, backend in _BACKEND_LINE.findall(log_text)}
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
     """Stop vLLM as Ctrl-C would: SIGINT to the API server only, which shuts its engine down in order (signalling
     the whole group at once leaves vLLM force-killing its engine and leaking semaphores); the group is killed
@@ -269,10 +178,28 @@ def default_log_path(port: int) -> Path:
     return Path(tempfile.gettempdir()) / f"vllm-exl3-serve-{port}.log"
 
 
-def serve_main(a, console, err_console) -> int:
+def serve(p: argparse.ArgumentParser):
+    """Serve an EXL3 pack with vLLM's OpenAI server; --demo serves the bundled tiny pack (CPU is fine).
+    vLLM's own options go after `--`, e.g. `vllm-exl3 serve PACK --port 8011 -- --max-model-len 4096`."""
+    p.add_argument("pack", nargs="?", help="EXL3 model directory (omit with --demo)")
+    p.add_argument("--demo", action="store_true", help="serve the bundled tiny EXL3 pack")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--once", action="store_true", help="answer the smoke requests, then stop the server")
+    p.add_argument("--boot-timeout", type=float, default=600, help="seconds to wait for /health")
+    p.add_argument("--log", metavar="FILE", help="vLLM's log (default: a file in the temp folder, printed)")
+
+    def run(a: argparse.Namespace) -> int:
+        if a.demo == bool(a.pack):
+            raise UsageError("give a PACK directory or --demo (the bundled tiny pack), not both or neither", 2)
+        return serve_main(a)
+
+    return run
+
+
+def serve_main(a) -> int:
     """`vllm-exl3 serve`: refuse what cannot work, boot vLLM with its log in a file, show the path working."""
     from ..format.pack import verify_pack
-    from .main import UsageError, lit
 
     def say(text: str) -> None:
         console.print(text, highlight=False, soft_wrap=True, markup=False)
@@ -306,7 +233,7 @@ def serve_main(a, console, err_console) -> int:
             from e
     model = str(options.value("served_model_name")[0]) if options.value("served_model_name") else str(opts.pack)
     base = f"http://{api_address(host)}:{port}"
-    key = os.environ.get("VLLM_API_KEY") or None
+    key = os.environ.get("VLLM_API_KEY") or None  # vLLM's own variable
     size = sum(f.size for f in pack.files)
     say(f"pack     {opts.pack}: {pack.architecture}, {len(pack.linears())} EXL3 linears, "
         f"{size / 2**20:.1f} MiB" + (" (bundled demo pack: random weights)" if a.demo else ""))
@@ -318,7 +245,7 @@ def serve_main(a, console, err_console) -> int:
             proc = subprocess.Popen(server_command(opts, options), env=server_env(options), stdout=log_file,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=_die_with_parent(os.getpid()))
-        progress = _progress_printer(log_path, err_console)
+        progress = progress_printer(log_path)
         t0 = time.monotonic()
         try:
             wait_healthy(base, proc, a.boot_timeout, progress)
@@ -375,32 +302,3 @@ def _next_steps(say, a, base: str, model: str, serving: bool = False) -> None:
         f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
     if a.demo:
         say("  serve your own pack: vllm-exl3 serve /path/to/exl3-pack -- --max-model-len 4096")
-
-
-def _progress_printer(log_path: Path, err_console):
-    """progress(elapsed) while booting: one line, rewritten in place on a terminal, every 15 s otherwise;
-    progress(None) ends it."""
-    state = {"last": -1e9, "shown": False}
-
-    def progress(elapsed: float | None) -> None:
-        tty = err_console.is_terminal
-        if elapsed is None:
-            if state["shown"] and tty:
-                err_console.file.write("\n")
-                err_console.file.flush()
-            return
-        if not tty and elapsed - state["last"] < 15:
-            return
-        state["last"], state["shown"] = elapsed, True
-        try:
-            phase = boot_phase(log_path.read_text(errors="replace"))
-        except OSError:
-            phase = "starting vLLM"
-        line = f"booting  {elapsed:4.0f} s: {phase}"
-        if tty:
-            err_console.file.write("\r" + line.ljust(60))
-            err_console.file.flush()
-        else:
-            err_console.print(line, highlight=False)
-
-    return progress

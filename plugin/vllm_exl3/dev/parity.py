@@ -6,13 +6,13 @@ Used by the end-to-end tests and `bench/parity_cpu.py`; any OpenAI-compatible vL
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import urllib.request
 from dataclasses import dataclass
 
 import torch
+
+from ..base.http import http_json
 
 TOP_K = 20
 
@@ -25,15 +25,9 @@ class ParityReport:
     max_abs_logprob_delta: float
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
-
-
 def served_distributions(base_url: str, model: str, ids: list[int]) -> list[dict[int, float]]:
     """Top-K log-probs the server assigns at every position t (predicting token t+1), len(ids) entries."""
-    r = _post(f"{base_url}/v1/completions", {
+    r = http_json(f"{base_url}/v1/completions", 120, {
         "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": TOP_K,
         "prompt_logprobs": TOP_K, "return_tokens_as_token_ids": True})["choices"][0]
     dists = [{int(k): v["logprob"] for k, v in d.items()} for d in r["prompt_logprobs"][1:]]

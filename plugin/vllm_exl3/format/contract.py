@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .constants import CODEBOOKS
+from .errors import Exl3ConfigError
 from .records import tensor_group
 
 if TYPE_CHECKING:
@@ -23,10 +24,6 @@ NON_ROUTED_POLICIES = ("", POLICY_BF16_AS_STORED, POLICY_SOURCE_NATIVE)
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _NON_ROUTED_EXL3_KEYS = ("layers", "modules", "bits", "layer_bits")
 _LAYER_SPEC_KEYS = ("bits", "bf16_shards")
-
-
-class Exl3ConfigError(ValueError):
-    """A `quantization_config` that contradicts itself or the pack it describes."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ freed, so a pack of any size dequantizes in the memory of its largest linear.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .headers import NewTensor, write_safetensors
 from .pack import Pack
 from .records import Exl3Linear
 from .tensors import load_weights
@@ -54,22 +54,10 @@ def write(items: list[DequantItem], out: str | os.PathLike, rotated: bool,
     """Decode and stream `items` into `out`; returns bytes written."""
     dtype = torch.float16 if rotated else torch.float32
     size = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, object] = {"__metadata__": {
-        "format": "pt", "producer": "vllm-exl3 dequant",
-        "content": "rotated-basis W_hat (in, out), padded" if rotated else "full weight (out, in), float32"}}
-    offset = 0
-    for it in items:
-        nbytes = it.shape[0] * it.shape[1] * size
-        header[it.name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(it.shape),
-                           "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
-    out = Path(out)
-    tmp = out.with_suffix(out.suffix + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+    metadata = {"format": "pt", "producer": "vllm-exl3 dequant",
+                "content": "rotated-basis W_hat (in, out), padded" if rotated else "full weight (out, in), float32"}
+    tensors = [NewTensor(it.name, _DTYPE_NAMES[dtype], it.shape, it.shape[0] * it.shape[1] * size) for it in items]
+    with write_safetensors(out, tensors, metadata) as f:
         for it in items:
             w = load_weights(it.linear)
             if rotated:
@@ -79,5 +67,4 @@ def write(items: list[DequantItem], out: str | os.PathLike, rotated: bool,
             f.write(t.contiguous().numpy().tobytes())
             if progress:
                 progress(it)
-    tmp.replace(out)  # never leave a half-written file under the requested name
-    return 8 + len(raw) + offset
+    return Path(out).stat().st_size

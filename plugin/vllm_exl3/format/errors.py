@@ -1,4 +1,5 @@
-"""`Exl3FormatError`: every problem with a pack, naming the file, the tensor and what was expected."""
+"""The format's errors: `Exl3FormatError`, every problem with a pack's files, naming the file, the tensor and what
+was expected; `Exl3ConfigError`, a `quantization_config` that contradicts itself or the pack."""
 
 from __future__ import annotations
 
@@ -18,3 +19,7 @@ class Exl3FormatError(ValueError):
         if found is not None:
             msg += f", found {found}"
         super().__init__(msg)
+
+
+class Exl3ConfigError(ValueError):
+    """A `quantization_config` that contradicts itself or the pack it describes."""

@@ -1,12 +1,16 @@
-"""safetensors headers: parse and validate one file's header without touching tensor data (header-only: no torch)."""
+"""safetensors headers: parse and validate one file's header without touching tensor data, and the one writer of a
+safetensors file (`write_safetensors`: the pack tools' shards, `dequant`'s output). Header-only: no torch."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import Exl3FormatError
 from .strict import expect_type, loads, open_regular
@@ -191,3 +195,42 @@ def read_bytes(rec: TensorRecord) -> bytes:
         raise Exl3FormatError(rec.file, rec.name, f"{rec.nbytes} bytes at offset {rec.offset}",
                               f"{len(data)} (file shrank or is truncated)")
     return data
+
+
+@dataclass(frozen=True)
+class NewTensor:
+    """One tensor of a safetensors file to write: its bytes follow the previous tensor's."""
+
+    name: str
+    dtype: str
+    shape: Sequence[int]
+    nbytes: int
+
+
+@contextmanager
+def write_safetensors(out: str | os.PathLike, tensors: Sequence[NewTensor],
+                      metadata: dict[str, str] | None = None) -> Iterator[BinaryIO]:
+    """Write a safetensors file holding `tensors`: the header here, then the caller writes every tensor's bytes, in
+    order, into the file it is given. Written as `<out>.partial` and renamed onto `out` once complete, so `out` is
+    never half a file (the partial file is removed on failure); a data section of another size than the header
+    declares is refused before the rename."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    size = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [size, size + t.nbytes]}
+        size += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
+    out = Path(out)
+    partial = out.with_name(out.name + ".partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            yield f
+            written = f.tell() - 8 - len(raw)
+        if written != size:
+            raise ValueError(f"{out}: {written} bytes of tensor data written, the header declares {size}")
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)

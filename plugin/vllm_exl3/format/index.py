@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .constants import TILE
 from .errors import Exl3FormatError
 from .headers import TensorRecord
 from .pack import Pack
@@ -28,6 +29,22 @@ class LinearMeta:
     @classmethod
     def of(cls, lin: Exl3Linear) -> "LinearMeta":
         return cls(lin.bits, lin.codebook, lin.in_padded, lin.out_padded, lin.legacy_signs, lin.marker is not None)
+
+    def stored(self, suffix: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype, shape) of the tensor `<prefix>.<suffix>`, as the headers held it (records.build_linear
+        checked them there); the layers check what vLLM hands them against it."""
+        kt, nt = self.in_padded // TILE, self.out_padded // TILE
+        return {"trellis": ("I16", (kt, nt, round(self.bits * TILE))), "suh": ("F16", (self.in_padded,)),
+                "svh": ("F16", (self.out_padded,)), "su": ("I16", (kt,)), "sv": ("I16", (nt,)),
+                self.codebook: ("I32", ())}[suffix]
+
+    @property
+    def suffixes(self) -> set[str]:
+        """The tensors this linear is stored as (`<prefix>.<suffix>`): what a load must deliver (a bias aside)."""
+        need = {"trellis", "su" if self.legacy_signs else "suh", "sv" if self.legacy_signs else "svh"}
+        if self.has_marker:
+            need.add(self.codebook)
+        return need
 
 
 @dataclass

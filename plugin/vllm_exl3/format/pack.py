@@ -18,8 +18,8 @@ from typing import Any
 
 from .architectures import completeness
 from .constants import CODEBOOKS, INDEX_FILE, SIDECAR_FILE
-from .contract import Contract, Exl3ConfigError
-from .errors import Exl3FormatError
+from .contract import Contract
+from .errors import Exl3ConfigError, Exl3FormatError
 from .geometry import ceil_to
 from .headers import DTYPES, SafetensorsFile, TensorRecord, read_safetensors_header
 from .records import (EXPERT_RE, Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem,

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .constants import INDEX_FILE, SIDECAR_FILE
-from .contract import Contract, Exl3ConfigError, layer_index
-from .errors import Exl3FormatError
-from .headers import TensorRecord, read_safetensors_header
+from .contract import Contract, layer_index
+from .errors import Exl3ConfigError, Exl3FormatError
+from .headers import NewTensor, TensorRecord, read_safetensors_header, write_safetensors
 from .index import PackIndex
 from .jsonfile import write_json
 from .pack import Pack, tensor_group, verify_pack
@@ -207,17 +207,7 @@ def _is_routed(name: str) -> bool:
 
 def write_subset(records: list[TensorRecord], out: Path, metadata: dict[str, str]) -> int:
     """A safetensors file holding `records` (bytes copied raw from their files); returns bytes copied."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for rec in records:
-        header[rec.name] = {"dtype": rec.dtype, "shape": list(rec.shape), "data_offsets": [offset, offset + rec.nbytes]}
-        offset += rec.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = out.with_name(out.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+    with write_safetensors(out, [NewTensor(r.name, r.dtype, r.shape, r.nbytes) for r in records], metadata) as f:
         for rec in records:
             fd = os.open(rec.file, os.O_RDONLY)
             try:
@@ -231,8 +221,7 @@ def write_subset(records: list[TensorRecord], out: Path, metadata: dict[str, str
                     done += len(data)
             finally:
                 os.close(fd)
-    tmp.replace(out)
-    return offset
+    return sum(r.nbytes for r in records)
 
 
 def _link(src: Path, dst: Path, symlink: bool) -> None:

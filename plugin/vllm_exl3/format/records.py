@@ -165,17 +165,24 @@ def group_exl3_tensors(tensors: dict[str, TensorRecord]) -> dict[str, dict[str, 
     return {p: parts for p, parts in sorted(groups.items()) if not set(parts) <= {"bias"}}
 
 
+def marker_value_problem(codebook: str, value: int, file, tensor: str) -> Exl3FormatError | None:
+    """The one marker check: a codebook marker's stored value (read as int32 or uint32) against the locked value of
+    its codebook; None when it matches. Used on the headers' bytes (`marker_problem`) and on the tensors vLLM hands
+    the layers (integration/linear.py, moe.py)."""
+    value &= 0xFFFFFFFF
+    expected = MARKER_VALUE[codebook]
+    if value == expected:
+        return None
+    return Exl3FormatError(file, tensor, f"the locked {codebook} marker value 0x{expected:08X}",
+                           f"unknown marker value 0x{value:08X}")
+
+
 def marker_problem(linear: Exl3Linear) -> Exl3FormatError | None:
     """Check a codebook marker's stored value (4 bytes of I/O); None when fine or absent."""
     if linear.marker is None:
         return None
     value = int.from_bytes(read_bytes(linear.marker), "little", signed=False)
-    expected = MARKER_VALUE[linear.codebook]
-    if value == expected:
-        return None
-    return Exl3FormatError(linear.marker.file, linear.marker.name,
-                           f"the locked {linear.codebook} marker value 0x{expected:08X}",
-                           f"unknown marker value 0x{value:08X}")
+    return marker_value_problem(linear.codebook, value, linear.marker.file, linear.marker.name)
 
 
 # Names allowed right after an EXL3 linear's prefix: its components, and a stale `.weight` (shape-checked, dropped).

@@ -1,13 +1,18 @@
-"""Tensor bytes into torch: one record as a CPU tensor, one linear's weights in memory (torch imported on first use)."""
+"""Tensor bytes into torch: one record as a CPU tensor, one linear's weights in memory, the check of a tensor handed
+to a layer against its header (torch imported on first use)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .constants import TILE
+from .errors import Exl3FormatError
 from .headers import DTYPES, TensorRecord, read_bytes
 from .records import Exl3Linear, TrellisGeometry
+
+if TYPE_CHECKING:
+    from .index import LinearMeta
 
 
 def read_tensor(rec: TensorRecord):
@@ -64,3 +69,17 @@ def load_weights(linear: Exl3Linear) -> Exl3Weights:
     svh = read_tensor(linear.svh) if linear.svh else unpack_signs(read_tensor(linear.sv))
     bias = read_tensor(linear.bias) if linear.bias else None
     return Exl3Weights(read_tensor(linear.trellis), suh, svh, linear.codebook, linear.bits, bias)
+
+
+def check_delivered(meta: LinearMeta, prefix: str, suffix: str, tensor) -> None:
+    """The tensor a checkpoint loader hands a layer for `<prefix>.<suffix>` has the dtype and shape the pack's header
+    gave it (`LinearMeta.stored`); Exl3FormatError naming the tensor otherwise."""
+    try:
+        dtype_name, shape = meta.stored(suffix)
+    except KeyError:
+        raise Exl3FormatError(None, f"{prefix}.{suffix}", f"one of {', '.join(sorted(meta.suffixes))} for this linear",
+                              "a tensor it does not have") from None
+    dtype = TORCH_DTYPES[dtype_name]
+    if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        raise Exl3FormatError(None, f"{prefix}.{suffix}", f"{dtype}{list(shape)} as the pack header said",
+                              f"{tensor.dtype}{list(tensor.shape)}")

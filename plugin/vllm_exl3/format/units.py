@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 GB = 1e9  # throughput is reported in GB/s (10^9 bytes), like disk vendors

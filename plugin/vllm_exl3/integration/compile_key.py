@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import __version__
+from ..base.version import __version__
 from ..kernels import selection
 from ..kernels.backend import get_backend
 

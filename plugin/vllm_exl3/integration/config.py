@@ -22,12 +22,12 @@ import torch
 
 from ..format.architectures import NOT_CHECKED
 from ..format.constants import SIDECAR_FILE
-from ..format.contract import POLICY_BF16_AS_STORED, Contract, Exl3ConfigError, layer_index
-from ..format.errors import Exl3FormatError
+from ..format.contract import POLICY_BF16_AS_STORED, Contract, layer_index
+from ..format.errors import Exl3ConfigError, Exl3FormatError
 from ..format.index import PackIndex, index_model
 from . import compat, compile_key
 
-logger = logging.getLogger("vllm_exl3")
+logger = logging.getLogger(__name__)
 
 
 

@@ -19,15 +19,16 @@ import torch.nn.functional as F
 
 from . import compat, compile_key, telemetry
 from ..format.index import LinearMeta
-from ..format.constants import MARKER_VALUE, TILE
+from ..format.constants import TILE
 from ..format.errors import Exl3FormatError
-from ..format.tensors import Exl3Weights, unpack_signs
+from ..format.records import marker_value_problem
+from ..format.tensors import Exl3Weights, check_delivered, unpack_signs
 from ..format.geometry import Span, check_padding
 from ..kernels import parity
 from ..kernels.selection import choose_linear_backend, linear_layer_type
 from ..kernels.specs import LinearSpec
 
-logger = logging.getLogger("vllm_exl3")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,12 +52,7 @@ class Shard:
         return self.rows.block_size // TILE, self.cols.block_size // TILE, self.words
 
     def expected(self) -> set[str]:
-        if self.meta is None:
-            return {"weight"}
-        need = {"trellis", "su" if self.meta.legacy_signs else "suh", "sv" if self.meta.legacy_signs else "svh"}
-        if self.meta.has_marker:
-            need.add(self.meta.codebook)
-        return need
+        return {"weight"} if self.meta is None else self.meta.suffixes
 
 
 def _output_ranges(layer: torch.nn.Module, shard_ids: list) -> list[tuple[int, int, int]]:
@@ -167,9 +163,12 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                              f"(shards: {[s.shard_id for s in self.shards]})")
         return matches[0]
 
-    def _check(self, s: Shard, suffix: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype | None) -> None:
-        if tuple(tensor.shape) != tuple(shape) or (dtype is not None and tensor.dtype != dtype):
-            raise Exl3FormatError(None, f"{s.name}.{suffix}", f"{dtype or ''}{list(shape)} as the pack header said",
+    def _check(self, s: Shard, suffix: str, tensor: torch.Tensor) -> None:
+        """Each tensor once, as its header said (format/tensors.py; a plain weight: the shape the index recorded)."""
+        if s.meta is not None and suffix != "weight":
+            check_delivered(s.meta, s.name, suffix, tensor)
+        elif tuple(tensor.shape) != (shape := tuple(self.plain_shapes[self.shards.index(s)])):
+            raise Exl3FormatError(None, f"{s.name}.{suffix}", f"{list(shape)} as the pack header said",
                                   f"{tensor.dtype}{list(tensor.shape)}")
         if suffix in s.loaded:
             raise Exl3FormatError(None, f"{s.name}.{suffix}", "each tensor once", "a second copy")
@@ -177,8 +176,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
 
     def _load_trellis(self, param, loaded_weight, shard_id=None):
         s = self._shard(shard_id, "trellis")
-        kt, nt = s.meta.in_padded // TILE, s.meta.out_padded // TILE
-        self._check(s, "trellis", loaded_weight, (kt, nt, s.words), torch.int16)
+        self._check(s, "trellis", loaded_weight)
         piece = loaded_weight[s.rows.tiles, s.cols.tiles]
         n = piece.numel()
         param.data[s.offsets["trellis"]:s.offsets["trellis"] + n].view(piece.shape).copy_(piece)
@@ -188,27 +186,23 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         s = self._shard(shard_id, suffix)
         side = "suh" if suffix in ("suh", "su") else "svh"
         span = s.rows if side == "suh" else s.cols
-        padded = s.meta.in_padded if side == "suh" else s.meta.out_padded
+        self._check(s, suffix, loaded_weight)
         if suffix in ("su", "sv"):
-            self._check(s, suffix, loaded_weight, (padded // TILE,), torch.int16)
             loaded_weight = unpack_signs(loaded_weight.cpu())
-        else:
-            self._check(s, suffix, loaded_weight, (padded,), torch.float16)
         dst = getattr(self.layer, side)  # legacy `.su`/`.sv` land in the suh/svh storage
         dst.data[s.offsets[side]:s.offsets[side] + span.block_size].copy_(loaded_weight[span.elements])
 
     def _load_marker(self, param, loaded_weight, shard_id=None):
         codebook = param.exl3_suffix
         s = self._shard(shard_id, codebook)
-        self._check(s, codebook, loaded_weight.reshape(()), (), torch.int32)
-        value = int(loaded_weight.reshape(()).item()) & 0xFFFFFFFF
-        if value != MARKER_VALUE[codebook]:
-            raise Exl3FormatError(None, f"{s.name}.{codebook}", f"the locked marker value 0x{MARKER_VALUE[codebook]:08X}",
-                                  f"0x{value:08X}")
+        self._check(s, codebook, loaded_weight.reshape(()))
+        value = int(loaded_weight.reshape(()).item())
+        if problem := marker_value_problem(codebook, value, None, f"{s.name}.{codebook}"):
+            raise problem
 
     def _load_plain(self, param, loaded_weight, shard_id=None):
         s = self._shard(shard_id, "weight")
-        self._check(s, "weight", loaded_weight, tuple(self.plain_shapes[self.shards.index(s)]), None)
+        self._check(s, "weight", loaded_weight)
         if s.meta is not None:  # a stale BF16 copy next to EXL3 tensors (shape checked in plan_shards): dropped
             return
         rows = loaded_weight[s.cols.start:s.cols.stop, s.rows.start:s.rows.stop]
@@ -243,7 +237,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
                               if compat.is_lm_head(layer) else 0)
         compile_key.record()  # vLLM's compile cache key (integration/compile_key.py)
-        telemetry.publish()  # the metrics exporter's view of this worker (integration/telemetry.py)
+        telemetry.layer_bound()  # the metrics exporter's view of this worker, once per load (telemetry.py)
 
     def _bind(self, layer, i: int, s: Shard, w: Exl3Weights) -> None:
         """Choose shard i's backend, prepare it, then let the parity gate compare it with the torch reference

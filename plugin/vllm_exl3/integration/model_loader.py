@@ -1,4 +1,5 @@
-"""`--load-format exl3_parallel`: vLLM's default safetensors loading with the parallel reader (loader.py) under it.
+"""`--load-format exl3_parallel`: vLLM's default safetensors loading with the parallel reader (loader/reader.py)
+under it.
 
 Everything except reading stays vLLM's DefaultModelLoader: downloading, choosing shards through the index, the
 multimodal and unused-shard filters, the expert-parallel filter, weight tracking. What changes is how the chosen
@@ -6,8 +7,8 @@ files are read, and where tensors arrive: on the GPU when the model is on one (s
 else in host memory.
 
 Options (`--model-loader-extra-config` JSON keys, else `VLLM_EXL3_LOAD_*` environment variables, see
-loader.OPTION_KEYS): `workers`, `chunk_mib`, `ring_mib`, `direct_io`, `drop_page_cache`. DefaultModelLoader's own
-keys (`enable_weights_track`, ...) pass through to it.
+loader/options.py's OPTION_KEYS): `workers`, `chunk_mib`, `ring_mib`, `direct_io`, `drop_page_cache`.
+DefaultModelLoader's own keys (`enable_weights_track`, ...) pass through to it.
 
 Tensor parallelism: every rank reads each tensor whole and vLLM's weight loaders narrow it to the rank's slice
 (EXL3 layers do the same in theirs), so N ranks on one host read the checkpoint N times. Under expert parallelism,

@@ -16,16 +16,17 @@ import torch
 
 from . import compat, compile_key, telemetry
 from ..format.index import LinearMeta
-from ..format.constants import MARKER_VALUE, TILE
+from ..format.constants import TILE
 from ..format.errors import Exl3FormatError
-from ..format.tensors import unpack_signs
+from ..format.records import marker_value_problem
+from ..format.tensors import check_delivered, unpack_signs
 from ..format.geometry import Span, check_padding
 from ..kernels import parity
 from ..kernels.ops import codebook_list
 from ..kernels.selection import choose_moe_backend, moe_layer_type
 from ..kernels.specs import ACTIVATIONS, ExpertStack, MoESpec
 
-logger = logging.getLogger("vllm_exl3")
+logger = logging.getLogger(__name__)
 
 SHARD_PROJECTION = {"w1": 0, "w3": 1, "w2": 2}
 
@@ -100,17 +101,9 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         proj, suffix = SHARD_PROJECTION[shard_id], param.exl3_suffix
         meta, name = self.metas[(expert_id, proj)], f"{self.names[(expert_id, proj)]}.{suffix}"
         rows, cols = (self.hidden_span, self.inter_span) if proj < 2 else (self.inter_span, self.hidden_span)
-        if suffix == "trellis":
-            shape, dtype = (meta.in_padded // TILE, meta.out_padded // TILE, self.words[local][proj]), torch.int16
-        elif suffix in ("suh", "svh"):
-            shape, dtype = ((meta.in_padded if suffix == "suh" else meta.out_padded),), torch.float16
-        elif suffix in ("su", "sv"):
-            shape, dtype = ((meta.in_padded if suffix == "su" else meta.out_padded) // TILE,), torch.int16
-        else:  # codebook marker
-            shape, dtype, loaded_weight = (), torch.int32, loaded_weight.reshape(())
-        if tuple(loaded_weight.shape) != shape or loaded_weight.dtype != dtype:
-            raise Exl3FormatError(None, name, f"{dtype}{list(shape)} as the pack header said",
-                                  f"{loaded_weight.dtype}{list(loaded_weight.shape)}")
+        if suffix == meta.codebook:  # a marker may arrive as [1]
+            loaded_weight = loaded_weight.reshape(())
+        check_delivered(meta, self.names[(expert_id, proj)], suffix, loaded_weight)
         key = (local, proj, suffix)
         if key in self.loaded:
             raise Exl3FormatError(None, name, "each tensor once", "a second copy")
@@ -125,11 +118,8 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
             values = unpack_signs(loaded_weight.cpu()) if suffix in ("su", "sv") else loaded_weight
             span = rows if side == "suh" else cols
             dst(getattr(self.layer, f"{stem}_{side}").data).copy_(values[span.elements])
-        else:
-            value = int(loaded_weight.item()) & 0xFFFFFFFF
-            if value != MARKER_VALUE[suffix]:
-                raise Exl3FormatError(None, name, f"the locked marker value 0x{MARKER_VALUE[suffix]:08X}",
-                                      f"0x{value:08X}")
+        elif problem := marker_value_problem(suffix, int(loaded_weight.item()), None, name):
+            raise problem
         return True
 
     def get_fused_moe_quant_config(self, layer):
@@ -140,11 +130,8 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         missing = []
         for local, g in enumerate(self.local_to_global):
             for p in range(3):
-                m = self.metas[(g, p)]
-                need = {"trellis", "su" if m.legacy_signs else "suh", "sv" if m.legacy_signs else "svh"}
-                if m.has_marker:
-                    need.add(m.codebook)
-                missing += [f"{self.names[(g, p)]}.{s}" for s in sorted(need) if (local, p, s) not in self.loaded]
+                missing += [f"{self.names[(g, p)]}.{s}" for s in sorted(self.metas[(g, p)].suffixes)
+                            if (local, p, s) not in self.loaded]
         if missing:
             raise Exl3FormatError(None, ", ".join(missing[:6]) + (" …" if len(missing) > 6 else ""),
                                   f"every expert tensor of {self.prefix} to be loaded",
@@ -164,7 +151,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
                                   len(self.local_to_global), activation, layer.params_dtype,
                                   layer.w13_trellis.device.type))
         compile_key.record()  # vLLM's compile cache key (integration/compile_key.py)
-        telemetry.publish()  # the metrics exporter's view of this worker (integration/telemetry.py)
+        telemetry.layer_bound()  # the metrics exporter's view of this worker, once per load (telemetry.py)
 
     def _bind(self, layer, spec: MoESpec) -> None:
         """Choose the backend, prepare it, then let the parity gate compare it with the torch reference (which

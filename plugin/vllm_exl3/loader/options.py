@@ -1,46 +1,31 @@
 """`ReaderOptions`: how the parallel reader reads, from `--model-loader-extra-config` keys, then environment
-variables (appliance/settings.py lists them), then the defaults."""
+variables, then their defaults: the variables, their defaults and their parsers are base/settings.py's."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..base import settings
+from ..base.settings import parse_bool, parse_positive_int
 from ..format.units import MIB
 from .plan import ALIGN
 
-
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
-
-
-def _parse_positive_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"expected a positive integer, got {value!r}")  # noqa: TRY004 - a config error like the rest
-    number = int(value)
-    if number <= 0:
-        raise ValueError(f"expected a positive integer, got {value!r}")
-    return number
-
-
 # user-facing knob -> (environment variable, parser). `--model-loader-extra-config` keys beat environment variables,
-# environment variables beat the defaults of `ReaderOptions`.
+# environment variables beat the defaults (the settings table's, which ReaderOptions' own defaults are).
 OPTION_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "workers": ("VLLM_EXL3_LOAD_WORKERS", _parse_positive_int),
-    "chunk_mib": ("VLLM_EXL3_LOAD_CHUNK_MIB", _parse_positive_int),
-    "ring_mib": ("VLLM_EXL3_LOAD_RING_MIB", _parse_positive_int),
-    "direct_io": ("VLLM_EXL3_LOAD_DIRECT_IO", _parse_bool),
-    "drop_page_cache": ("VLLM_EXL3_LOAD_DROP_PAGE_CACHE", _parse_bool),
+    "workers": ("VLLM_EXL3_LOAD_WORKERS", parse_positive_int),
+    "chunk_mib": ("VLLM_EXL3_LOAD_CHUNK_MIB", parse_positive_int),
+    "ring_mib": ("VLLM_EXL3_LOAD_RING_MIB", parse_positive_int),
+    "direct_io": ("VLLM_EXL3_LOAD_DIRECT_IO", parse_bool),
+    "drop_page_cache": ("VLLM_EXL3_LOAD_DROP_PAGE_CACHE", parse_bool),
 }
+
+
+def _default(key: str):
+    env, parse = OPTION_KEYS[key]
+    return parse(settings.default(env))
 
 
 @dataclass(frozen=True)
@@ -48,11 +33,11 @@ class ReaderOptions:
     """How to read. 16 MiB reads match fastsafetensors' bounce buffer (docs/vllm-notes.md §4.2); the best worker count
     depends on the drive: `vllm-exl3 load-bench PACK --workers 1,2,4,8,16` measures it."""
 
-    workers: int = 8
-    chunk_bytes: int = 16 * MIB  # one pread, one bounce slot
-    ring_bytes: int = 512 * MIB  # tensors read ahead of the consumer (host: plus as much again recycled)
-    direct_io: bool = True  # O_DIRECT where the filesystem allows it (tmpfs and some overlays refuse: buffered)
-    drop_page_cache: bool = True  # buffered reads: posix_fadvise(DONTNEED) each chunk once it is copied out
+    workers: int = _default("workers")
+    chunk_bytes: int = _default("chunk_mib") * MIB  # one pread, one bounce slot
+    ring_bytes: int = _default("ring_mib") * MIB  # tensors read ahead of the consumer (host: plus as much again recycled)
+    direct_io: bool = _default("direct_io")  # O_DIRECT where the filesystem allows it (tmpfs and some overlays refuse)
+    drop_page_cache: bool = _default("drop_page_cache")  # buffered reads: fadvise(DONTNEED) each chunk once copied
 
     def __post_init__(self):
         if self.workers < 1:
@@ -68,13 +53,12 @@ class ReaderOptions:
                     environ: Mapping[str, str] | None = None) -> ReaderOptions:
         """Options from user-facing keys (`workers`, `chunk_mib`, `ring_mib`, `direct_io`, `drop_page_cache`)."""
         config = dict(config or {})
-        environ = os.environ if environ is None else environ
         unknown = sorted(set(config) - set(OPTION_KEYS))
         if unknown:
             raise ValueError(f"unknown loader option(s) {unknown}; known: {sorted(OPTION_KEYS)}")
         values: dict[str, Any] = {}
         for key, (env, parse) in OPTION_KEYS.items():
-            source, raw = (key, config[key]) if key in config else (env, environ.get(env))
+            source, raw = (key, config[key]) if key in config else (env, settings.lookup(env, environ))
             if raw is None or raw == "":
                 continue
             try:

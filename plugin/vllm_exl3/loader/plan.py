@@ -1,6 +1,6 @@
 """The read plan: which aligned byte ranges of which file each read fetches, and where each byte lands.
 
-Pure planning from validated headers (no I/O, no threads), so the reader (loader.py) only executes it. Tensors are
+Pure planning from validated headers (no I/O, no threads), so the reader (reader.py) only executes it. Tensors are
 ordered by file, then offset; that order is the order tensors are handed to vLLM.
 """
 

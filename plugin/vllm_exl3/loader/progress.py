@@ -10,7 +10,7 @@ from typing import Any
 
 from ..format.units import GB, format_bytes
 
-logger = logging.getLogger("vllm_exl3.loader")
+logger = logging.getLogger(__name__)
 
 LOG_EVERY_S = 10.0  # progress line interval when stderr is not a terminal
 

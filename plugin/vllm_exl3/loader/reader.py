@@ -3,7 +3,7 @@
 Why not mmap: on DGX Spark (unified memory) mmap-backed loading is several times slower than explicit reads, and
 many small pageable host->device copies are ~50x slower than pinned ones (docs/vllm-notes.md §4.1). So:
 
-* a *plan* (loadplan.py) cuts every file into chunks: consecutive small tensors share one chunk, a tensor larger
+* a *plan* (plan.py) cuts every file into chunks: consecutive small tensors share one chunk, a tensor larger
   than a chunk gets several. Chunk boundaries are aligned, so the same plan works with O_DIRECT.
 * N worker threads claim chunks in plan order. To a GPU: each chunk is read into the worker's pinned bounce slot,
   then copied to the destination tensors on the worker's stream (a DMA). To host memory: one scatter read
@@ -46,7 +46,7 @@ from .options import ReaderOptions
 from .plan import ALIGN, Chunk, ReadPlan, plan_reads
 from .progress import LoadStats, ProgressReporter, record_load_stats
 
-logger = logging.getLogger("vllm_exl3.loader")
+logger = logging.getLogger(__name__)
 
 # Host destinations of at least this many bytes are read in place (no bounce copy). Each costs up to ALIGN bytes
 # of over-allocation (<= 3 % at this size) to put its address in phase with its file offset; smaller tensors go

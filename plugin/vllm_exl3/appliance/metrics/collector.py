@@ -1,5 +1,5 @@
 """Every metric the exporter serves, in one catalogue (`METRICS`: name, type, labels, meaning), built at scrape
-time from the state files (state.py), the pack (pack.py) and the GPUs (gpu.py).
+time from the state files (base/state.py), the pack (pack.py) and the GPUs (gpu.py).
 
 Conventions (Prometheus's and vLLM's): the `vllm_exl3_` prefix (never `vllm:`, which vLLM unregisters as its
 own), base units in the name (`_bytes`, `_seconds`, `_hertz`, `_celsius`), `_total` for counters, `_info`
@@ -18,20 +18,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .gpu import read_gpus
 from .pack import pack_summary
-from .state import (PEER_FILE, PLAN_FILE, WATCHDOG_FILE, WATCHDOG_STATES, StateError, read_memory_plan, read_peer,
-                    read_watchdog, read_worker, worker_files)
+from ...base.state import (PEER_FILE, PLAN_FILE, WATCHDOG_FILE, WATCHDOG_STATES, StateError, read_memory_plan,
+                           read_peer, read_watchdog, read_worker, worker_files)
+from ...base.version import __version__
 
-logger = logging.getLogger("vllm_exl3.metrics")
-
-
-def _version() -> str:
-    """The installed distribution's version (the package root would pull in the vLLM plugin's imports)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm-exl3")
-    except PackageNotFoundError:
-        return "unknown"
+logger = logging.getLogger(__name__)
 
 WORKER = ("rank", "role")
 LAYER = ("layer_type", "variant", "device")  # "linear:mul1:4b:cuda" -> linear, mul1:4b, cuda
@@ -171,7 +162,7 @@ class Exl3Collector:
 
     def collect(self):
         f = Families()
-        f.add("vllm_exl3_exporter_info", {"version": _version(), "role": self.role}, 1)
+        f.add("vllm_exl3_exporter_info", {"version": __version__, "role": self.role}, 1)
         self._workers(f)
         self._pack(f)
         self._health(f)

@@ -13,32 +13,32 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from ..settings import default
+from ...base import settings
+from ...base.state import state_dir
 from .collector import Exl3Collector
-from .state import state_dir
 
-logger = logging.getLogger("vllm_exl3.metrics")
+logger = logging.getLogger(__name__)
 
 
 def registry(state: str | os.PathLike, pack_dir: str, role: str) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(Exl3Collector(state_dir({"VLLM_EXL3_STATE_DIR": str(state)}), pack_dir, role))
+    reg.register(Exl3Collector(Path(state), pack_dir, role))
     return reg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    env = os.environ.get
-    p.add_argument("--host", default=env("VLLM_EXL3_METRICS_HOST") or default("VLLM_EXL3_METRICS_HOST"),
-                   help="bind address (VLLM_EXL3_METRICS_HOST)")
-    p.add_argument("--port", type=int, default=int(env("VLLM_EXL3_METRICS_PORT") or default("VLLM_EXL3_METRICS_PORT")),
+    p.add_argument("--host", default=settings.get("VLLM_EXL3_METRICS_HOST"), help="bind address (VLLM_EXL3_METRICS_HOST)")
+    p.add_argument("--port", type=int, default=settings.get("VLLM_EXL3_METRICS_PORT"),
                    help="port (VLLM_EXL3_METRICS_PORT)")
     p.add_argument("--state-dir", default=str(state_dir()), help="the state files' directory (VLLM_EXL3_STATE_DIR)")
-    p.add_argument("--model", default=env("VLLM_EXL3_MODEL") or default("VLLM_EXL3_MODEL"),
+    p.add_argument("--model", default=settings.get("VLLM_EXL3_MODEL"),
                    help="the pack, for the pack metrics (VLLM_EXL3_MODEL)")
-    p.add_argument("--role", default=env("VLLM_EXL3_ROLE") or "single", help="single | head | worker (VLLM_EXL3_ROLE)")
+    p.add_argument("--role", default=settings.get("VLLM_EXL3_ROLE") or "single",
+                   help="single | head | worker (VLLM_EXL3_ROLE)")
     return p
 
 

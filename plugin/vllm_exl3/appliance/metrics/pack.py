@@ -11,7 +11,7 @@ from ...format.errors import Exl3FormatError
 from ...format.pack import Pack
 from ...format.summary import PackSummary, summarize
 
-logger = logging.getLogger("vllm_exl3.metrics")
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,5 +1,6 @@
-"""The one HTTP client of the appliance and the CLI: JSON over urllib, to the local vLLM server (stdlib only, so the
-healthcheck stays torch-free and fast)."""
+"""The one HTTP client of the package (the appliance's health checks, the CLI, the dev tools): JSON over urllib to a
+vLLM server (standard library only, so the healthcheck stays torch-free and fast). The serving benchmark's
+streaming client is servebench/client.py (aiohttp)."""
 
 from __future__ import annotations
 

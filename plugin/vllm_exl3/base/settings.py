@@ -1,14 +1,20 @@
-"""Every `VLLM_EXL3_*` environment variable: its default and meaning, in one table (standard library only).
+"""Every `VLLM_EXL3_*` environment variable: its default and meaning, in one table, and the one way to read them
+(standard library only).
 
-The appliance reads its defaults from here (`default()`); the plugin's own readers (kernel choice, loader options,
-the C++ limits in csrc/env.h) name the same variables and a test checks each one is listed. `docs/settings.md` is
-generated from this table (`python -m vllm_exl3.appliance.settings > docs/settings.md`; a test keeps it in sync).
+Every layer reads its variables here, the way vLLM reads its own through `vllm.envs`: `get` (the value, else the
+table's default; an empty value counts as unset), `get_int`, `get_float`, `get_bool` (a value that does not parse is
+a `SettingError` naming the variable). The C++ limits in csrc/env.h name the same variables, and a test checks that
+every variable the repository mentions is listed. `docs/settings.md` is generated from this table
+(`python -m vllm_exl3.base.settings > docs/settings.md`; a test keeps it in sync). A new setting is one row here.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,81 @@ def default(name: str) -> str:
     return BY_NAME[name].default
 
 
+class SettingError(ValueError):
+    """A variable whose value does not parse; the message names the variable, what it holds and what was expected."""
+
+    def __init__(self, name: str, value: Any, expected: str):
+        self.name = name
+        super().__init__(f"{name}={value!r}: expected {expected}")
+
+
+def lookup(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The variable's own value in `env` (default: the process environment); None when it is unset or empty
+    (compose passes unset variables of .env as empty ones). For a reader whose defaults come from elsewhere first
+    (the loader's `--model-loader-extra-config` keys)."""
+    BY_NAME[name]  # noqa: B018 - a name not in the table is a KeyError here too: add it there first
+    return (os.environ if env is None else env).get(name) or None
+
+
+def get(name: str, env: Mapping[str, str] | None = None, *, keep_empty: bool = False) -> str:
+    """The variable's value in `env` (default: the process environment), else the table's default. An empty value
+    counts as unset unless `keep_empty`: for a variable whose empty value means something of its own
+    (VLLM_EXL3_OPEN_PATHS: no path without the key)."""
+    if keep_empty and (value := (os.environ if env is None else env).get(name)) is not None:
+        return value
+    return lookup(name, env) or default(name)
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(value: Any) -> bool:
+    """1/0, true/false, yes/no, on/off (any case), or a bool; ValueError otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in TRUE or text in FALSE:
+        return text in TRUE
+    raise ValueError(f"expected a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)}), got {value!r}")
+
+
+def parse_positive_int(value: Any) -> int:
+    """A positive integer, or its decimal text; ValueError otherwise (a bool or a float is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def get_bool(name: str, env: Mapping[str, str] | None = None) -> bool:
+    value = get(name, env)
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise SettingError(name, value, f"a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)})") from None
+
+
+def get_int(name: str, env: Mapping[str, str] | None = None) -> int:
+    value = get(name, env)
+    try:
+        return int(value)
+    except ValueError:
+        raise SettingError(name, value, "an integer") from None
+
+
+def get_float(name: str, env: Mapping[str, str] | None = None) -> float:
+    value = get(name, env)
+    try:
+        return float(value)
+    except ValueError:
+        raise SettingError(name, value, "a number") from None
+
+
 def markdown_table() -> str:
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for area in dict.fromkeys(s.area for s in SETTINGS):
@@ -116,8 +197,8 @@ def markdown_table() -> str:
 
 def document() -> str:
     return ("# Settings\n\nEvery `VLLM_EXL3_*` environment variable, generated from "
-            "`plugin/vllm_exl3/appliance/settings.py` (edit the table there, then run\n"
-            "`python -m vllm_exl3.appliance.settings > docs/settings.md`).\n\n" + markdown_table())
+            "`plugin/vllm_exl3/base/settings.py` (edit the table there, then run\n"
+            "`python -m vllm_exl3.base.settings > docs/settings.md`).\n\n" + markdown_table())
 
 
 if __name__ == "__main__":

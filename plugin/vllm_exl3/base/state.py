@@ -1,12 +1,14 @@
-"""The state files the serving processes publish in `VLLM_EXL3_STATE_DIR`, read and checked for the exporter.
+"""The state files the serving processes publish in `VLLM_EXL3_STATE_DIR`: where they are, and their readers.
 
 - `exl3-rank<N>.json`, one per worker rank (written by integration/telemetry.py; keys documented there).
-- `memory-watchdog.json`, the memory watchdog's last reading and verdict.
-- `peer.json`, the two-Spark heartbeat: whether this node sees its peer.
-- `memory-plan.json`, the launcher's memory plan for this node (written here, by `write_memory_plan`).
+- `memory-watchdog.json`, the memory watchdog's last reading and verdict (appliance/watchdog.py).
+- `peer.json`, the two-Spark heartbeat: whether this node sees its peer (appliance/peer.py).
+- `memory-plan.json`, the launcher's memory plan for this node (appliance/launch.py).
 
-A file that is missing is simply not exported; a file that is present but wrong raises `StateError` naming the
-file, the field, what was expected and what was found (the exporter logs it and exports the file as invalid).
+Writers name their file through `state_file` / `worker_file`; the health checks read through `load`, the metrics
+exporter through the checked readers. A file that is missing reads as None; a file that is present but wrong raises
+`StateError` naming the file, the field, what was expected and what was found (the exporter logs it and exports the
+file as invalid). Standard library only.
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...format.jsonfile import write_json
-from ..settings import default
+from . import settings
 
 STATE_DIR_ENV = "VLLM_EXL3_STATE_DIR"
-WORKER_FILE = re.compile(r"^exl3-rank(\d+)\.json$")  # integration/telemetry.py's worker_file()
+WORKER_FILE = re.compile(r"^exl3-rank(\d+)\.json$")  # worker_file()'s names
 WATCHDOG_FILE = "memory-watchdog.json"
 PEER_FILE = "peer.json"
 PLAN_FILE = "memory-plan.json"
@@ -38,12 +39,22 @@ class StateError(ValueError):
         super().__init__(f"{where}: expected {expected}, found {found}")
 
 
-def state_dir(environ=None) -> Path:
-    env = os.environ if environ is None else environ
-    return Path(env.get(STATE_DIR_ENV) or default(STATE_DIR_ENV))
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    return Path(settings.get(STATE_DIR_ENV, env))
 
 
-def _load(path: Path) -> dict[str, Any] | None:
+def state_file(name: str, env: Mapping[str, str] | None = None) -> Path:
+    """One of the appliance's state files (WATCHDOG_FILE, PEER_FILE, PLAN_FILE) in the state directory."""
+    return state_dir(env) / name
+
+
+def worker_file(rank: int, env: Mapping[str, str] | None = None) -> Path:
+    """The state file of the worker of rank `rank`."""
+    return state_dir(env) / f"exl3-rank{rank}.json"
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """A state file's JSON object; None when there is no such file; StateError when it is not one."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -96,7 +107,7 @@ class Watchdog:
 
 def read_watchdog(directory: Path) -> Watchdog | None:
     path = directory / WATCHDOG_FILE
-    data = _load(path)
+    data = load(path)
     if data is None:
         return None
     values = {k: _field(path, data, k, NUMBER, "a number")
@@ -118,7 +129,7 @@ class Peer:
 
 def read_peer(directory: Path) -> Peer | None:
     path = directory / PEER_FILE
-    data = _load(path)
+    data = load(path)
     if data is None:
         return None
     return Peer(_field(path, data, "time", NUMBER, "a number (Unix time)"),
@@ -139,17 +150,9 @@ class MemoryPlan:
     kv_bytes: int
 
 
-def write_memory_plan(directory: Path, plan) -> Path:
-    """The launcher's plan (appliance/memory_plan.py's Plan) for the exporter; atomically (temp file + rename)."""
-    body = {"time": time.time(), "fits": plan.fits, "gpu_memory_utilization": plan.gpu_memory_utilization,
-            "max_model_len": plan.max_model_len, "kv_tokens": plan.kv_tokens, "weights_bytes": plan.weights_bytes,
-            "kv_bytes": plan.kv_cache_memory_bytes}
-    return write_json(directory / PLAN_FILE, body, make_parent=True)
-
-
 def read_memory_plan(directory: Path) -> MemoryPlan | None:
     path = directory / PLAN_FILE
-    data = _load(path)
+    data = load(path)
     if data is None:
         return None
     return MemoryPlan(_field(path, data, "time", NUMBER), _field(path, data, "fits", bool),
@@ -192,7 +195,7 @@ def _list_of_objects(path: Path, data: dict, key: str, keys: dict[str, Any], pre
 
 
 def read_worker(path: Path) -> Worker:
-    data = _load(path)
+    data = load(path)
     if data is None:
         raise StateError(path, None, "a worker state file", "nothing (it vanished)")
     schema = _field(path, data, "schema", int, "schema 1")
@@ -216,10 +219,10 @@ def read_worker(path: Path) -> Worker:
     parity = _field(path, data, "parity", dict, "an object")
     _list_of_objects(path, parity, "checks", {"layer_type": str, "backend": str, "error": NUMBER, "bound": NUMBER,
                                               "passed": bool}, "parity.")
-    load = _field(path, data, "load", dict, "an object or null", optional=True)
-    if load is not None:
+    receipt = _field(path, data, "load", dict, "an object or null", optional=True)
+    if receipt is not None:
         for k in ("bytes", "seconds", "workers", "files", "tensors", "wait_seconds"):
-            _field(path, load, k, NUMBER, label=f"load.{k}")
+            _field(path, receipt, k, NUMBER, label=f"load.{k}")
     return Worker(path, rank, _field(path, data, "role", str, "a role name"), _field(path, data, "pid", int, "a pid"),
                   _field(path, data, "time", NUMBER, "a number (Unix time)"), data)
 

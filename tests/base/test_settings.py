@@ -1,4 +1,4 @@
-"""The settings table (appliance/settings.py) lists every VLLM_EXL3_* variable the repository uses, docs/settings.md
+"""The settings table (base/settings.py) lists every VLLM_EXL3_* variable the repository uses, docs/settings.md
 is generated from it, and the defaults written elsewhere (README's loader table, ReaderOptions) agree with it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vllm_exl3.appliance import settings
+from vllm_exl3.base import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bVLLM_EXL3_[A-Z0-9_]*[A-Z0-9]\b")
@@ -16,7 +16,7 @@ SOURCES = ["plugin/**/*.py", "csrc/*", "deploy/**/*", "healthchecks/*", "docker-
 
 def test_settings_md_is_generated_from_the_table():
     assert (ROOT / "docs" / "settings.md").read_text() == settings.document(), \
-        "run: python -m vllm_exl3.appliance.settings > docs/settings.md"
+        "run: python -m vllm_exl3.base.settings > docs/settings.md"
 
 
 def test_every_variable_in_the_repository_is_in_the_table():
@@ -27,7 +27,7 @@ def test_every_variable_in_the_repository_is_in_the_table():
             if path.is_file():
                 for name in set(NAME.findall(path.read_text(errors="replace"))) - known:
                     missing.setdefault(name, str(path.relative_to(ROOT)))
-    assert not missing, f"add these to appliance/settings.py: {missing}"
+    assert not missing, f"add these to base/settings.py: {missing}"
 
 
 def test_loader_table_and_reader_defaults_agree():

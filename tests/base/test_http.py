@@ -1,4 +1,4 @@
-"""appliance/http_client.py against a local stdlib HTTP server: JSON GET/POST, error statuses, nothing listening."""
+"""base/http.py against a local stdlib HTTP server: JSON GET/POST, error statuses, nothing listening."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vllm_exl3.appliance.http_client import http_json, http_request
+from vllm_exl3.base.http import http_json, http_request
 
 
 class Handler(BaseHTTPRequestHandler):
