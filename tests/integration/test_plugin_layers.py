@@ -390,9 +390,9 @@ def test_worker_state_is_published_once_per_load(tmp_path, rank, monkeypatch):
     monkeypatch.setattr(telemetry, "write_json", counting_write)
     monkeypatch.setattr(telemetry, "QUIET_S", 2.0)  # binding 12 tiny layers takes far less, even on a busy CI box
     rank(0, 1)
-    w = random_weights(128, 128, 2, "3inst", seed=4)
     prefixes = [f"model.layers.{i}.mlp.down_proj" for i in range(12)]
-    cfg, tensors = make_config(tmp_path, dict.fromkeys(prefixes, w))
+    cfg, tensors = make_config(tmp_path, {p: random_weights(128, 128, 2, "3inst", seed=4 + i)
+                                          for i, p in enumerate(prefixes)})
     layer_type = "linear:3inst:2b:cpu"
     bound_before = sum(n for d, n in selection.decision_counts().items() if d.layer_type == layer_type)
     for prefix in prefixes:

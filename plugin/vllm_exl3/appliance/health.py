@@ -168,7 +168,8 @@ def peer_verdict(env, now: float | None = None) -> str | None:
     now = time.time() if now is None else now
     if doc is None:
         return f"no heartbeat state ({path}): is the peer-heartbeat program running?"
-    if not isinstance(doc.get("time"), (int, float)) or now - doc["time"] > settings.get_float("VLLM_EXL3_PEER_TIMEOUT", env):
+    timeout = settings.get_float("VLLM_EXL3_PEER_TIMEOUT", env)
+    if not isinstance(doc.get("time"), (int, float)) or now - doc["time"] > timeout:
         return f"heartbeat state {path} is stale: is the peer-heartbeat program running?"
     if doc.get("alive") is True:
         return None
@@ -179,11 +180,11 @@ def peer_verdict(env, now: float | None = None) -> str | None:
 
 def rendezvous(env) -> tuple[str, int]:
     """The worker's head: its address on the fabric link and its rendezvous port."""
-    return env.get("VLLM_EXL3_HEAD_ADDR", ""), settings.get_int("VLLM_EXL3_MASTER_PORT", env)
+    return settings.get("VLLM_EXL3_HEAD_ADDR", env), settings.get_int("VLLM_EXL3_MASTER_PORT", env)
 
 
 def check(mode: str, env) -> tuple[int, str]:
-    role = env.get("VLLM_EXL3_ROLE") or "single"
+    role = settings.get("VLLM_EXL3_ROLE", env) or "single"
     pid = vllm_pid(env)
     if pid is None:
         return UNHEALTHY, f"{role}: no running vLLM process (pid file {pid_file(env)})"
@@ -315,8 +316,8 @@ def stderr_log(message: str) -> None:
 
 
 def watch(env, log=stderr_log) -> int:
-    if env.get("VLLM_EXL3_ROLE") != "worker":
-        log(f"watch: role {env.get('VLLM_EXL3_ROLE')}: no rendezvous to watch")
+    if (role := settings.get("VLLM_EXL3_ROLE", env)) != "worker":
+        log(f"watch: role {role or None}: no rendezvous to watch")
         return 0
     head, port = rendezvous(env)
     grace = settings.get_float("VLLM_EXL3_RENDEZVOUS_GRACE", env)

@@ -1,9 +1,10 @@
 """`vllm-exl3 launch`: a role, a preset and the environment become one `vllm serve` command, checked, then exec'd.
 
 The mapping is data plus pure functions (`load_preset`, `build_spec`, `apply_plan`), so tests check the exact
-argv for every role and preset without starting anything. `run` adds the side effects: preflight, the memory
-plan, the pid file the health checks read, and `exec` (the launcher *becomes* vLLM, so supervisord's signals and
-exit codes are vLLM's own).
+argv for every role and preset without starting anything. The side effects are here too (`run_preflight`, the
+memory plan for the exporter, the pid file the health checks read, `exec_argv`); the `launch` and `preflight`
+commands (cli/appliance.py) run them in order and `exec` (the launcher *becomes* vLLM, so supervisord's signals
+and exit codes are vLLM's own).
 
 Precedence, lowest first: preset [vllm] table < environment (name, host, port, head address) < role topology
 (TP, --nnodes, --node-rank, --headless: not overridable, the two nodes must agree) < memory plan (fills in
@@ -16,7 +17,6 @@ a flag's name: vLLM accepts `--ho` for `--host` and `-tp` for `--tensor-parallel
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
@@ -33,7 +33,7 @@ from . import exposure, preflight
 from .health import PID_FILE, stop_leftovers
 from .memory_plan import MemoryFigures, Plan, PlanSettings, Request
 from .peer import PeerSecretError, peer_secret
-from .vllm_options import VllmOptions, VllmOptionsError, read_options
+from .vllm_options import VllmOptions, read_options
 
 try:
     import tomllib
@@ -107,7 +107,7 @@ class Preset:
 
 
 def preset_dirs(env: Mapping[str, str]) -> list[Path]:
-    dirs = [Path(p) for p in env.get("VLLM_EXL3_PRESET_DIR", "").split(os.pathsep) if p]
+    dirs = [Path(p) for p in settings.get("VLLM_EXL3_PRESET_DIR", env).split(os.pathsep) if p]
     return dirs + [PACKAGE_PRESET_DIR, IMAGE_PRESET_DIR]
 
 
@@ -190,7 +190,7 @@ def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_arg
         raise LaunchError(f"preset {preset.name} is for {preset.nodes} node(s); role {role.name} runs on "
                           f"{role.nnodes}: use --role {'/'.join(fitting)} or another preset")
     try:
-        from_env = shlex.split(env.get("VLLM_EXL3_EXTRA_ARGS", ""))
+        from_env = shlex.split(settings.get("VLLM_EXL3_EXTRA_ARGS", env))
     except ValueError as e:
         raise LaunchError(f"{EXTRA_ENV}: not valid shell words ({e}): {env['VLLM_EXL3_EXTRA_ARGS']!r}") from None
     sources = {name: args for name, args in ((EXTRA_AFTER_DASHES, list(extra_args)), (EXTRA_ENV, from_env)) if args}
@@ -198,15 +198,16 @@ def build_spec(role_name: str, preset: Preset, env: Mapping[str, str], extra_arg
     flags: dict[str, Any] = dict(preset.vllm)
     multi = role.nnodes > 1
     for var, flag, multi_only, api_only in ENV_FLAGS:
-        if env.get(var) and (multi or not multi_only) and (not role.headless or not api_only):
-            flags[flag] = env[var]
+        value = settings.lookup(var, env)  # only what is set: vLLM's own defaults are the table's
+        if value and (multi or not multi_only) and (not role.headless or not api_only):
+            flags[flag] = value
     if not role.headless:
         # Always explicit: vLLM's own default is every interface (exposure.py has the rule).
         flags["host"] = exposure.api_host(env)
         flags["middleware"] = exposure.GUARD_MIDDLEWARE  # the key on every path, 503 while draining, idle timeout
     flags["tensor-parallel-size"] = role.nnodes
     if multi:
-        if not env.get("VLLM_EXL3_HEAD_ADDR"):
+        if not settings.get("VLLM_EXL3_HEAD_ADDR", env):
             raise LaunchError(f"role {role.name} needs the head's address: set HEAD_ADDR in .env "
                               "(VLLM_EXL3_HEAD_ADDR in the container), the head's IP on the fabric link")
         try:
@@ -337,7 +338,7 @@ def replace_pid_file(env: Mapping[str, str], log) -> None:
     """This process becomes vLLM: its pid goes in the pid file the health checks read. The vLLM the file named
     before must be gone first, all of it: a restart beside the engine of a killed API server would need the
     memory twice (health.stop_leftovers)."""
-    run_dir = env.get("VLLM_EXL3_RUN_DIR")
+    run_dir = settings.lookup("VLLM_EXL3_RUN_DIR", env)  # unset (outside the appliance): no pid file
     if not run_dir:
         return
     path = Path(run_dir) / PID_FILE
@@ -349,103 +350,3 @@ def replace_pid_file(env: Mapping[str, str], log) -> None:
         stop_leftovers(previous, log)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
-
-
-def add_arguments(p: argparse.ArgumentParser, preflight_only: bool = False) -> None:
-    """launch's options; preflight_only: `vllm-exl3 preflight` (the same checks, never starts vLLM, role defaults
-    to single). vLLM's own extra arguments come after `--` (the CLI puts them in args.vllm_args)."""
-    p.add_argument("pack", nargs="?", default=settings.get("VLLM_EXL3_MODEL"),
-                   help=f"EXL3 model directory; default $VLLM_EXL3_MODEL, else {DEFAULT_MODEL_DIR} (the container's)")
-    default_role = settings.get("VLLM_EXL3_ROLE") or ("single" if preflight_only else None)
-    p.add_argument("--role", choices=sorted(ROLES), default=default_role,
-                   help="single (one Spark), head or worker (two Sparks); default $VLLM_EXL3_ROLE"
-                        + (", else single" if preflight_only else ""))
-    p.add_argument("--preset", default=settings.get("VLLM_EXL3_PRESET") or None,
-                   help="preset name or .toml file; default $VLLM_EXL3_PRESET, else the role's "
-                        "(single: spark-1x, head/worker: spark-2x-tp2)")
-    p.add_argument("--list-presets", action="store_true", help="list the presets found and exit")
-    if preflight_only:
-        p.set_defaults(dry_run=True, no_preflight=False, command_name="preflight")
-    else:
-        p.add_argument("--dry-run", action="store_true",
-                       help="run the preflight, print the command, do not start it (= `vllm-exl3 preflight`)")
-        p.add_argument("--no-preflight", action="store_true",
-                       help="skip pack/network checks and the memory plan (the preset's flags go to vLLM as they are)")
-        p.set_defaults(command_name="launch")
-    p.add_argument("--meminfo", metavar="FILE",
-                   help="plan against this meminfo file instead of /proc/meminfo, and enforce the plan "
-                        "even without a GPU (what-if planning, tests)")
-    p.add_argument("--head-wait", type=float, metavar="SECONDS",
-                   help="worker: how long to wait for the head's rendezvous port (default $VLLM_EXL3_HEAD_WAIT, "
-                        f"else {settings.default('VLLM_EXL3_HEAD_WAIT')}; a dry run does not wait)")
-
-
-def run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    env = dict(os.environ if env is None else env)
-    out = preflight.log_stderr
-    if args.list_presets:
-        for name, path in available_presets(env).items():
-            print(f"{name:16} {load_preset(str(path), env).description}")
-        return 0
-    me = f"vllm-exl3 {getattr(args, 'command_name', 'launch')}"
-    if not args.role:
-        out(f"{me}: --role (or VLLM_EXL3_ROLE) is required: single, head or worker")
-        return 2
-    if args.meminfo and not Path(args.meminfo).is_file():
-        out(f"{me}: --meminfo {args.meminfo}: no such file. Give a copy of the target machine's /proc/meminfo "
-            "(on the Spark: `cat /proc/meminfo > spark.meminfo`).")
-        return 2
-    if getattr(args, "pack", None):
-        env["VLLM_EXL3_MODEL"] = args.pack
-    extra = list(getattr(args, "vllm_args", None) or [])
-    try:
-        head_wait = args.head_wait if args.head_wait is not None else settings.get_float("VLLM_EXL3_HEAD_WAIT", env)
-        preset = load_preset(args.preset or ROLES[args.role].default_preset, env)
-        spec = build_spec(args.role, preset, env, extra)
-    except (LaunchError, settings.SettingError) as e:
-        out(f"{me}: {e}")
-        return 2
-    out(f"{me}: role {spec.role.name}, preset {preset.name} ({preset.path}), pack {spec.model}")
-    vllm_env = {k: v for k, v in env.items() if k not in APPLIANCE_VARIABLES}
-    # Not skipped by --no-preflight: every later check reads the options as vLLM will, and an option vLLM
-    # refuses would only fail after the preflight's minutes anyway.
-    try:
-        options = spec.read_options(vllm_env)
-        check_options(spec, options)
-    except VllmOptionsError as e:
-        out(f"{me}: REFUSED: {e}")
-        return EXIT_REFUSED
-    except LaunchError as e:
-        out(f"{me}: {e}")
-        return 2
-    # Not skipped by --no-preflight either: an open API is a safety matter, not a check that might be wrong.
-    host = str(options.value("host") or "")
-    open_api = None if spec.role.headless else exposure.refusal(host, env, options.value("port"))
-    if open_api:
-        out(f"{me}: REFUSED: {open_api}")
-    elif not spec.role.headless:
-        out(f"{me}: {exposure.describe(host, env)}")
-    refused = open_api is not None
-    if not args.no_preflight:
-        try:
-            report, spec = run_preflight(spec, options, env, args.meminfo, None if args.dry_run else head_wait)
-        except LaunchError as e:
-            out(f"{me}: {e}")
-            return 2
-        for line in report.lines():
-            out(line)
-        refused = refused or not report.ok
-    argv = spec.argv()
-    print(shlex.join(argv), flush=True)
-    if refused:
-        out(f"{me}: refused before starting vLLM; fix the FAIL/REFUSED lines above"
-            + ("" if open_api else " (or pass --no-preflight to `vllm-exl3 launch` to start anyway)"))
-        return EXIT_REFUSED
-    if args.dry_run:
-        return 0
-    if not args.no_preflight and report.plan is not None:
-        publish_plan(report.plan, env)
-    replace_pid_file(env, lambda m: out(f"{me}: {m}"))
-    target = exec_argv(argv)
-    os.execvpe(target[0], target, vllm_env | exposure.api_environment(options, env))
-    return 0  # not reached

@@ -52,7 +52,7 @@ class PeerSecretError(ValueError):
 
 
 def peer_secret(env: Mapping[str, str]) -> bytes:
-    value = env.get("VLLM_EXL3_PEER_SECRET", "").strip()
+    value = settings.get("VLLM_EXL3_PEER_SECRET", env).strip()
     if len(value) < MIN_SECRET_CHARS:
         raise PeerSecretError(
             ("VLLM_EXL3_PEER_SECRET is not set" if not value else
@@ -136,7 +136,7 @@ class Rejections:
 def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | None = None,
              stop: Callable[[int], None] | None = None) -> int:
     secret = peer_secret(env)
-    bind = env.get("VLLM_EXL3_HEAD_ADDR") or "0.0.0.0"
+    bind = settings.get("VLLM_EXL3_HEAD_ADDR", env) or "0.0.0.0"
     timeout = settings.get_float("VLLM_EXL3_PEER_TIMEOUT", env)
     grace = settings.get_float("VLLM_EXL3_RENDEZVOUS_GRACE", env)
     stop = stop or (lambda pid: stop_vllm(pid, log))
@@ -196,7 +196,7 @@ def run_head(env: Mapping[str, str], log: Callable[[str], None], rounds: int | N
 def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int | None = None,
                sleep: Callable[[float], None] = time.sleep) -> int:
     secret = peer_secret(env)
-    head = env.get("VLLM_EXL3_HEAD_ADDR", "")
+    head = settings.get("VLLM_EXL3_HEAD_ADDR", env)
     interval = settings.get_float("VLLM_EXL3_HEARTBEAT_INTERVAL", env)
     target = (head, heartbeat_port(env))
     family = socket.AF_INET6 if ":" in head else socket.AF_INET
@@ -223,7 +223,7 @@ def run_worker(env: Mapping[str, str], log: Callable[[str], None], rounds: int |
 
 
 def main(env: Mapping[str, str] = os.environ) -> int:
-    role = env.get("VLLM_EXL3_ROLE")
+    role = settings.get("VLLM_EXL3_ROLE", env)
     try:
         if role == "head":
             return run_head(env, stderr_log)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..base import settings
 from ..format.pack import Pack, verify_pack
 from ..kernels.choice import KERNEL_ENV, parse_kernel
 from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib, model_max_len
@@ -108,7 +109,7 @@ def check_kernel(env: Mapping[str, str]) -> Check | None:
     """A backend named in VLLM_EXL3_KERNEL must be usable here: the plugin refuses it at load time otherwise,
     minutes into the boot (`auto` always finds one, down to the torch reference)."""
     try:
-        name = parse_kernel(env.get(KERNEL_ENV))
+        name = parse_kernel(settings.get(KERNEL_ENV, env))
     except ValueError as e:
         return Check("kernel backend", False, str(e))
     if name == "auto":

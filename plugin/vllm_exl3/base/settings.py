@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,28 +162,24 @@ def parse_positive_int(value: Any) -> int:
     return number
 
 
-def get_bool(name: str, env: Mapping[str, str] | None = None) -> bool:
+def _parsed(name: str, env: Mapping[str, str] | None, parse: Callable[[str], Any], expected: str) -> Any:
     value = get(name, env)
     try:
-        return parse_bool(value)
+        return parse(value)
     except ValueError:
-        raise SettingError(name, value, f"a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)})") from None
+        raise SettingError(name, value, expected) from None
+
+
+def get_bool(name: str, env: Mapping[str, str] | None = None) -> bool:
+    return _parsed(name, env, parse_bool, f"a boolean ({'/'.join(TRUE)} or {'/'.join(FALSE)})")
 
 
 def get_int(name: str, env: Mapping[str, str] | None = None) -> int:
-    value = get(name, env)
-    try:
-        return int(value)
-    except ValueError:
-        raise SettingError(name, value, "an integer") from None
+    return _parsed(name, env, int, "an integer")
 
 
 def get_float(name: str, env: Mapping[str, str] | None = None) -> float:
-    value = get(name, env)
-    try:
-        return float(value)
-    except ValueError:
-        raise SettingError(name, value, "a number") from None
+    return _parsed(name, env, float, "a number")
 
 
 def markdown_table() -> str:

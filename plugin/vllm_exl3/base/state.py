@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,11 +105,17 @@ class Watchdog:
     hard_stops_total: float
 
 
-def read_watchdog(directory: Path) -> Watchdog | None:
-    path = directory / WATCHDOG_FILE
+def _read(path: Path, build: Callable[[Path, dict[str, Any]], Any]) -> Any:
+    """`build(path, document)` of a state file; None when there is no such file."""
     data = load(path)
-    if data is None:
-        return None
+    return None if data is None else build(path, data)
+
+
+def read_watchdog(directory: Path) -> Watchdog | None:
+    return _read(directory / WATCHDOG_FILE, _watchdog)
+
+
+def _watchdog(path: Path, data: dict[str, Any]) -> Watchdog:
     values = {k: _field(path, data, k, NUMBER, "a number")
               for k in Watchdog.__dataclass_fields__ if k != "state"}
     state = _field(path, data, "state", str, f"one of {', '.join(WATCHDOG_STATES)}")
@@ -128,15 +134,11 @@ class Peer:
 
 
 def read_peer(directory: Path) -> Peer | None:
-    path = directory / PEER_FILE
-    data = load(path)
-    if data is None:
-        return None
-    return Peer(_field(path, data, "time", NUMBER, "a number (Unix time)"),
-                _field(path, data, "role", str, "a role name"),
-                _field(path, data, "peer", str, "the peer's address or name"),
-                _field(path, data, "alive", bool, "true or false"),
-                _field(path, data, "last_seen", NUMBER, "a number (Unix time) or null", optional=True))
+    return _read(directory / PEER_FILE, lambda path, data: Peer(
+        _field(path, data, "time", NUMBER, "a number (Unix time)"), _field(path, data, "role", str, "a role name"),
+        _field(path, data, "peer", str, "the peer's address or name"),
+        _field(path, data, "alive", bool, "true or false"),
+        _field(path, data, "last_seen", NUMBER, "a number (Unix time) or null", optional=True)))
 
 
 @dataclass(frozen=True)
@@ -151,14 +153,10 @@ class MemoryPlan:
 
 
 def read_memory_plan(directory: Path) -> MemoryPlan | None:
-    path = directory / PLAN_FILE
-    data = load(path)
-    if data is None:
-        return None
-    return MemoryPlan(_field(path, data, "time", NUMBER), _field(path, data, "fits", bool),
-                      _field(path, data, "gpu_memory_utilization", NUMBER),
-                      *(_field(path, data, k, int) for k in ("max_model_len", "kv_tokens", "weights_bytes",
-                                                             "kv_bytes")))
+    return _read(directory / PLAN_FILE, lambda path, data: MemoryPlan(
+        _field(path, data, "time", NUMBER), _field(path, data, "fits", bool),
+        _field(path, data, "gpu_memory_utilization", NUMBER),
+        *(_field(path, data, k, int) for k in ("max_model_len", "kv_tokens", "weights_bytes", "kv_bytes"))))
 
 
 @dataclass(frozen=True)

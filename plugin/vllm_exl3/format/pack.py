@@ -6,6 +6,10 @@ any size costs a few kilobytes of I/O. Tensor bytes are read on demand (`read_te
 
 Every problem with a pack raises `Exl3FormatError`, whose message names the file, the tensor and what was
 expected, so a user can tell a truncated download from a wrong converter version.
+
+Over 400 lines on purpose: `Pack` is the one object every gate asks (verify, inspect, preflight, the serve-time
+index), and its checks share its parsed state (config, sidecar, ledger, linears); the per-tensor rules are
+records.py's, the per-architecture tables architectures.py's, the quantization_config's contract.py's.
 """
 
 from __future__ import annotations

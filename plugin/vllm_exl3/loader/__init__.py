@@ -1,1 +1,1 @@
-"""The parallel safetensors reader: plan, options, buffers, progress, reader, bench. Never imports vLLM."""
+"""The parallel safetensors reader: plan, options, buffers, files, progress, reader, load_bench. Never imports vLLM."""

@@ -21,6 +21,10 @@ many small pageable host->device copies are ~50x slower than pinned ones (docs/v
 Every header is validated before the first byte of tensor data is read, so a truncated file fails before anything
 is loaded. A failure later (a short read, an I/O error) stops every worker and raises `PackReadError`, naming the
 file, the offset and the tensor, in the caller.
+
+Over 400 lines on purpose: `ParallelRead` is one protocol (one lock, two conditions) between the workers, the ring
+and the consumer, and its parts share that state; the plan, the options, the buffers, the files and the progress
+report are modules of their own (plan.py, options.py, buffers.py, files.py, progress.py).
 """
 
 from __future__ import annotations
@@ -32,15 +36,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 
 import torch
 
-from ..format.errors import Exl3FormatError
 from ..format.geometry import ceil_to
-from ..format.headers import FileIdentity, SafetensorsFile, TensorRecord, read_safetensors_header
+from ..format.headers import SafetensorsFile, TensorRecord, read_safetensors_header
 from ..format.tensors import TORCH_DTYPES
 from ..format.units import format_bytes
+from .files import OpenFile, PackReadError
 from .buffers import HUGE_PAGE, AlignedBuffer, RecycledHostBuffers, advise_huge_pages
 from .options import ReaderOptions
 from .plan import ALIGN, Chunk, ReadPlan, plan_reads
@@ -54,14 +57,6 @@ logger = logging.getLogger(__name__)
 INPLACE_MIN_BYTES = 128 * 1024
 # iovecs per scatter read: Linux refuses more than IOV_MAX (1024); the rest of a chunk goes through the slot.
 MAX_IOVECS = 512
-
-
-class PackReadError(Exl3FormatError):
-    """Reading tensor bytes failed (short read, I/O error). Names the file, the absolute offset and the tensor."""
-
-    def __init__(self, file: str | os.PathLike, offset: int, tensor: str | None, expected: str, found: str):
-        self.offset = offset
-        super().__init__(file, tensor, f"{expected} at offset {offset}", found)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -82,65 +77,6 @@ def _views(segments: list[tuple[int, int, int]], start: int) -> list:
         if end - first > skip:
             out.append((ctypes.c_char * (end - first - skip)).from_address(address + skip))
     return out
-
-
-class _OpenFile:
-    """One file shared by all workers (pread needs no per-thread position). Falls back from O_DIRECT once."""
-
-    def __init__(self, path: Path, direct_io: bool, identity: FileIdentity | None = None):
-        self.path = path
-        self.identity = identity
-        self.lock = threading.Lock()
-        self.direct = False
-        self.fd = self._open(direct_io)
-
-    def _open(self, direct_io: bool) -> int:
-        if direct_io and hasattr(os, "O_DIRECT"):
-            try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK)
-                self.direct = True
-                return fd
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise PackReadError(self.path, 0, None, "a file that opens for reading",
-                                        f"{type(e).__name__}: {e}")
-                logger.info("%s: O_DIRECT refused by the filesystem, reading through the page cache", self.path)
-        return self._open_buffered()
-
-    def check_unchanged(self, when: str) -> None:
-        """The file is still the one whose header was read (same inode, size and mtime), both open and by path:
-        a file rewritten in place or replaced during a load would mix old and new bytes."""
-        if self.identity is None:
-            return
-        try:
-            now = {FileIdentity.of(os.fstat(self.fd)), FileIdentity.of(os.stat(self.path))}
-        except OSError as e:
-            now = {f"{type(e).__name__}: {e}"}
-        if now != {self.identity}:
-            found = ", ".join(str(n) for n in now if n != self.identity)
-            raise PackReadError(self.path, 0, None, f"the file as its header was read ({self.identity}) {when}",
-                                f"{found}: the file was rewritten or replaced during the load; load again")
-
-    def _open_buffered(self) -> int:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError as e:
-            raise PackReadError(self.path, 0, None, "a file that opens for reading", f"{type(e).__name__}: {e}")
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger kernel read-ahead between our chunks
-        return fd
-
-    def fall_back_to_buffered(self, failed_fd: int) -> None:
-        """Some filesystems accept O_DIRECT at open and refuse it at read time (EINVAL)."""
-        with self.lock:
-            if self.fd == failed_fd and self.direct:
-                logger.info("%s: O_DIRECT read refused, reading through the page cache", self.path)
-                self.fd = self._open_buffered()
-                self.direct = False
-                os.close(failed_fd)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class _Aborted(Exception):
@@ -179,7 +115,7 @@ class ParallelRead:
         self._reading = 0  # reads in flight, for `idle_seconds`
         self._idle_since: float | None = None  # None before the first read
         self._idle = 0.0
-        self._files: list[_OpenFile] = []
+        self._files: list[OpenFile] = []
         self._threads: list[threading.Thread] = []
         # On CUDA, destinations are allocated on the consumer's stream, and every worker stream waits for it before
         # writing: a block the consumer freed may still be read by its queued copies into the parameters.
@@ -200,7 +136,7 @@ class ParallelRead:
         try:
             identities = self.plan.identities or [None] * len(self.plan.files)
             for path, identity in zip(self.plan.files, identities):  # one by one: _stop closes the opened ones
-                self._files.append(_OpenFile(path, self.options.direct_io, identity))
+                self._files.append(OpenFile(path, self.options.direct_io, identity))
             # the last tensor of each file: its bytes are the file's last to land (tensors come in file order)
             last_of_file = {}
             for index, rec in enumerate(self.plan.tensors):

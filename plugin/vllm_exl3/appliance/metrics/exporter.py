@@ -31,7 +31,8 @@ def registry(state: str | os.PathLike, pack_dir: str, role: str) -> CollectorReg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--host", default=settings.get("VLLM_EXL3_METRICS_HOST"), help="bind address (VLLM_EXL3_METRICS_HOST)")
+    p.add_argument("--host", default=settings.get("VLLM_EXL3_METRICS_HOST"),
+                   help="bind address (VLLM_EXL3_METRICS_HOST)")
     p.add_argument("--port", type=int, default=settings.get("VLLM_EXL3_METRICS_PORT"),
                    help="port (VLLM_EXL3_METRICS_PORT)")
     p.add_argument("--state-dir", default=str(state_dir()), help="the state files' directory (VLLM_EXL3_STATE_DIR)")
