@@ -32,19 +32,10 @@ def preflight(p: argparse.ArgumentParser):
 
 def metrics(p: argparse.ArgumentParser):
     """Serve the EXL3 and Spark-health metrics for Prometheus (docs/observability.md); runs until stopped."""
-    from ..appliance.metrics.exporter import add_arguments
+    from ..appliance.metrics import exporter
 
-    add_arguments(p)
-
-    def run(a: argparse.Namespace) -> int:
-        import logging
-
-        from ..appliance.metrics.exporter import serve
-
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
-        return serve(a)
-
-    return run
+    exporter.add_arguments(p)
+    return exporter.run
 
 
 def _arguments(p: argparse.ArgumentParser, preflight_only: bool = False) -> None:

@@ -60,11 +60,16 @@ def serve(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
+    """The exporter as a program (`vllm-exl3 metrics`, `python -m ...exporter`): its log on stderr, then `serve`."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    return serve(args)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_exl3.appliance.metrics.exporter",
                                 description=__doc__.splitlines()[0])
-    return serve(add_arguments(p).parse_args(argv))
+    return run(add_arguments(p).parse_args(argv))
 
 
 if __name__ == "__main__":
