@@ -212,7 +212,7 @@ def write_packs(plan: dict, names: list[str]) -> None:
             continue
         shutil.rmtree(d, ignore_errors=True)
         shape = packs.SHAPES[p["shape"]]
-        layers = shape.layers
+        layers = p.get("layers", shape.layers)  # fewer layers than the model has: a dry run of the harness
         if "max-disk-gb" in p:  # as many layers as the stated disk share allows (per-layer bytes of a 1-layer pack)
             per_layer = _layer_bytes(p, packs)
             free = shutil.disk_usage("/tmp").free - 6e9
