@@ -141,13 +141,22 @@ def config_json(shape: Shape, layers: int, bits: float, codebook: str) -> dict:
     return c
 
 
+def outer_tensors(shape: Shape, codebook: str) -> dict[str, torch.Tensor]:
+    """The tensors outside the layers: embedding, final norm, the EXL3 head."""
+    g = torch.Generator().manual_seed(1)
+    head = random_weights(shape.hidden, shape.vocab, HEAD_BITS, codebook, seed=99)
+    return {"model.embed_tokens.weight": (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).bfloat16(),
+            "model.norm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+            **linear_tensors("lm_head", head)}
+
+
 def _write_shard(out: Path, name: str, shape_name: str, layers: list[int], bits: float, codebook: str,
-                 extra: dict[str, torch.Tensor] | None = None) -> tuple[str, list[str], int]:
-    """One shard file: the given layers (and `extra` tensors); runs in a worker process."""
+                 with_outer: bool) -> tuple[str, list[str], int]:
+    """One shard file: the given layers (and the outer tensors if asked); runs in a worker process."""
     from safetensors.torch import save_file
 
     shape = SHAPES[shape_name]
-    tensors = dict(extra or {})
+    tensors = outer_tensors(shape, codebook) if with_outer else {}
     for layer in layers:
         tensors.update(layer_tensors(shape, layer, bits, codebook))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
@@ -158,25 +167,23 @@ def write(out: Path, shape_name: str, bits: float, layers: int | None = None, co
           workers: int = 8) -> dict:
     """The pack, its shards written side by side by `workers` processes (one random draw per layer is the slow
     part: one process writes a 16 GB pack in minutes)."""
+    import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     shape = SHAPES[shape_name]
     layers = layers or shape.layers
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(1)
-    head = random_weights(shape.hidden, shape.vocab, HEAD_BITS, codebook, seed=99)
-    outer = {"model.embed_tokens.weight": (torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02).bfloat16(),
-             "model.norm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
-             **linear_tensors("lm_head", head)}
     per_layer = sum(t.nbytes for t in layer_tensors(shape, shape.dense_layers, bits, codebook).values())
     per_shard = max(1, int(SHARD_BYTES // per_layer))
     groups = [list(range(i, min(layers, i + per_shard))) for i in range(0, layers, per_shard)]
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map: dict[str, str] = {}
     total = 0
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(groups)))) as pool:
-        jobs = [pool.submit(_write_shard, out, name, shape_name, group, bits, codebook, outer if i == 0 else None)
+    # spawned, not forked: a fork of a process whose torch thread pool has run can hang in the child's first op
+    spawn = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(groups))), mp_context=spawn) as pool:
+        jobs = [pool.submit(_write_shard, out, name, shape_name, group, bits, codebook, i == 0)
                 for i, (name, group) in enumerate(zip(names, groups))]
         for job in jobs:
             name, keys, nbytes = job.result()

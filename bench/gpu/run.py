@@ -431,14 +431,12 @@ def model_dir(plan: dict, entry: dict) -> tuple[Path, str]:
     return dst, "dummy"
 
 
-def serve_one(plan: dict, entry: dict, writer: Background | None) -> dict:
+def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
+    """Boot one [[serve]] (not waiting for it): its server, and its result row so far."""
     label = entry["label"]
     pack = entry.get("pack") or entry["like"]
-    # No measurement while packs are being written: the writer takes cores and the disk (seen: a boot twice as long).
-    while writer is not None and writer.running() and left() > 200:
-        time.sleep(2)
     if not (pack_dir(pack) / "done.json").exists():
-        return {"label": label, "ok": False, "error": f"pack {pack} not written (see packs.log)"}
+        return None, {"label": label, "ok": False, "error": f"pack {pack} not written (see packs.log)"}
     model, load_format = model_dir(plan, entry)
     srv = plan["server"]
     flags = preset_flags(srv, {"max-num-seqs": srv["max-num-seqs"], "max-model-len": srv["max-model-len"],
@@ -447,13 +445,22 @@ def serve_one(plan: dict, entry: dict, writer: Background | None) -> dict:
                                "served-model-name": label})
     env = dict(entry.get("env", {}))
     s = Server(label, str(model), flags, env, WORK / "cache-serve" / label)
-    row = {"label": label, "model": str(model), "load_format": load_format, "env": env, "argv": s.argv[3:],
-           "pack": json.loads((pack_dir(pack) / "done.json").read_text())}
+    return s, {"label": label, "model": str(model), "load_format": load_format, "env": env, "argv": s.argv[3:],
+               "pack": json.loads((pack_dir(pack) / "done.json").read_text())}
+
+
+def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others: list[str]) -> dict:
+    """Wait for a booted server, run `vllm-exl3 bench` against it, stop it. `others`: servers of its boot group
+    still holding GPU memory, idle, while this one is measured (stated in the row)."""
+    label = s.label
     try:
-        if not s.wait(min(float(srv["boot-timeout-s"]), left() - 60)):
+        if left() < 90:
+            row.update(ok=False, error="skipped: not enough of the call left")
+            return row
+        if not s.wait(min(boot_deadline, time.monotonic() + left() - 60) - time.monotonic()):
             row.update(ok=False, error="not healthy", log_tail=s.tail())
             return row
-        row.update(boot_s=s.boot_s, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "),
+        row.update(boot_s=s.boot_s, idle_servers_beside=others, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "),
                    memory=s.lines("Model loading took", "KV cache", "CUDA graph", "torch.compile", "Available"))
         b = plan["bench"]
         out = RESULTS / f"bench-{label}"
@@ -475,20 +482,41 @@ def serve_one(plan: dict, entry: dict, writer: Background | None) -> dict:
     return row
 
 
+def boot_groups(entries: list[dict]) -> list[list[dict]]:
+    """The [[serve]]s in plan order, those sharing a `boot-group` together (booted side by side, measured one at a
+    time while the others wait idle); one without a group is a group of its own."""
+    groups: dict[object, list[dict]] = {}
+    for i, e in enumerate(entries):
+        groups.setdefault(e.get("boot-group", ("alone", i)), []).append(e)
+    return list(groups.values())
+
+
 def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> None:
-    rows = []
-    for entry in plan["serve"]:
-        if labels and entry["label"] not in labels:
-            continue
+    chosen = [e for e in plan["serve"] if not labels or e["label"] in labels]
+    for group in boot_groups(chosen):
+        names = [e["label"] for e in group]
         if left() < 240:
-            rows.append({"label": entry["label"], "ok": False, "error": "skipped: not enough of the call left"})
+            for label in names:
+                save(f"serve-{label}.json", {"label": label, "ok": False, "error": "skipped: not enough of the call"})
             continue
-        log(f"serve {entry['label']}")
-        row = serve_one(plan, entry, writer)
-        rows.append(row)
-        log(f"serve {entry['label']}: ok={row.get('ok')} boot={row.get('boot_s')} bench={row.get('bench_s')} "
-            f"{row.get('error', '')}")
-        save(f"serve-{entry['label']}.json", row)
+        # No boot while packs are being written: the writer takes cores and the disk (seen: a boot twice as long).
+        while writer is not None and writer.running() and left() > 200:
+            time.sleep(2)
+        log(f"serve: booting {', '.join(names)}")
+        started = [start_server(plan, e) for e in group]
+        deadline = time.monotonic() + float(plan["server"]["boot-timeout-s"])
+        try:
+            for i, (s, row) in enumerate(started):
+                if s is not None:
+                    others = [o.label for o, _ in started[i + 1:] if o is not None]
+                    row = bench_server(plan, s, row, deadline, others)
+                log(f"serve {row['label']}: ok={row.get('ok')} boot={row.get('boot_s')} bench={row.get('bench_s')} "
+                    f"{row.get('error', '')}")
+                save(f"serve-{row['label']}.json", row)
+        finally:
+            for s, _ in started:
+                if s is not None:
+                    s.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------------
