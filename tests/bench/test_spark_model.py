@@ -1,0 +1,114 @@
+"""bench/spark_model.py: the H200-calibrated per-kernel model that predicts the DGX Spark (CPU only, reads only the
+repo's committed result files and bench/spark_model.toml)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("spark_model", ROOT / "bench" / "spark_model.py")
+sm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sm)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sm.Model(sm.load_config())
+
+
+def test_end_to_end_calibration_points_are_reproduced(model):
+    s = model.cfg["serving"]
+    for scheme, key in (("exl3_4bit_fp16_head", "exl3_4bit_ms"), ("gptq_4bit", "gptq_4bit_ms")):
+        for batch, measured in zip(s["batches"], s[key]):
+            predicted = model.step(scheme, "h200", batch)["ms"]
+            assert abs(predicted / measured - 1) < 0.06, (scheme, batch, predicted, measured)
+
+
+def test_moe_and_dense_calibration_rows(model):
+    fixed = model.cfg["calibration"]["moe_fixed_us"]
+    for (bits, tokens), measured in model.moe_h200.items():
+        r = model.moe_us("h200", bits, tokens)
+        assert r["us"] == pytest.approx(measured, rel=1e-9)
+        assert r["bound"] == "issue" and r["byte_us"] < r["issue_us"]  # the H200 never waits on bytes here
+        assert measured > fixed
+    for rows, (a, slope) in model.dense_fit.items():
+        assert a > 0 and slope > 0
+        for weights, us in model.dense_points[rows]:
+            assert abs(a + slope * weights - us) / us < 0.15, (rows, weights, us)
+    assert model.rest_ms > 0 and model.marlin_fixed_us > 0
+
+
+def test_two_bit_reads_half_the_expert_bytes_of_four_bit(model):
+    h, w = model.m["hidden"], model.m["expert_width"]
+    scales = 3 * (h + w) * 2
+    assert sm.expert_bytes(h, w, 2.0) - scales == pytest.approx((sm.expert_bytes(h, w, 4.0) - scales) / 2)
+    for tokens in (1, 2, 4, 8):
+        b4, b2 = model.moe_us("gb10", 4, tokens)["bytes"], model.moe_us("gb10", 2, tokens)["bytes"]
+        assert 0.5 < b2 / b4 < 0.51
+
+
+def test_gb10_is_bandwidth_bound_where_bytes_dominate(model):
+    ratio = model.speed("gb10")
+    dev = model.cfg["devices"]
+    expect = (dev["h200"]["sms"] * dev["h200"]["clock_ghz"]) / (dev["gb10"]["sms"] * dev["gb10"]["clock_ghz"])
+    assert ratio == pytest.approx(expect) and ratio > 1  # the GB10 issues fewer instructions per µs
+    for tokens in (1, 2, 4, 8):
+        r4 = model.moe_us("gb10", 4, tokens)
+        assert r4["bound"] == "bytes" and r4["byte_us"] > r4["issue_us"]
+        assert r4["us"] >= r4["bytes"] / (dev["gb10"]["gbps"] * 1e3)  # never faster than the bandwidth
+        r2 = model.moe_us("gb10", 2, tokens)
+        assert r2["us"] < r4["us"]  # fewer bytes: 2 bits beat 4 on the Spark (they tie on the H200)
+        fixed = model.cfg["calibration"]["moe_fixed_us"]
+        assert r2["us"] == pytest.approx(fixed + max(r2["byte_us"], r2["issue_us"]))
+    steps = {(k, b): model.step(k, "gb10", b) for k in model.cfg["schemes"] for b in (1, 8)}
+    for r in steps.values():
+        assert r["ms"] >= r["floor_ms"]
+    assert steps["exl3_2bit", 1]["ms"] < steps["exl3_4bit", 1]["ms"] < steps["exl3_4bit_fp16_head", 1]["ms"]
+
+
+def test_bytes_per_token(model):
+    gb = {k: model.step(k, "gb10", 1)["weight_gb_per_step"] for k in model.cfg["schemes"]}
+    assert gb["gptq_4bit"] == pytest.approx(2.05, abs=0.01)  # the issue's numbers, recomputed from the shape
+    assert gb["exl3_4bit"] == pytest.approx(1.62, abs=0.01)
+
+
+def test_routing_and_decode_counts():
+    assert sm.distinct_experts(1, 128, 8) == pytest.approx(8)
+    assert sm.distinct_experts(8, 128, 8) == pytest.approx(128 * (1 - (15 / 16) ** 8))
+    for tokens in (1, 2, 8):  # at most 8 rows per expert: one chunk per routed expert
+        assert sm.expert_decodes(tokens, 128, 8) == pytest.approx(sm.distinct_experts(tokens, 128, 8), rel=1e-9)
+    assert sm.expert_decodes(4096, 128, 8) > 4 * 128  # four 1024-token steps, some experts in two 64-row chunks
+    assert [sm.rows_per_chunk(p, 128) for p in (8, 1024, 2048, 8192)] == [8, 8, 16, 64]
+
+
+def test_moe_row_rates(model):
+    cfg = model.cfg
+    row = {"layer": "qwen3-30b-a3b", "bits": 4, "tokens": 1, "native_graph_us": 20.0,
+           "routed_bytes": 8 * sm.expert_bytes(2048, 768, 4)}
+    r = sm.moe_row_rates(row, cfg)
+    assert r["distinct_experts"] == pytest.approx(8)
+    assert r["weights_per_us"] == pytest.approx(8 * 3 * 2048 * 768 / 20.0)
+    h = cfg["devices"]["h200"]
+    ipw = cfg["calibration"]["warp_instructions_per_weight"]
+    ceiling = h["sms"] * h["schedulers_per_sm"] * h["clock_ghz"] * 1e3 / ipw
+    assert r["ceiling_fraction"] == pytest.approx(r["weights_per_us"] / ceiling)
+    assert all(0 < x["ceiling_fraction"] < 1 for x in sm.report(model)["h200_moe_rates"])
+
+
+def test_cli_prints_markdown_and_writes_json(tmp_path):
+    out = tmp_path / "spark.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "spark_model.py"), "--json", str(out), "--gbps", "208"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "predicted" in r.stdout and "| EXL3 2.0 bpw" in r.stdout
+    rep = json.loads(out.read_text())
+    assert {"calibration", "spark_steps", "spark_moe", "h200_moe_rates"} <= rep.keys()
+    assert all(m["gbps"] <= 208 + 1e-9 for m in rep["spark_moe"])
+    assert all(math.isfinite(s["ms"]) for s in rep["spark_steps"])
