@@ -495,7 +495,7 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
     chosen = [e for e in plan["serve"] if not labels or e["label"] in labels]
     for group in boot_groups(chosen):
         names = [e["label"] for e in group]
-        if left() < 240:
+        if left() < 150:
             for label in names:
                 save(f"serve-{label}.json", {"label": label, "ok": False, "error": "skipped: not enough of the call"})
             continue
