@@ -300,6 +300,7 @@ def test_layer_bits_declaration_is_checked_for_every_layer(layer):
 def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy):
     """A broken backend (test-only) chosen for a vLLM layer: `fallback` binds the layer to the torch reference
     at load (output exact), `strict` refuses to load naming the layer."""
+    from vllm_exl3.integration import binding
     from vllm_exl3.kernels import backend as kbackend, parity, selection
     from vllm_exl3.kernels.backends.torch_ref import TorchBackend
 
@@ -318,6 +319,7 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy
     monkeypatch.setenv(parity.PARITY_ENV, policy)
     monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
     parity.reset()
+    binding.reset()
     rank(0, 1)
     w = random_weights(256, 384, 3, "mcg", seed=1)
     cfg, tensors = make_config(tmp_path, {"model.layers.0.up": w})
@@ -334,6 +336,7 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy
         assert layer.exl3_shards[0][2][1] == "torch"  # the backend the gate moved the layer to
     finally:
         parity.reset()
+        binding.reset()
 
 
 def test_kernel_choice_enters_vllms_compile_key(tmp_path, rank):

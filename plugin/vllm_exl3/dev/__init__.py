@@ -1,1 +1,1 @@
-"""Development helpers for tests, bench and the CLI (synthetic packs, parity); never imported by serving code."""
+"""Development helpers for tests, bench and the CLI (synthetic packs, golden_logprobs: served logprobs vs golden logits); never imported by serving code."""
