@@ -1,4 +1,6 @@
 // The reconstruct kernels: Ŵ (bit-exact), W' = Ŵ H diag(svh) (output side applied) and W in the original basis.
+// Over 400 lines on purpose: the three share the decode staging and one launcher (launch_reconstruct) that picks
+// between them; apart, the launcher would include every kernel anyway.
 #include <algorithm>
 
 #include "exl3_decode.cuh"

@@ -18,8 +18,8 @@ TORCH_FREE = ["vllm_exl3.base." + m for m in ("settings", "state", "http", "vers
     ["vllm_exl3.appliance." + m for m in ("health", "launch", "memory_plan", "preflight", "supervisor_listener",
                                           "watchdog", "peer")] + \
     ["vllm_exl3.format." + m for m in ("constants", "errors", "headers", "records", "pack", "index", "contract",
-                                        "geometry", "units", "summary")] + ["vllm_exl3.kernels.requested", "vllm_exl3.kernels.errors",
-                                                                 "vllm_exl3.kernels.backends.native_moe_limits"] + \
+                                        "geometry", "units", "summary")] + \
+    ["vllm_exl3.kernels." + m for m in ("requested", "errors", "backends.native_moe_limits")] + \
     ["vllm_exl3.servebench." + m for m in ("workload", "client", "server_metrics", "stats", "runner", "report",
                                            "plots")] + ["vllm_exl3.cli.bench", "vllm_exl3.cli.main"]
 

@@ -13,15 +13,7 @@ from vllm_exl3.kernels import backend as kbackend, parity, selection
 from vllm_exl3.kernels.backends.torch_ref import TorchBackend
 from vllm_exl3.kernels.specs import LinearSpec
 
-
-class Broken(TorchBackend):
-    name = "native"
-
-    def unavailable_reason(self):
-        return None
-
-    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
-        return 2 * super().linear(x, w, prepared, in_offset, out_offset, out_features)
+from support.backends import WrongNative
 
 
 @pytest.fixture
@@ -55,7 +47,7 @@ class Layer:
 
 
 def test_a_fallback_rebinds_every_layer_bound_to_the_failed_backend(env, monkeypatch):
-    monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
+    monkeypatch.setitem(kbackend.REGISTRY, "native", WrongNative())
     w = random_weights(128, 128, 3, "mcg", seed=1)
     other = random_weights(128, 128, 4, "mcg", seed=2)  # another layer type
     # The type's first check is taken as passed (a backend wrong only on some layers), so two layers stay bound.

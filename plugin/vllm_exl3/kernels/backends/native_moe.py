@@ -4,8 +4,9 @@ backend keeps per layer.
 The packed trellis is read as stored (no 16-bit copy of any expert). Per layer the backend keeps two tiny int32
 tensors (the kernel key of each expert's gate/up and down weight, for layers that mix bit widths or codebooks); per
 device one workspace serves every MoE layer, sized for at most MOE_CHUNK_TOKENS tokens (native_moe_limits.py; longer
-calls run in chunks inside the op), and reserved at load so that CUDA-graph capture allocates nothing. Routing, row-chunk sizes and kernel choice
-happen inside the op from shapes and device-side counts: no host sync, so every token count captures.
+calls run in chunks inside the op), and reserved at load so that CUDA-graph capture allocates nothing. Routing,
+row-chunk sizes and kernel choice happen inside the op from shapes and device-side counts: no host sync, so every
+token count captures.
 """
 
 from __future__ import annotations
