@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "tests"))
 
-from servers import vllm_server  # noqa: E402
+from support.servers import vllm_server  # noqa: E402
 
 from vllm_exl3.dev import golden_logprobs  # noqa: E402
 
