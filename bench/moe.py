@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels import copy_bandwidth, time_calls  # noqa: E402  (bench/kernels.py)
+from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
 from vllm_exl3.format.constants import TILE  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 from vllm_exl3.kernels.specs import ExpertStack  # noqa: E402
@@ -62,16 +63,7 @@ def routed_bytes(stack: ExpertStack, topk_ids: torch.Tensor) -> int:
 
 def graph_time(calls, replays: int = 20) -> float:
     """µs per call: all `calls` captured into one graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+    graph, _ = capture(lambda: [c() for c in calls])
     graph.replay()
     torch.cuda.synchronize()
     times = []

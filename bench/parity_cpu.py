@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "tests"))
 
-from servers import vllm_server  # noqa: E402
+from support.servers import vllm_server  # noqa: E402
 
-from vllm_exl3.dev import parity  # noqa: E402
+from vllm_exl3.dev import golden_logprobs  # noqa: E402
 
 FIXTURES = root / "tests" / "fixtures" / "exl3"
 
@@ -32,7 +32,7 @@ def main() -> None:
         for pack in sorted(p for p in FIXTURES.iterdir() if (p / "golden").is_dir()):
             golden = load_file(pack / "golden" / "logits.safetensors")
             with vllm_server(pack, Path(logs), "--dtype", "float32", "--enforce-eager") as server:
-                report = parity.compare(server.base_url, server.model, golden["input_ids"], golden["logits"])
+                report = golden_logprobs.compare(server.base_url, server.model, golden["input_ids"], golden["logits"])
             rows[pack.name] = asdict(report)
             print(f"{pack.name:28s} top-1 {report.top1_agreement:6.1%}  median |dlogp| "
                   f"{report.median_abs_logprob_delta:.5f}  max {report.max_abs_logprob_delta:.4f}")

@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugin"))
 
+from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
 from vllm_exl3.dev.synthetic import expert_stack, random_weights  # noqa: E402
 from vllm_exl3.format.geometry import Span  # noqa: E402
 from vllm_exl3.format.pack import Pack  # noqa: E402
@@ -175,14 +176,7 @@ def check_moe(backend, name, weights, rank, dtype, device, results, graphs: bool
             dist.all_reduce(out)
             return out
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
+        graph, captured = capture(step)
         tw2, ti2 = routing(tokens, experts, top_k, 99, device)
         static[0].copy_(torch.randn_like(x))
         static[1].copy_(tw2)

@@ -24,21 +24,16 @@
 #include "env.h"
 #include "exl3_kernels.h"
 #include "planner.h"
+#include "torch_glue.h"
 
 namespace {
 
-constexpr int64_t kHad = 128;
-constexpr int64_t kTile = 16;
+using exl3::align256;
+using exl3::glue::check_cuda, exl3::glue::kHad, exl3::glue::kTile, exl3::glue::use_pdl;
 
 using exl3::Path;
 using exl3::kAuto, exl3::kSkinny, exl3::kReconstruct, exl3::kSkinnySplit, exl3::kSkinnyDirect,
     exl3::kSkinnyPlain, exl3::kPanel, exl3::kReconOriginal;
-
-void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "vllm_exl3: ", what, " failed: ", cudaGetErrorString(err));
-}
-
-bool use_pdl() { return exl3::env::pdl(); }  // read per call: the bench toggles it
 
 // Diagnostics for bench/kernels.py --trace: with VLLM_EXL3_SKINNY_TRACE=1 each skinny launch records per-warp
 // timestamps (exl3::GemmArgs::trace) into a fresh tensor, which skinny_trace() returns until the next launch.
@@ -65,8 +60,6 @@ int act_dtype(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "activations must be fp16 or bf16");
   return x.scalar_type() == at::kBFloat16 ? exl3::kActBF16 : exl3::kActF16;
 }
-
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 // y[M][N] = a[M][K] . W[K][N] (row-major, a's dtype throughout, W with row stride ldw elements, fp32 accumulate)
 // == column-major Y^T = W^T . A^T.

@@ -23,6 +23,10 @@ constexpr float kHadScale = 0.08838834764831845f;
 constexpr float kReconInputScale = 0.0625f, kReconWeightScale = 0.125f;
 static_assert(kReconInputScale * kReconWeightScale == 1.0f / 128, "the two shares make the Hadamards' 1/128");
 
+// Workspace carving (the dense path's in bindings.cpp, the MoE path's in moe.cu): every sub-buffer starts on a
+// 256-byte boundary, the alignment cudaMalloc gives, so each one is as aligned as a buffer of its own.
+constexpr size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
 struct TrellisView {
   const int16_t* data;    // tile (kt, nt) starts at data + kt * row_stride + nt * tile_stride (int16 elements)
   long long row_stride;   // int16 elements between k-tile rows

@@ -67,7 +67,7 @@ int prepare_kernel(const GemmKernel& k, int dev) {
 // mt: 8-row groups per row chunk (skinny: 1 or 2; the panel kernel has one size).
 GemmKernel pick(const GemmArgs& a, bool panel, int mt, bool dup) {
   if (panel) return panel_kernel_for(a.w.codebook, a.w.bits2);
-  return a.w.codebook == kCbMul1 ? skinny_kernel_mul1(a.w.bits2, mt, dup) : skinny_kernel_xcg(a.w.bits2, mt, dup);
+  return a.w.codebook == kCbMul1 ? skinny_kernel_mul1(a.w.bits2, mt, dup) : skinny_kernel_3inst_mcg(a.w.bits2, mt, dup);
 }
 
 }  // namespace

@@ -15,8 +15,6 @@
 namespace exl3 {
 namespace {
 
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-
 // ------------------------------------------------------------------------------------------------------------
 // Step 1: routing. One block: per-expert counts (shared-memory atomics), two block scans (pair offsets, chunk
 // offsets), then the scatter and the chunk table. Pair order inside an expert's list depends on atomic order, which
@@ -218,7 +216,7 @@ cudaError_t prepare_gemm(const MoeGemmKernel& k) {
 }
 
 MoeGemmKernel pick_gemm(int bits2, int codebook, int rows) {
-  return codebook == kCbMul1 ? moe_gemm_kernel_mul1(bits2, rows) : moe_gemm_kernel_xcg(bits2, rows);
+  return codebook == kCbMul1 ? moe_gemm_kernel_mul1(bits2, rows) : moe_gemm_kernel_3inst_mcg(bits2, rows);
 }
 
 }  // namespace

@@ -25,6 +25,9 @@
 namespace exl3 {
 
 constexpr int kMoeMaxExperts = 1024;  // local experts per layer: the routing kernel keeps one counter per expert
+// Tokens per internal step of the native_moe op (moe_bindings.cpp): bounds the workspace (moe_workspace_layout);
+// longer calls run chunk by chunk. Python mirrors it as kernels/backends/native_moe_limits.py MOE_CHUNK_TOKENS.
+constexpr int kMoeChunkTokens = 1024;
 
 enum MoeActivation : int { kActSilu = 0, kActGelu = 1, kActGeluTanh = 2 };
 

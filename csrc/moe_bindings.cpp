@@ -8,7 +8,7 @@
 //   moe_prepare(bits, codebook) -> raises the kernels' shared-memory limits (once per layer kind, at load)
 //
 // Workspace: one buffer per device for all MoE layers (they run one after another on the stream), sized for
-// kMoeChunkTokens tokens; longer calls run chunk by chunk. It grows only outside CUDA-graph capture (load time
+// kMoeChunkTokens (moe.h) tokens; longer calls run chunk by chunk. It grows only outside CUDA-graph capture (load time
 // reserves it, and vLLM's warm-up runs every size eagerly before capturing); growth requested during capture is an
 // error, never an allocation.
 #include <algorithm>
@@ -24,19 +24,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "env.h"
 #include "moe.h"
+#include "torch_glue.h"
 
 namespace {
 
-constexpr int64_t kHad = 128;
-constexpr int kMoeChunkTokens = 1024;  // tokens per internal step: bounds the workspace (moe_workspace_layout)
-
-void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "vllm_exl3: ", what, " failed: ", cudaGetErrorString(err));
-}
-
-bool use_pdl() { return exl3::env::pdl(); }
+using exl3::kMoeChunkTokens;
+using exl3::glue::check_cuda, exl3::glue::kHad, exl3::glue::use_pdl;
 
 int activation_id(c10::string_view name) {
   if (name == "silu") return exl3::kActSilu;

@@ -220,7 +220,7 @@ MoeGemmKernel moe_gemm_kernel_ref() {
 
 // Per-family lookup (one definition per translation unit); {nullptr, 0} for widths or row sizes not built.
 MoeGemmKernel moe_gemm_kernel_mul1(int bits2, int rows);
-MoeGemmKernel moe_gemm_kernel_xcg(int bits2, int rows);
+MoeGemmKernel moe_gemm_kernel_3inst_mcg(int bits2, int rows);
 
 // Row-chunk sizes with instantiations (moe_rows_per_chunk picks among them).
 #define EXL3_MOE_DISPATCH_ROWS(rows, F)                 \

@@ -1,4 +1,6 @@
 // The reconstruct kernels: Ŵ (bit-exact), W' = Ŵ H diag(svh) (output side applied) and W in the original basis.
+// Over 400 lines on purpose: the three share the decode staging and one launcher (launch_reconstruct) that picks
+// between them; apart, the launcher would include every kernel anyway.
 #include <algorithm>
 
 #include "exl3_decode.cuh"
@@ -408,12 +410,12 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
   cudaError_t err = cudaErrorInvalidValue;
   auto go = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;
-    constexpr bool kXcg = kB % 2 == 0;  // 3inst/mcg exist for integer widths only
-    if (a.w.codebook != kCbMul1 && !kXcg) return;
+    constexpr bool kHas3InstMcg = kB % 2 == 0;  // 3inst/mcg exist for integer widths only
+    if (a.w.codebook != kCbMul1 && !kHas3InstMcg) return;
     if (a.suh) {
       if (!a.svh) return;
       const void* fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, true>);
-      if constexpr (kXcg)
+      if constexpr (kHas3InstMcg)
         if (a.w.codebook != kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_original_kernel<kB, false>);
       void* args[] = {const_cast<ReconstructArgs*>(&a)};
       err = launch_kernel(fn, dim3(a.groups, a.kb_count), dim3(kXfThreads), 0, false, stream, args);
@@ -423,7 +425,7 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
       // Up to 4 k-tile rows per warp, fewer when that would leave under ~2048 warps (small layers).
       int rows_per_warp = std::max(1, std::min(EXL3_OUT_SIDE_ROWS, kt_total * a.groups / 2048));
       const void* fn = reinterpret_cast<const void*>(&reconstruct_output_side_kernel<kB, true>);
-      if constexpr (kXcg)
+      if constexpr (kHas3InstMcg)
         if (a.w.codebook != kCbMul1) fn = reinterpret_cast<const void*>(&reconstruct_output_side_kernel<kB, false>);
       // A host-side attribute (not a stream operation): cheap, and allowed during graph capture.
       if ((err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, OutSideRing<kB>::kSmem)) !=
@@ -436,7 +438,7 @@ cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t 
     } else {
       const dim3 grid(a.groups * kTilesPerHad / kXfWarps, (kt_total + kReconRows - 1) / kReconRows);
       if (a.w.codebook == kCbMul1) reconstruct_kernel<kB, true><<<grid, kXfThreads, 0, stream>>>(a);
-      else if constexpr (kXcg) reconstruct_kernel<kB, false><<<grid, kXfThreads, 0, stream>>>(a);
+      else if constexpr (kHas3InstMcg) reconstruct_kernel<kB, false><<<grid, kXfThreads, 0, stream>>>(a);
     }
     err = cudaGetLastError();
   };

@@ -306,6 +306,6 @@ GemmKernel skinny_kernel_ref() {
 
 // Per-family lookup (one definition per translation unit). dup: duplicated-activation codeword path.
 GemmKernel skinny_kernel_mul1(int bits2, int mt, bool dup);
-GemmKernel skinny_kernel_xcg(int bits2, int mt, bool dup);
+GemmKernel skinny_kernel_3inst_mcg(int bits2, int mt, bool dup);
 
 }  // namespace exl3

@@ -1,4 +1,5 @@
-"""The package's layering holds: import-linter's contracts in pyproject.toml (layers with `base` at the bottom, only
+"""The package's layering holds: import-linter's contracts in pyproject.toml (layers with `base` at the bottom, the
+layers inside kernels/ (no import cycle between the backend table and the backend modules), only
 `integration` imports vLLM, `base` is standard library only, `appliance` and the header-only `format` modules stay
 free of torch), and at run time base, the appliance, the header-only format modules and the CLI's entry import
 without loading torch or vLLM (Docker's HEALTHCHECK must work when they cannot; `vllm-exl3 --help` stays fast)."""
@@ -17,7 +18,8 @@ TORCH_FREE = ["vllm_exl3.base." + m for m in ("settings", "state", "http", "vers
     ["vllm_exl3.appliance." + m for m in ("health", "launch", "memory_plan", "preflight", "supervisor_listener",
                                           "watchdog", "peer")] + \
     ["vllm_exl3.format." + m for m in ("constants", "errors", "headers", "records", "pack", "index", "contract",
-                                        "geometry", "units", "summary")] + ["vllm_exl3.kernels.choice"] + \
+                                        "geometry", "units", "summary")] + \
+    ["vllm_exl3.kernels." + m for m in ("requested", "errors", "backends.native_moe_limits")] + \
     ["vllm_exl3.servebench." + m for m in ("workload", "client", "server_metrics", "stats", "runner", "report",
                                            "plots")] + ["vllm_exl3.cli.bench", "vllm_exl3.cli.main"]
 

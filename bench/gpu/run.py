@@ -334,7 +334,7 @@ class Server:
 # ---------------------------------------------------------------------------------------------------------------
 def parity(server: Server, pack: str) -> dict:
     from safetensors.torch import load_file
-    from vllm_exl3.dev import parity as P
+    from vllm_exl3.dev import golden_logprobs as P
 
     golden = load_file(FIXTURES / pack / "golden" / "logits.safetensors")
     r = P.compare(server.url, server.model, golden["input_ids"], golden["logits"])

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from support.fixtures import PACKS, pack_dir
 from vllm_exl3 import demo
-from vllm_exl3.dev import parity
+from vllm_exl3.dev import golden_logprobs
 from support.appliance import alive
 from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server
 from vllm_exl3.appliance.health import descendants
@@ -30,7 +30,7 @@ PROMPTS = ["def fibonacci(n):", "The history of the city begins"]
 
 
 def logprob_report(server, golden) -> tuple[float, float]:
-    report = parity.compare(server.base_url, server.model, golden["input_ids"], golden["logits"])
+    report = golden_logprobs.compare(server.base_url, server.model, golden["input_ids"], golden["logits"])
     return report.top1_agreement, report.median_abs_logprob_delta
 
 

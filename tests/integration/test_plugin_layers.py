@@ -5,6 +5,9 @@ Tensor parallelism is simulated rank by rank: vLLM's layers read the rank and wo
 `get_tensor_model_parallel_rank/_world_size` in `vllm.model_executor.layers.linear`, which we set per rank; the
 per-rank outputs must concatenate (column splits) or sum (row splits) to the single-rank result, including
 splits that fall inside a 128-block.
+
+Over 400 lines on purpose: every test builds real vLLM layers through the same per-rank fixtures and loader calls
+(`rank`, `make_config`, `load`); the kernels behind them are tested in tests/kernels/.
 """
 
 from __future__ import annotations
@@ -300,24 +303,17 @@ def test_layer_bits_declaration_is_checked_for_every_layer(layer):
 def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy):
     """A broken backend (test-only) chosen for a vLLM layer: `fallback` binds the layer to the torch reference
     at load (output exact), `strict` refuses to load naming the layer."""
+    from vllm_exl3.integration import binding
     from vllm_exl3.kernels import backend as kbackend, parity, selection
-    from vllm_exl3.kernels.backends.torch_ref import TorchBackend
-
-    class Broken(TorchBackend):
-        name = "native"
-
-        def unavailable_reason(self):
-            return None
-
-        def linear(self, x, w, prepared, in_offset, out_offset, out_features):
-            return 2 * super().linear(x, w, prepared, in_offset, out_offset, out_features)
+    from support.backends import WrongNative
 
     kbackend.load_backends()
-    monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
+    monkeypatch.setitem(kbackend.REGISTRY, "native", WrongNative())
     monkeypatch.setattr(selection, "_excluded", {})
     monkeypatch.setenv(parity.PARITY_ENV, policy)
     monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
     parity.reset()
+    binding.reset()
     rank(0, 1)
     w = random_weights(256, 384, 3, "mcg", seed=1)
     cfg, tensors = make_config(tmp_path, {"model.layers.0.up": w})
@@ -334,6 +330,7 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy
         assert layer.exl3_shards[0][2][1] == "torch"  # the backend the gate moved the layer to
     finally:
         parity.reset()
+        binding.reset()
 
 
 def test_kernel_choice_enters_vllms_compile_key(tmp_path, rank):

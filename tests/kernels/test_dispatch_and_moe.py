@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_exl3.kernels import backend as kbackend
-from vllm_exl3.kernels import choice, selection, specs
+from vllm_exl3.kernels import errors, interface, requested, selection, specs
 from vllm_exl3.format import reference as R
 from vllm_exl3.kernels.specs import ExpertStack, LinearSpec
 from vllm_exl3.kernels import ops  # noqa: F401  (registers torch.ops.vllm_exl3.*)
@@ -30,27 +30,30 @@ def spec(device="cpu"):
 
 
 def test_auto_picks_an_available_backend_and_records_why_others_were_skipped(monkeypatch):
-    monkeypatch.setenv(choice.KERNEL_ENV, "auto")
+    monkeypatch.setenv(requested.KERNEL_ENV, "auto")
     backend = selection.choose_linear_backend(spec())
     assert backend.unavailable_reason() is None and backend.linear_unsupported_reason(spec()) is None
     decision = next(d for d in selection.decision_counts() if d.layer_type == "linear:mul1:4b:cpu")
     assert decision.backend == backend.name
     skipped = [name for name, _ in decision.fallback_reasons]
-    assert skipped == list(choice.PREFERENCE[: choice.PREFERENCE.index(backend.name)])
+    assert skipped == list(requested.PREFERENCE[: requested.PREFERENCE.index(backend.name)])
     assert all(reason for _, reason in decision.fallback_reasons)
 
 
 def test_explicit_backend_that_is_unavailable_is_an_error(monkeypatch):
-    monkeypatch.setenv(choice.KERNEL_ENV, "native")
+    monkeypatch.setenv(requested.KERNEL_ENV, "native")
     monkeypatch.setattr(kbackend.get_backend("torch"), "unavailable_reason", lambda: None)
     native = kbackend.REGISTRY.get("native")
     if native is not None:
         monkeypatch.setattr(native, "unavailable_reason", lambda: "no CUDA device")
-    with pytest.raises(RuntimeError, match="VLLM_EXL3_KERNEL=native, but that backend is unavailable"):
+    monkeypatch.setenv(requested.STRICT_ENV, "1")  # strict or not: the user named it, so it is an error
+    with pytest.raises(errors.BackendUnavailableError,
+                       match="^VLLM_EXL3_KERNEL=native: that backend is unavailable here: ") as e:
         selection.choose_linear_backend(spec())
+    assert (e.value.setting, e.value.value) == ("VLLM_EXL3_KERNEL", "native") and e.value.reason
 
 
-class _NoMoE(kbackend.Backend):
+class _NoMoE(interface.Backend):
     name = "exllamav3"
 
     def linear_unsupported_reason(self, spec):
@@ -60,7 +63,7 @@ class _NoMoE(kbackend.Backend):
 def test_explicit_backend_falls_back_for_layer_types_it_lacks_unless_strict(monkeypatch, caplog):
     """The exllamav3 compose profile must still boot a model whose experts that backend cannot run."""
     monkeypatch.setitem(kbackend.REGISTRY, "exllamav3", _NoMoE())
-    monkeypatch.setenv(choice.KERNEL_ENV, "exllamav3")
+    monkeypatch.setenv(requested.KERNEL_ENV, "exllamav3")
     moe = specs.MoESpec(("mcg",), (3.0,), 256, 128, 8, "silu", torch.bfloat16, "cpu")
     assert selection.choose_linear_backend(spec()).name == "exllamav3"
     log = logging.getLogger("vllm_exl3.kernels")  # the plugin's logger may not propagate (register())
@@ -70,15 +73,20 @@ def test_explicit_backend_falls_back_for_layer_types_it_lacks_unless_strict(monk
     finally:
         log.removeHandler(caplog.handler)
     assert "exllamav3 backend cannot serve it" in caplog.text
-    monkeypatch.setenv(choice.STRICT_ENV, "1")
-    with pytest.raises(RuntimeError, match="forbids falling back"):
+    monkeypatch.setenv(requested.STRICT_ENV, "1")
+    with pytest.raises(errors.FallbackRefusedError, match=r"^VLLM_EXL3_KERNEL_STRICT=1: VLLM_EXL3_KERNEL=exllamav3 "
+                                                          r"cannot serve moe:mcg:3b:cpu \(.*\) and falling back to "
+                                                          r"torch is forbidden"):
+        selection.choose_moe_backend(moe)
+    monkeypatch.setenv(requested.STRICT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="VLLM_EXL3_KERNEL_STRICT='sometimes': expected a boolean"):
         selection.choose_moe_backend(moe)
 
 
 def test_unknown_kernel_name(monkeypatch):
-    monkeypatch.setenv(choice.KERNEL_ENV, "fastest")
+    monkeypatch.setenv(requested.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match="expected one of auto, native, exllamav3, torch"):
-        choice.requested_kernel()
+        requested.requested_kernel()
 
 
 # ---------------------------------------------------------------------------------------------------------------

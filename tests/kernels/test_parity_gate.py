@@ -55,17 +55,22 @@ def pack():
     return Pack.open(pack_dir("qwen3moe-a-exl3-mcg-b3"))
 
 
-def bind_linear(w, log: list):
-    """What Exl3LinearMethod._bind does, minus vLLM: choose, prepare, gate; rebinding records the new backend."""
+def bind_linear(w, log: list, decisions: list | None = None):
+    """What Exl3LinearMethod._bind does through integration/binding.py, minus vLLM: choose, prepare, gate; on the
+    gate's fallback, bind again (selection skips the failed backend). Each binding records its backend."""
     spec = LinearSpec(w.codebook, w.bits, w.in_padded, w.out_padded, torch.float32, "cpu")
+    decisions = [] if decisions is None else decisions
 
     def bind():
         b = selection.choose_linear_backend(spec)
         prepared = b.prepare_linear(w)
         log.append(b.name)
-        parity.gate("model.layers.0.self_attn.q_proj", selection.linear_layer_type(spec), b, torch.float32,
-                    lambda be: parity.linear_error(be, w, prepared, w.in_padded, 0, 0, w.out_padded, torch.float32),
-                    bind, False)
+        fallback = parity.gate("model.layers.0.self_attn.q_proj", selection.linear_layer_type(spec), b,
+                               torch.float32, lambda be: parity.linear_error(be, w, prepared, w.in_padded, 0, 0,
+                                                                             w.out_padded, torch.float32), False)
+        decisions.append(fallback)
+        if fallback is not None:
+            bind()
 
     bind()
 
@@ -82,8 +87,12 @@ def test_fallback_moves_the_layer_type_to_the_next_backend_and_logs(gate_env, pa
     monkeypatch.setitem(kbackend.REGISTRY, "native", Broken())
     log = []
     with caplog.at_level(logging.INFO, logger="vllm_exl3.kernels"):
-        bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), log)
+        decisions = []
+        bind_linear(load_weights(pack.linears()["model.layers.0.self_attn.q_proj"]), log, decisions)
         assert log == ["native", "torch"]  # bound to the broken one, checked, bound again to the reference
+        fallback, none = decisions  # the gate decides; the caller binds again
+        assert none is None and (fallback.layer_type, fallback.backend) == ("linear:mcg:3b:cpu", "native")
+        assert fallback.reason.startswith("failed the parity gate")
         log2 = []
         bind_linear(load_weights(pack.linears()["model.layers.1.self_attn.q_proj"]), log2)
         assert log2 == ["torch"]  # later layers of the type never see the failed backend
@@ -140,8 +149,9 @@ def test_routed_experts_gate(gate_env, pack, monkeypatch, policy):
         b = selection.choose_moe_backend(spec)
         prepared = b.prepare_moe(stack, 2)
         log.append(b.name)
-        parity.gate("model.layers.1.mlp.experts", selection.moe_layer_type(spec), b, torch.float32,
-                    lambda be: parity.moe_error(be, stack, prepared, hidden, "silu", torch.float32, 2), bind, True)
+        if parity.gate("model.layers.1.mlp.experts", selection.moe_layer_type(spec), b, torch.float32,
+                       lambda be: parity.moe_error(be, stack, prepared, hidden, "silu", torch.float32, 2), True):
+            bind()
 
     if policy == "strict":
         with pytest.raises(parity.ParityError, match=r"model\.layers\.1\.mlp\.experts \(moe:mcg:3b:cpu\) on the "

@@ -1,5 +1,8 @@
 """Parallel loader: byte-identical to `safetensors` on real and generated packs, bounded read-ahead, and one real
-broken file (or injected fault) per failure mode, each named by file and offset."""
+broken file (or injected fault) per failure mode, each named by file and offset.
+
+Over 400 lines on purpose: one contract (what loader/reader.py delivers, and how it fails) checked case by case
+with shared packs and fault injectors (tests/support/fs_faults.py); split, the cases would repeat the set-up."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..format.geometry import ceil_to
 from ..format.units import GIB, KIB, format_bytes
+from ..kernels.backends.native_moe_limits import MOE_CHUNK_TOKENS
 from .meminfo import read_meminfo
 
 # vLLM allocates KV in blocks; planning to whole blocks keeps the promised context honest.
@@ -110,9 +111,6 @@ class PlanSettings:
         if unknown:
             raise ValueError(f"unknown [memory] key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**{known[k]: v for k, v in table.items()})
-
-
-MOE_CHUNK_TOKENS = 1024  # tokens per internal step of the native MoE op (csrc/moe_bindings.cpp kMoeChunkTokens)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..base import settings
 from ..format.pack import Pack, verify_pack
-from ..kernels.choice import KERNEL_ENV, parse_kernel
+from ..kernels.requested import KERNEL_ENV, parse_kernel
 from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib, model_max_len
 from .memory_plan import plan as make_plan
 

@@ -65,9 +65,9 @@ def collect(port: int | None = None) -> Info:
     import torch
 
     from ..kernels.backend import get_backend
-    from ..kernels.choice import KERNEL_ENV, PREFERENCE
+    from ..kernels.requested import KERNEL_ENV, PREFERENCE
 
-    get_backend("torch")  # loads every backend module first (kernels._load_backends runs once, on first use)
+    get_backend("torch")  # loads every backend module first (kernels/backend.py load_backends, once)
     from ..kernels.backends import native
 
     devices = []

@@ -25,6 +25,7 @@ from ..format.constants import SIDECAR_FILE
 from ..format.contract import POLICY_BF16_AS_STORED, Contract, layer_index
 from ..format.errors import Exl3ConfigError, Exl3FormatError
 from ..format.index import PackIndex, index_model
+from ..kernels.specs import PROJECTIONS
 from . import compat, compile_key
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,8 @@ class Exl3Config(compat.QuantizationConfig):
         if isinstance(layer, compat.RoutedExperts):
             index = self._require_index(prefix)
             names = {(e, p): f"{prefix}.{e}.{ckpt}" for e in range(layer.global_num_experts)
-                     for p, ckpt in enumerate((layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
-                                               layer.ckpt_down_proj_name))}
+                     for p, ckpt in zip(PROJECTIONS, (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
+                                                      layer.ckpt_down_proj_name))}
             metas = {k: index.exl3.get(n) for k, n in names.items()}
             present = [k for k, m in metas.items() if m is not None]
             if not present:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import compat, compile_key, telemetry
+from . import binding, compat, compile_key, telemetry
 from ..format.index import LinearMeta
 from ..format.constants import TILE
 from ..format.errors import Exl3FormatError
@@ -249,10 +249,10 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         layer.register_buffer(f"exl3_prepared_{i}", prepared, persistent=False)
         call = (s.meta.codebook, backend.name, s.rows.offset, s.cols.offset, s.cols.size)
         layer.exl3_shards[[e[1] for e in layer.exl3_shards].index(i)] = ("exl3", i, call)
-        parity.gate(s.name, linear_layer_type(spec), backend, layer.params_dtype,
-                    lambda b: parity.linear_error(b, w, prepared, s.rows.size, s.rows.offset, s.cols.offset,
-                                                  s.cols.size, layer.params_dtype),
-                    lambda: self._bind(layer, i, s, w), self.last_block)
+        binding.bind_checked(s.name, linear_layer_type(spec), backend, layer.params_dtype,
+                             lambda b: parity.linear_error(b, w, prepared, s.rows.size, s.rows.offset,
+                                                           s.cols.offset, s.cols.size, layer.params_dtype),
+                             lambda: self._bind(layer, i, s, w), self.last_block)
 
     def tie_weights(self, layer, embed_tokens):
         # ExLlamaV3 always writes its own lm_head (docs/format.md §4.1): keep it even if the config says tied.

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from . import compat, compile_key, telemetry
+from . import binding, compat, compile_key, telemetry
 from ..format.index import LinearMeta
 from ..format.constants import TILE
 from ..format.errors import Exl3FormatError
@@ -24,18 +24,19 @@ from ..format.geometry import Span, check_padding
 from ..kernels import parity
 from ..kernels.ops import codebook_list
 from ..kernels.selection import choose_moe_backend, moe_layer_type
-from ..kernels.specs import ACTIVATIONS, ExpertStack, MoESpec
+from ..kernels.specs import ACTIVATIONS, PROJECTIONS, W13, W2, ExpertStack, MoESpec
 
 logger = logging.getLogger(__name__)
 
-SHARD_PROJECTION = {"w1": 0, "w3": 1, "w2": 2}
+SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}  # vLLM's expert shard ids
 
 
 class Exl3MoEMethod(compat.FusedMoEMethodBase):
-    """One instance per RoutedExperts layer. `metas[(global expert, projection)]` come from the pack headers."""
+    """One instance per RoutedExperts layer. `metas[(global expert, projection)]` come from the pack headers; a
+    projection is one of kernels/specs.py PROJECTIONS ("gate", "up", "down")."""
 
-    def __init__(self, moe: compat.FusedMoEConfig, prefix: str, names: dict[tuple[int, int], str],
-                 metas: dict[tuple[int, int], LinearMeta]):
+    def __init__(self, moe: compat.FusedMoEConfig, prefix: str, names: dict[tuple[int, str], str],
+                 metas: dict[tuple[int, str], LinearMeta]):
         super().__init__(moe)
         self.prefix, self.names, self.metas = prefix, names, metas
         self.last_block = False  # set by Exl3Config: this layer is in the model's last block (the parity gate)
@@ -55,14 +56,14 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         if -1 in self.local_to_global:
             raise ValueError(f"{self.prefix}: the expert map leaves local experts without a global expert: "
                              f"{self.local_to_global}")
-        local_metas = [(g, p, self.metas[(g, p)]) for g in self.local_to_global for p in range(3)]
+        local_metas = [(g, p, self.metas[(g, p)]) for g in self.local_to_global for p in PROJECTIONS]
         for g, p, m in local_metas:
             name = self.names[(g, p)]
-            in_total, out_total = (hidden, inter_total) if p < 2 else (inter_total, hidden)
+            in_total, out_total = (hidden, inter_total) if p in W13 else (inter_total, hidden)
             check_padding(f"'{name}' in_features", in_total, m.in_padded)
             check_padding(f"'{name}' out_features", out_total, m.out_padded)
         i0 = tp_rank * intermediate_size_per_partition
-        first = self.metas[(self.local_to_global[0], 0)]
+        first = self.metas[(self.local_to_global[0], W13[0])]
         self.hidden_span = Span.around(0, hidden, first.in_padded)
         self.inter_span = Span.around(i0, i0 + intermediate_size_per_partition, first.out_padded)
         if self.inter_span.splits_a_block(inter_total):
@@ -70,8 +71,9 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
                         "rank keeps the enclosing blocks [%d, %d) of every expert (exact)", self.prefix,
                         self.inter_span.start, self.inter_span.stop, inter_total, self.inter_span.block_start,
                         self.inter_span.block_stop)
-        self.words = [[round(self.metas[(g, p)].bits * TILE) for p in range(3)] for g in self.local_to_global]
-        w13, w2 = max(max(w[:2]) for w in self.words), max(w[2] for w in self.words)
+        # int16 words per tile record of each local expert's projections; the stack pads to the widest
+        self.words = [{p: round(self.metas[(g, p)].bits * TILE) for p in PROJECTIONS} for g in self.local_to_global]
+        w13, w2 = max(w[p] for w in self.words for p in W13), max(w[W2] for w in self.words)
         h, i = self.hidden_span.block_size, self.inter_span.block_size
         e = num_experts
         self._param(layer, "w13_trellis", torch.zeros(e, 2, h // TILE, i // TILE, w13, dtype=torch.int16))
@@ -86,7 +88,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         for suffix in sorted(extras):  # markers are checked, legacy signs unpack into suh/svh: no storage
             for stem in ("w13", "w2"):
                 self._param(layer, f"{stem}_{suffix}", torch.empty(0, dtype=torch.int32))
-        self.loaded: set[tuple[int, int, str]] = set()
+        self.loaded: set[tuple[int, str, str]] = set()
 
     def _param(self, layer, name: str, data: torch.Tensor) -> None:
         p = torch.nn.Parameter(data, requires_grad=False)
@@ -100,7 +102,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
             return False  # another expert-parallel rank holds this expert
         proj, suffix = SHARD_PROJECTION[shard_id], param.exl3_suffix
         meta, name = self.metas[(expert_id, proj)], f"{self.names[(expert_id, proj)]}.{suffix}"
-        rows, cols = (self.hidden_span, self.inter_span) if proj < 2 else (self.inter_span, self.hidden_span)
+        rows, cols = (self.hidden_span, self.inter_span) if proj in W13 else (self.inter_span, self.hidden_span)
         if suffix == meta.codebook:  # a marker may arrive as [1]
             loaded_weight = loaded_weight.reshape(())
         check_delivered(meta, self.names[(expert_id, proj)], suffix, loaded_weight)
@@ -108,8 +110,8 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         if key in self.loaded:
             raise Exl3FormatError(None, name, "each tensor once", "a second copy")
         self.loaded.add(key)
-        stem = "w13" if proj < 2 else "w2"
-        dst = (lambda t: t[local, proj]) if proj < 2 else (lambda t: t[local])
+        stem = "w13" if proj in W13 else "w2"
+        dst = (lambda t: t[local, W13.index(proj)]) if proj in W13 else (lambda t: t[local])
         if suffix == "trellis":
             piece = loaded_weight[rows.tiles, cols.tiles]
             dst(getattr(self.layer, f"{stem}_trellis").data)[..., : piece.shape[-1]].copy_(piece)
@@ -129,7 +131,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         missing = []
         for local, g in enumerate(self.local_to_global):
-            for p in range(3):
+            for p in PROJECTIONS:
                 missing += [f"{self.names[(g, p)]}.{s}" for s in sorted(self.metas[(g, p)].suffixes)
                             if (local, p, s) not in self.loaded]
         if missing:
@@ -137,16 +139,16 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
                                   f"every expert tensor of {self.prefix} to be loaded",
                                   f"{len(missing)} never delivered by the checkpoint (a shard file missing from "
                                   "model.safetensors.index.json?)")
-        codebooks = tuple(self.metas[(g, p)].codebook for g in self.local_to_global for p in range(3))
+        codebooks = tuple(self.metas[(g, p)].codebook for g in self.local_to_global for p in PROJECTIONS)
         self.stack = ExpertStack(layer.w13_trellis.data, layer.w13_suh.data, layer.w13_svh.data,
                                  layer.w2_trellis.data, layer.w2_suh.data, layer.w2_svh.data,
-                                 tuple(w for ws in self.words for w in ws[:2]), tuple(ws[2] for ws in self.words),
+                                 tuple(ws[p] for ws in self.words for p in W13), tuple(ws[W2] for ws in self.words),
                                  codebooks, self.inter_span.offset, self.inter_span.size)
         activation = layer.activation.value if hasattr(layer.activation, "value") else str(layer.activation)
         if activation not in ACTIVATIONS:
             raise ValueError(f"{self.prefix}: EXL3 experts support the gated activations {ACTIVATIONS}, "
                              f"this model uses {activation!r}")
-        bits = tuple(self.metas[(g, p)].bits for g in self.local_to_global for p in range(3))
+        bits = tuple(self.metas[(g, p)].bits for g in self.local_to_global for p in PROJECTIONS)
         self._bind(layer, MoESpec(codebooks, bits, self.hidden_span.block_size, self.inter_span.block_size,
                                   len(self.local_to_global), activation, layer.params_dtype,
                                   layer.w13_trellis.device.type))
@@ -168,10 +170,10 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
                      backend.name,
                      self.stack.inter_offset, self.stack.inter_size)
         self.num_prepared = len(prepared)
-        parity.gate(self.prefix, moe_layer_type(spec), backend, spec.act_dtype,
-                    lambda b: parity.moe_error(b, self.stack, prepared, self.hidden_span.size, spec.activation,
-                                               spec.act_dtype, top_k),
-                    lambda: self._bind(layer, spec), self.last_block)
+        binding.bind_checked(self.prefix, moe_layer_type(spec), backend, spec.act_dtype,
+                             lambda b: parity.moe_error(b, self.stack, prepared, self.hidden_span.size,
+                                                        spec.activation, spec.act_dtype, top_k),
+                             lambda: self._bind(layer, spec), self.last_block)
 
     # -- forward --------------------------------------------------------------------------------------------
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):

@@ -34,7 +34,7 @@ from ..base.version import __version__
 from ..format.jsonfile import write_json
 from ..kernels import parity, selection
 from ..kernels.backend import REGISTRY, load_backends
-from ..kernels.choice import PREFERENCE, requested_kernel
+from ..kernels.requested import PREFERENCE, requested_kernel
 from ..loader.progress import last_load_stats
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from ..format.constants import CODEBOOKS
 from ..format.records import bits_from_trellis_dim
 from ..format.tensors import Exl3Weights
 from .backend import get_backend
-from .choice import PREFERENCE
+from .requested import PREFERENCE
 from .specs import ACTIVATIONS, ExpertStack
 
 

@@ -1,10 +1,12 @@
 """The boot-time parity gate: before the server answers, a sample of the model's real layers runs through the
 backend chosen for them and through the torch reference (backends/torch_ref.py) on fixed random inputs.
 
-`VLLM_EXL3_PARITY`:
+`VLLM_EXL3_PARITY` (read through base/settings.py):
 - `fallback` (default): a (backend, layer type) whose error exceeds the bound is excluded (kernels/selection.py)
-  and every layer of that type already bound to it is bound again to the next backend; the numbers are logged.
-- `strict`: refuse to start, naming the layer, the backend and the error.
+  and `gate` returns a `Fallback`: the caller (integration/binding.py) binds every layer of that type it had bound
+  to the backend again, and selection gives them the next one; the numbers are logged. The gate decides, the
+  caller acts: kernels/ never reaches back into the layers.
+- `strict`: refuse to start (errors.ParityError), naming the layer, the backend and the error.
 - `off`: no checks.
 
 Which layers: the first layer of each (backend, layer type) — layer types are per codebook and bit width
@@ -30,18 +32,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ..base import settings
 from ..format.jsonfile import write_json
-from .backend import Backend
+from .backend import get_backend
+from .errors import ParityError
+from .interface import Backend
 from .selection import exclude
 from .specs import ExpertStack
 
-logger = logging.getLogger("vllm_exl3.kernels")
+logger = logging.getLogger(__name__)
 
 PARITY_ENV = "VLLM_EXL3_PARITY"
 REPORT_ENV = "VLLM_EXL3_PARITY_REPORT"
@@ -52,10 +57,6 @@ LINEAR_ROWS = (1, 8, 96)  # skinny, panel and reconstruct paths of the native ke
 MOE_TOKENS = 64
 MOE_MAX_EXPERTS = 4  # experts per checked routed layer (more only to cover every bit width present)
 SEED = 1234
-
-
-class ParityError(RuntimeError):
-    """`VLLM_EXL3_PARITY=strict` and a backend disagrees with the torch reference."""
 
 
 @dataclass
@@ -70,10 +71,20 @@ class Check:
     seconds: float
 
 
-def policy(environ=None) -> str:
-    value = ((os.environ if environ is None else environ).get(PARITY_ENV) or "fallback").strip().lower()
+@dataclass(frozen=True)
+class Fallback:
+    """The gate's decision under `fallback`: `backend` failed on `layer_type` and selection skips it from now on;
+    every layer of that type bound to it must be bound again (selection then gives it the next backend)."""
+
+    layer_type: str
+    backend: str
+    reason: str
+
+
+def policy(environ: Mapping[str, str] | None = None) -> str:
+    value = settings.get(PARITY_ENV, environ).strip().lower()
     if value not in POLICIES:
-        raise ValueError(f"{PARITY_ENV}={value!r}: expected one of {', '.join(POLICIES)}")
+        raise settings.SettingError(PARITY_ENV, value, f"one of {', '.join(POLICIES)}")
     return value
 
 
@@ -133,7 +144,7 @@ def report_dir() -> Path:
 def report_path(environ=None, key: str | None = None, rank: int = 0) -> Path:
     """Where this server's rank writes its report: the file VLLM_EXL3_PARITY_REPORT names, else one file per
     server and rank in report_dir()."""
-    value = (os.environ if environ is None else environ).get(REPORT_ENV)
+    value = settings.lookup(REPORT_ENV, environ)
     return Path(value) if value else report_dir() / f"{key or server_key()}.rank{rank}.json"
 
 
@@ -148,7 +159,7 @@ def read_reports(environ=None, port: int | None = None) -> list[Report]:
     """The reports `vllm-exl3 info` shows: the file VLLM_EXL3_PARITY_REPORT names, else every server's in
     report_dir(), by name; only the server on `port`'s when given (by file name, and by the report's own
     `server` where it can be read)."""
-    value = (os.environ if environ is None else environ).get(REPORT_ENV)
+    value = settings.lookup(REPORT_ENV, environ)
     if value:
         paths = [Path(value)] if Path(value).exists() else []
     else:
@@ -169,7 +180,6 @@ def read_reports(environ=None, port: int | None = None) -> list[Report]:
 _lock = threading.RLock()
 _checks: list[Check] = []
 _verified: set[tuple[str, str]] = set()  # (backend, layer type) checked once (passed or failed)
-_bound: dict[tuple[str, str], list[Callable[[], None]]] = {}  # rebinds of the layers bound to a (backend, type)
 _served: dict[str, str] = {}  # layer type -> backend (the latest binding)
 
 
@@ -178,7 +188,6 @@ def reset() -> None:
     with _lock:
         _checks.clear()
         _verified.clear()
-        _bound.clear()
         _served.clear()
 
 
@@ -207,8 +216,6 @@ def _randn(shape, dtype, device, generator) -> torch.Tensor:
 def linear_error(backend: Backend, w, prepared: torch.Tensor, in_features: int, in_offset: int, out_offset: int,
                  out_features: int, dtype: torch.dtype) -> tuple[float, str]:
     """Worst relative error of `backend.linear` against the torch reference over LINEAR_ROWS fixed inputs."""
-    from .backend import get_backend
-
     ref = get_backend(REFERENCE)
     ref_prepared = ref.prepare_linear(w)
     g = torch.Generator().manual_seed(SEED)
@@ -279,20 +286,20 @@ def _write_report() -> None:
 
 
 def gate(layer: str, layer_type: str, backend: Backend, dtype: torch.dtype,
-         measure: Callable[[Backend], tuple[float, str]], rebind: Callable[[], None], last_block: bool) -> None:
-    """Called by a layer right after binding `backend` to it. `measure(backend)` returns (error, inputs);
-    `rebind()` chooses and binds the layer's backend again (selection skips excluded ones)."""
+         measure: Callable[[Backend], tuple[float, str]], last_block: bool) -> Fallback | None:
+    """Called for a layer right after `backend` was bound to it. `measure(backend)` returns (error, inputs). None:
+    the binding stands. A `Fallback`: the backend failed on this layer type and is excluded; the caller binds again
+    every layer of the type it had bound to it. Under `strict` a failure raises ParityError instead."""
     mode = policy()
     key = (backend.name, layer_type)
     with _lock:
         new_type = _served.get(layer_type) != backend.name
         _served[layer_type] = backend.name
-        _bound.setdefault(key, []).append(rebind)
         sample = mode != "off" and backend.name != REFERENCE and (key not in _verified or last_block)
         if not sample:
             if new_type:
                 _write_report()
-            return
+            return None
         _verified.add(key)
     t0 = time.perf_counter()
     error, inputs = measure(backend)
@@ -306,15 +313,13 @@ def gate(layer: str, layer_type: str, backend: Backend, dtype: torch.dtype,
     if passed:
         logger.info("EXL3 parity %s (%s) on %s vs %s: rel. error %.2e <= %.0e (%s, %.3f s)", layer, layer_type,
                     backend.name, REFERENCE, error, bound, inputs, seconds)
-        return
+        return None
     message = (f"layer {layer} ({layer_type}) on the {backend.name} backend differs from the {REFERENCE} "
                f"reference by {error:.3e} relative (bound {bound:g}; {inputs})")
     if mode == "strict":
-        raise ParityError(f"EXL3 parity gate ({PARITY_ENV}=strict): {message}")
+        raise ParityError(PARITY_ENV, mode, f"EXL3 parity gate: {message}")
     logger.warning("EXL3 parity gate: %s; %s moves to the next backend (%s=strict refuses to start instead)",
                    message, layer_type, PARITY_ENV)
-    exclude(backend.name, layer_type, f"failed the parity gate ({error:.2e} > {bound:g})")
-    with _lock:
-        rebinds = _bound.pop(key, [])
-    for again in rebinds:
-        again()
+    reason = f"failed the parity gate ({error:.2e} > {bound:g})"
+    exclude(backend.name, layer_type, reason)
+    return Fallback(layer_type, backend.name, reason)

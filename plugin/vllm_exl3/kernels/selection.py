@@ -1,21 +1,23 @@
 """Which backend serves which layer, and why the preferred ones did not: logged once per layer type, counted for
-metrics; strict mode (VLLM_EXL3_KERNEL_STRICT=1) turns a fallback into an error. A (backend, layer type) the
-parity gate failed (kernels/parity.py) is skipped from then on, with the gate's numbers as the reason."""
+metrics. What the user asked for (requested.py) comes first; strict mode (VLLM_EXL3_KERNEL_STRICT=1) turns a
+fallback into an error (errors.py). A (backend, layer type) the parity gate failed (kernels/parity.py) is skipped
+from then on, with the gate's numbers as the reason."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from . import backend as _backend
-from .backend import Backend
-from .choice import KERNEL_ENV, PREFERENCE, STRICT_ENV, requested_kernel
+from ..base import settings
+from .backend import REGISTRY, load_backends
+from .errors import BackendUnavailableError, FallbackRefusedError
+from .interface import Backend
+from .requested import KERNEL_ENV, PREFERENCE, STRICT_ENV, requested_kernel, strict
 from .specs import LinearSpec, MoESpec
 
-logger = logging.getLogger("vllm_exl3.kernels")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,28 +57,31 @@ def _record(decision: Decision) -> None:
 
 def _choose(layer_type: str, reason_of) -> Backend:
     """`auto`: the first of PREFERENCE that is available and serves the layer. A named backend comes first and
-    must be installed (else an error: the user asked for it); a layer type it does not implement falls back down
-    the preference order with a warning, unless STRICT_ENV=1 makes that an error too (for A/B measurements)."""
-    _backend.load_backends()
+    must be installed (else BackendUnavailableError: the user asked for it); a layer type it does not implement
+    falls back down the preference order with a warning, unless STRICT_ENV=1 makes that an error too
+    (FallbackRefusedError, for A/B measurements)."""
+    load_backends()
     requested = requested_kernel()
     candidates = PREFERENCE if requested == "auto" else (requested,) + tuple(p for p in PREFERENCE if p != requested)
     skipped: list[tuple[str, str]] = []
     for name in candidates:
-        backend = _backend.REGISTRY.get(name)
+        backend = REGISTRY.get(name)
         unavailable = "not installed" if backend is None else backend.unavailable_reason()
         if unavailable and name == requested:
-            raise RuntimeError(f"{KERNEL_ENV}={requested}, but that backend is unavailable: {unavailable}")
+            raise BackendUnavailableError(KERNEL_ENV, requested, f"that backend is unavailable here: {unavailable}")
         reason = unavailable or _excluded.get((name, layer_type)) or reason_of(backend)
         if reason is None:
             if requested not in ("auto", name):
-                if os.environ.get(STRICT_ENV) == "1":
-                    raise RuntimeError(f"{KERNEL_ENV}={requested} cannot serve {layer_type} ({skipped[0][1]}) and "
-                                       f"{STRICT_ENV}=1 forbids falling back")
+                if strict():
+                    raise FallbackRefusedError(STRICT_ENV, settings.get(STRICT_ENV),
+                                               f"{KERNEL_ENV}={requested} cannot serve {layer_type} "
+                                               f"({skipped[0][1]}) and falling back to {name} is forbidden")
                 logger.warning("EXL3 %s: %s backend cannot serve it (%s); using %s", layer_type, requested,
                                skipped[0][1], name)
             _record(Decision(layer_type, name, tuple(skipped)))
             return backend
         skipped.append((name, reason))
+    # Internal: the torch reference serves every layer type, so this means a broken install, not a setting.
     raise RuntimeError(f"no EXL3 backend serves {layer_type}: {skipped}")
 
 

@@ -9,6 +9,7 @@ import torch
 
 from ..format.tensors import Exl3Weights
 
+
 @dataclass(frozen=True)
 class LinearSpec:
     """What a backend needs to know to accept or refuse a dense EXL3 linear."""
@@ -36,7 +37,9 @@ class MoESpec:
 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # gated: act(gate) * up
-PROJECTIONS = ("gate", "up", "down")  # of one expert; gate/up share the input and are stacked as w13
+PROJECTIONS = ("gate", "up", "down")  # of one expert, in this order wherever per-projection values are listed
+W13 = ("gate", "up")  # share the input (hidden); stacked on dim 1 of ExpertStack.w13_*, in this order
+W2 = "down"  # ExpertStack.w2_*: input intermediate, output hidden
 
 
 @dataclass
@@ -71,11 +74,12 @@ class ExpertStack:
 
         if proj not in PROJECTIONS:
             raise ValueError(f"unknown expert projection {proj!r} (expected one of {', '.join(PROJECTIONS)})")
-        proj = PROJECTIONS.index(proj)  # the stack's own layout: gate, up in w13; down in w2
-        if proj < 2:
-            words = self.w13_words[2 * expert + proj]
-            t, suh, svh = self.w13_trellis[expert, proj], self.w13_suh[expert, proj], self.w13_svh[expert, proj]
+        if proj in W13:  # the stack's own layout: gate, up in w13; down in w2
+            i = W13.index(proj)
+            words = self.w13_words[len(W13) * expert + i]
+            t, suh, svh = self.w13_trellis[expert, i], self.w13_suh[expert, i], self.w13_svh[expert, i]
         else:
             words = self.w2_words[expert]
             t, suh, svh = self.w2_trellis[expert], self.w2_suh[expert], self.w2_svh[expert]
-        return Exl3Weights(t[..., :words], suh, svh, self.codebooks[3 * expert + proj], bits_from_trellis_dim(words))
+        codebook = self.codebooks[len(PROJECTIONS) * expert + PROJECTIONS.index(proj)]
+        return Exl3Weights(t[..., :words], suh, svh, codebook, bits_from_trellis_dim(words))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_exl3.dev.cuda_graph import capture
 from vllm_exl3.dev.synthetic import expert_stack
 from vllm_exl3.format.constants import CODEBOOKS
 
@@ -135,15 +136,8 @@ def test_graph_replay_bitwise_equal_and_deterministic(tokens):
     again = BACKEND.moe(x, tw, ti, emap, stack, prepared, "silu", False)
     assert torch.equal(again, y), "two eager runs differ"
     static_x, static_w, static_i = x.clone(), tw.clone(), ti.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)  # warm-up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    before = torch.cuda.memory_allocated()
-    with torch.cuda.graph(graph):
-        out = BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)
+    before = torch.cuda.memory_allocated()  # the warm-up inside capture() must leave nothing behind either
+    graph, out = capture(lambda: BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False))
     assert torch.cuda.memory_allocated() - before <= out.numel() * out.element_size() + 4096
     out.fill_(float("nan"))
     graph.replay()

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from vllm_exl3.dev.cuda_graph import capture
 from vllm_exl3.dev.synthetic import expert_stack
 
 from support.moe_cases import BOUND, make_weights, reference, rel, routing, run_case, through_custom_op
@@ -103,14 +104,7 @@ def test_graph_capture_and_replay(codebook, tokens):
     x, tw, ti, emap, stack, prepared, y = case(experts=16, top_k=4, tokens=tokens, widths=((codebook, 4.0),),
                                                seed=14)
     static_x, static_w, static_i = x.clone(), tw.clone(), ti.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)  # warm-up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)
+    graph, out = capture(lambda: BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -30,6 +30,7 @@ from vllm_exl3.format import reference as R
 from vllm_exl3.format.constants import CODEBOOKS
 from vllm_exl3.format.pack import Pack
 from vllm_exl3.format.tensors import load_weights
+from vllm_exl3.dev.cuda_graph import capture
 from vllm_exl3.dev.synthetic import random_weights
 
 pytestmark = pytest.mark.gpu
@@ -219,14 +220,7 @@ def test_cuda_graph_capture_and_replay(rows, path):
     w = random_weights(1024, 2048, 4, "mcg", seed=13, device=DEV)
     x = torch.randn(rows, 1024, device=DEV, dtype=torch.float16)
     call = lambda: native.linear(x, w, 0, 0, 2048, PATHS[path])  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = call()
+    graph, y_graph = capture(call)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()

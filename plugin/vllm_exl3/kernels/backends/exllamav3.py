@@ -23,7 +23,7 @@ import torch
 
 from ...format.reference import zero_extend
 from ...format.tensors import Exl3Weights
-from ..backend import Backend, register_backend
+from ..interface import Backend, register_backend
 from ..specs import ExpertStack, LinearSpec, MoESpec
 from . import exllamav3_moe
 

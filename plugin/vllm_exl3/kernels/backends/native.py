@@ -23,7 +23,7 @@ import torch
 
 from ...format.constants import CODEBOOKS
 from ...format.tensors import Exl3Weights
-from ..backend import Backend, register_backend
+from ..interface import Backend, register_backend
 from ..specs import LinearSpec, MoESpec
 from . import native_moe
 from .native_limits import limits_reason

@@ -3,9 +3,10 @@ backend keeps per layer.
 
 The packed trellis is read as stored (no 16-bit copy of any expert). Per layer the backend keeps two tiny int32
 tensors (the kernel key of each expert's gate/up and down weight, for layers that mix bit widths or codebooks); per
-device one workspace serves every MoE layer, sized for at most 1024 tokens (longer calls run in chunks inside the
-op), and reserved at load so that CUDA-graph capture allocates nothing. Routing, row-chunk sizes and kernel choice
-happen inside the op from shapes and device-side counts: no host sync, so every token count captures.
+device one workspace serves every MoE layer, sized for at most MOE_CHUNK_TOKENS tokens (native_moe_limits.py; longer
+calls run in chunks inside the op), and reserved at load so that CUDA-graph capture allocates nothing. Routing,
+row-chunk sizes and kernel choice happen inside the op from shapes and device-side counts: no host sync, so every
+token count captures.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import torch
 from ...format.constants import CODEBOOKS
 from ..specs import ACTIVATIONS, ExpertStack, MoESpec
 from .native_limits import limits_reason
+from .native_moe_limits import MAX_LOCAL_EXPERTS, MOE_CHUNK_TOKENS
 
-logger = logging.getLogger("vllm_exl3.kernels")
-
-MAX_LOCAL_EXPERTS = 1024  # csrc/moe.h kMoeMaxExperts
+logger = logging.getLogger(__name__)
 
 
 def register_fakes() -> None:
@@ -69,7 +69,7 @@ def prepare(experts: ExpertStack, top_k: int | None, max_tokens: int | None) -> 
     keys13 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w13_words), gate_up_cb).to(device)
     keys2 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w2_words), down_cb).to(device)
     if top_k:
-        held = torch.ops.vllm_exl3.moe_reserve(device, max_tokens or 1024, top_k, experts.num_experts,
+        held = torch.ops.vllm_exl3.moe_reserve(device, max_tokens or MOE_CHUNK_TOKENS, top_k, experts.num_experts,
                                                experts.w13_trellis.shape[2] * 16, experts.w13_trellis.shape[3] * 16)
         logger.debug("EXL3 native MoE workspace on %s: %.1f MiB (shared by every MoE layer)", device, held / 2**20)
     return [keys13, keys2]

@@ -16,10 +16,10 @@ import torch
 from ...format.tensors import Exl3Weights
 from ...format import reference
 from ...format.reference import decode_rotated
-from ..backend import Backend, register_backend
+from ..interface import Backend, register_backend
 from ..specs import PROJECTIONS, ExpertStack, LinearSpec, MoESpec
 
-logger = logging.getLogger("vllm_exl3.kernels")
+logger = logging.getLogger(__name__)
 
 _ACTIVATION = {
     "silu": torch.nn.functional.silu,

@@ -4,7 +4,7 @@
 
 namespace exl3 {
 
-GemmKernel skinny_kernel_xcg(int bits2, int mt, bool dup) {
+GemmKernel skinny_kernel_3inst_mcg(int bits2, int mt, bool dup) {
   GemmKernel k{nullptr, 0};
   auto pick = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;

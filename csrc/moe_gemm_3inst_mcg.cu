@@ -4,7 +4,7 @@
 
 namespace exl3 {
 
-MoeGemmKernel moe_gemm_kernel_xcg(int bits2, int rows) {
+MoeGemmKernel moe_gemm_kernel_3inst_mcg(int bits2, int rows) {
   MoeGemmKernel k{nullptr, 0};
   auto pick = [&](auto b2) {
     constexpr int kB = decltype(b2)::value;
