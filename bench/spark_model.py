@@ -196,6 +196,12 @@ def report(model: Model) -> dict:
             "h200_moe_rates": [moe_row_rates(r, model.cfg) for r in model.moe_rows]}
 
 
+
+def _table(title: str, head: list[str], rows: list[list]) -> list[str]:
+    """A markdown section: title, header, one line per row."""
+    return ["", f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
 def markdown(rep: dict, cfg: dict) -> str:
     c = rep["constants"]
     out = [f"# The Spark, predicted ({rep['prediction']})", "",
@@ -210,23 +216,20 @@ def markdown(rep: dict, cfg: dict) -> str:
            "| scheme | batch | measured ms | model ms | error |", "|---|---|---|---|---|"]
     out += [f"| {r['scheme']} | {r['batch']} | {r['measured_ms']:.2f} | {r['model_ms']:.2f} | "
             f"{r['model_ms'] / r['measured_ms'] - 1:+.1%} |" for r in rep["calibration"]]
-    out += ["", "## GB10 decode step (predicted)", "",
-            "| scheme | batch | ms/step | tok/s | weights GB/step | bytes floor ms | split (ms) |",
-            "|---|---|---|---|---|---|---|"]
-    out += [f"| {cfg['schemes'][r['scheme']]['label']} | {r['batch']} | {r['ms']:.2f} | {r['tok_s']:.0f} | "
-            f"{r['weight_gb_per_step']:.2f} | {r['floor_ms']:.2f} | "
-            + ", ".join(f"{k} {v:.2f}" for k, v in r["split_ms"].items()) + " |"
-            for r in rep["spark_steps"]]
-    out += ["", "## GB10 MoE layer (predicted)", "", "| bits | tokens | µs | GB/s | bytes µs | issue µs | bound |",
-            "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['bits']} | {r['tokens']} | {r['us']:.1f} | {r['gbps']:.0f} | {r['byte_us']:.1f} | "
-            f"{r['issue_us']:.1f} | {r['bound']} |" for r in rep["spark_moe"]]
-    out += ["", "## H200 MoE rows (h200-moe.json): weights decoded per µs", "",
-            "| layer | bits | tokens | µs | distinct experts | M weights decoded | M weights/µs | of issue ceiling |",
-            "|---|---|---|---|---|---|---|---|"]
-    out += [f"| {r['layer']} | {r['bits']} | {r['tokens']} | {r['us']:.1f} | {r['distinct_experts']:.1f} | "
-            f"{r['decoded_M']:.0f} | {r['weights_per_us'] / 1e6:.2f} | {r['ceiling_fraction']:.0%} |"
-            for r in rep["h200_moe_rates"]]
+    out += _table("GB10 decode step (predicted)",
+                  ["scheme", "batch", "ms/step", "tok/s", "weights GB/step", "bytes floor ms", "split (ms)"],
+                  [[cfg["schemes"][r["scheme"]]["label"], r["batch"], f"{r['ms']:.2f}", f"{r['tok_s']:.0f}",
+                    f"{r['weight_gb_per_step']:.2f}", f"{r['floor_ms']:.2f}",
+                    ", ".join(f"{k} {v:.2f}" for k, v in r["split_ms"].items())] for r in rep["spark_steps"]])
+    out += _table("GB10 MoE layer (predicted)", ["bits", "tokens", "µs", "GB/s", "bytes µs", "issue µs", "bound"],
+                  [[r["bits"], r["tokens"], f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{r['byte_us']:.1f}",
+                    f"{r['issue_us']:.1f}", r["bound"]] for r in rep["spark_moe"]])
+    out += _table("H200 MoE rows (h200-moe.json): weights decoded per µs",
+                  ["layer", "bits", "tokens", "µs", "distinct experts", "M weights decoded", "M weights/µs",
+                   "of issue ceiling"],
+                  [[r["layer"], r["bits"], r["tokens"], f"{r['us']:.1f}", f"{r['distinct_experts']:.1f}",
+                    f"{r['decoded_M']:.0f}", f"{r['weights_per_us'] / 1e6:.2f}", f"{r['ceiling_fraction']:.0%}"]
+                   for r in rep["h200_moe_rates"]])
     return "\n".join(out)
 
 
