@@ -27,7 +27,9 @@ from vllm_exl3.base.settings import default
 
 pytestmark = pytest.mark.e2e
 KEY = "resilience-test-key"
-IDLE_TIMEOUT_S = 3
+# The appliance's default: a shorter one also closed fresh connections whose request head the API server had not
+# yet read while 64 streams kept its event loop busy on a 2-core CI machine (RemoteDisconnected under load)
+IDLE_TIMEOUT_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +264,10 @@ def test_a_memory_watchdog_stop_drains_and_new_requests_get_503(box):
             statuses.append(r.status_code)
             if r.status_code == 503:
                 assert r.headers.get("retry-after") and "shutting down" in r.text
-                assert requests.get(box.base + "/health", timeout=10).status_code == 503  # readiness goes red
+                try:  # readiness goes red, unless the drain ended (port closed) between the two requests
+                    assert requests.get(box.base + "/health", timeout=10).status_code == 503
+                except requests.ConnectionError:
+                    break
             time.sleep(0.2)
         t.join(180)
     finally:
@@ -280,6 +285,7 @@ def test_a_memory_watchdog_stop_drains_and_new_requests_get_503(box):
 def test_a_stop_during_a_stream_lets_it_finish(box):
     """supervisord's stop (what `docker compose stop` does): vLLM drains for the preset's --shutdown-timeout."""
     ctl = [required("supervisorctl", tool("supervisorctl")), "-s", f"unix://{box.run_dir}/supervisor.sock"]
+    box.wait_healthy()  # a restart by an earlier test may still be under way
     t, result = long_stream(box.base)
     pid = box.vllm_pid
     stop_issued = time.monotonic()
