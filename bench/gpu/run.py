@@ -2,10 +2,15 @@
 lent GPU machine, in as few device calls as its time allows. What it runs is bench/gpu/plan.toml; the steps:
 
   setup    the native kernels (the stable-ABI build carried in .vgpu/ext, else a build here), ExLlamaV3's extension
-           (its own JIT build, in the background), the full-size packs (written in the background, as disk allows)
+           (its own JIT build, in the background)
+  packs    the full-size packs the chosen [[serve]]s need, written in the background, as disk allows (a writer left
+           running by one call is found again by the next)
+  kernels  the GPU kernel suite (tests/kernels/gpu) on the staged torch: native first, exllamav3's once it is built
   quality  every fixture pack (ExLlamaV3-made, with golden logits) served by `vllm serve` with the appliance's
-           preset flags on each kernel profile; prompt log-probabilities against the goldens with the CPU test's
-           bounds; and the compile-cache switch: one pack booted on each backend in turn with one VLLM_CACHE_ROOT
+           preset flags on each kernel profile, side by side; prompt log-probabilities against the goldens with the
+           CPU test's bounds
+  switch   the compile-cache switch: one pack booted on each backend in turn with one VLLM_CACHE_ROOT (its first
+           boot rides along with the quality round when both steps run)
   serve    each [[serve]] of the plan: `vllm serve` on a full-size pack (or vLLM's own GPTQ / fp16 on the same
            shape with dummy weights), then `vllm-exl3 bench` against it
   exlgen   ExLlamaV3's own generator on the 4-bit pack: decode speed at batch 1 and 8
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -378,36 +384,102 @@ def run_round(plan: dict, boots: list[tuple[str, str, str, Path]], results: dict
             s.stop()
 
 
-def quality(plan: dict, exl_build) -> None:
+def quality(plan: dict, exl_build, with_switch: bool) -> None:
+    """One round: every fixture pack on every kernel profile side by side (exllamav3's once its extension is built),
+    and the switch's first boot when the switch step runs too."""
     q = plan["quality"]
-    results: dict = {}
-    switch_cache = WORK / "cache-switch"
-    shutil.rmtree(switch_cache, ignore_errors=True)
+    results = load_result("quality.json")
     kernels = list(q["kernels"])
-    switch = list(q["switch-kernels"])
-    # round 1: the native profile on every pack, and the switch's first boot
-    boots = [(f"{k}-{p}", p, k, WORK / "cache-quality" / f"{k}-{p}") for k in kernels[:1] for p in q["packs"]]
-    boots.append((f"switch-1-{switch[0]}", q["switch-pack"], switch[0], switch_cache))
+    if "exllamav3" in kernels and not exl_ready(exl_build, max(0.0, min(420.0, left() - 260))):
+        kernels.remove("exllamav3")
+        results["exllamav3-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
+    boots = [(f"{k}-{p}", p, k, WORK / "cache-quality" / f"{k}-{p}") for k in kernels for p in q["packs"]]
+    if with_switch:
+        shutil.rmtree(WORK / "cache-switch", ignore_errors=True)
+        boots.append((f"switch-1-{q['switch-kernels'][0]}", q["switch-pack"], q["switch-kernels"][0],
+                      WORK / "cache-switch"))
     run_round(plan, boots, results)
-    for i, kernel in enumerate(switch[1:], start=2):
-        round_boots = [(f"switch-{i}-{kernel}", q["switch-pack"], kernel, switch_cache)]
-        if i == 2:  # the other profiles' packs ride along with the switch's second boot
-            for k in kernels[1:]:
-                if k == "exllamav3" and not exl_ready(exl_build, max(0.0, min(420.0, left() - 200))):
-                    results[f"{k}-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
-                    continue
-                round_boots += [(f"{k}-{p}", p, k, WORK / "cache-quality" / f"{k}-{p}") for p in q["packs"]]
+
+
+def switch(plan: dict, exl_build, first_done: bool) -> None:
+    """The compile-cache switch: the switch pack booted on each backend in turn, one cache root for all, so each boot
+    after the first finds the cache the one before wrote (a key that ignored the backend would crash its warm-up)."""
+    q = plan["quality"]
+    results = load_result("quality.json")
+    cache = WORK / "cache-switch"
+    if not first_done:
+        shutil.rmtree(cache, ignore_errors=True)
+    for i, kernel in enumerate(q["switch-kernels"], start=1):
+        label = f"switch-{i}-{kernel}"
+        if i == 1 and first_done:
+            continue
         if kernel == "exllamav3" and not exl_ready(exl_build, max(0.0, min(300.0, left() - 120))):
-            results[f"switch-{i}-{kernel}"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
+            results[label] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
             continue
         if left() < 90:
-            log(f"quality: no time left for round {i}")
+            log(f"switch: no time left for {label}")
             break
-        run_round(plan, round_boots, results)
-    caches = sorted(str(p.relative_to(switch_cache)) for p in switch_cache.glob("torch_compile_cache/*/*")
-                    if p.is_dir())
-    results["switch-cache-entries"] = caches
+        run_round(plan, [(label, q["switch-pack"], kernel, cache)], results)
+    results["switch-cache-entries"] = sorted(str(p.relative_to(cache)) for p in cache.glob("torch_compile_cache/*/*")
+                                             if p.is_dir())
     save("quality.json", results)
+
+
+def load_result(name: str) -> dict:
+    """A result file an earlier step or call on this machine wrote (steps add to it), else an empty one."""
+    try:
+        return json.loads((RESULTS / name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the GPU kernel suite
+# ---------------------------------------------------------------------------------------------------------------
+def kernel_tests(exl_build) -> None:
+    """tests/kernels/gpu on the staged torch: every native test first (they need no ExLlamaV3 build), then the
+    exllamav3 ones once its extension is built. Each run's summary goes to kernel-tests.json, its log beside it."""
+    results = load_result("kernel-tests.json")
+    runs = [("native", "not exllamav3"), ("exllamav3", "exllamav3")]
+    for name, expr in runs:
+        if name == "exllamav3" and not exl_ready(exl_build, max(0.0, min(420.0, left() - 200))):
+            results[name] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
+            save("kernel-tests.json", results)
+            continue
+        if left() < 120:
+            results[name] = {"ok": False, "error": "skipped: not enough of the call left"}
+            save("kernel-tests.json", results)
+            continue
+        logf = RESULTS / f"kernel-tests-{name}.log"
+        env = {**exl_env(), "VLLM_EXL3_REQUIRE_NATIVE": "1",
+               "VLLM_EXL3_TEST_REPORT": str(RESULTS / f"test-bounds-{name}.json")}
+        t = time.monotonic()
+        argv = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/kernels/gpu", "-q", "-p", "no:cacheprovider",
+                "--timeout", "300", "-k", expr]
+        try:
+            r = subprocess.run(argv, stdout=open(logf, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                               timeout=max(30.0, left() - 60))
+            rc = r.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        lines = logf.read_text(errors="replace").splitlines()
+        results[name] = {"rc": rc, "seconds": round(time.monotonic() - t, 1), "ok": rc == 0,
+                         "summary": [ln for ln in lines if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", ln)
+                                     ][-1:],
+                         "failures": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:40]}
+        log(f"kernel tests {name}: rc={rc} {results[name]['summary']}")
+        save("kernel-tests.json", results)
+        if left() > 150:  # the MoE layer on this backend (bench/moe.py --quick), while the machine waits anyway
+            t = time.monotonic()
+            try:
+                r = subprocess.run([sys.executable, "bench/moe.py", "--quick", "--backend", name, "--out",
+                                    str(RESULTS / f"moe-{name}.json")], capture_output=True, text=True, env=env,
+                                   cwd=ROOT, timeout=max(30.0, min(240.0, left() - 90)))
+                (RESULTS / f"moe-{name}.md").write_text(r.stdout + r.stderr[-3000:])
+                log(f"moe bench {name}: rc={r.returncode} in {time.monotonic() - t:.0f} s")
+            except subprocess.TimeoutExpired:
+                log(f"moe bench {name}: cut off")
+            archive()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -457,8 +529,11 @@ def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others:
         if left() < 90:
             row.update(ok=False, error="skipped: not enough of the call left")
             return row
-        if not s.wait(min(boot_deadline, time.monotonic() + left() - 60) - time.monotonic()):
-            row.update(ok=False, error="not healthy", log_tail=s.tail())
+        # The boot may take until 75 s before the call's end (the bench's phases are short; its timeout bounds it).
+        if not s.wait(min(boot_deadline, time.monotonic() + left() - 75) - time.monotonic()):
+            row.update(ok=False, error="not healthy" if s.proc.poll() is not None or left() > 80
+                       else "not healthy before the call's end", log_tail=s.tail(),
+                       memory=s.lines("Model loading took", "KV cache", "CUDA graph", "torch.compile", "Available"))
             return row
         row.update(boot_s=s.boot_s, idle_servers_beside=others, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "),
                    memory=s.lines("Model loading took", "KV cache", "CUDA graph", "torch.compile", "Available"))
@@ -499,8 +574,11 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
             for label in names:
                 save(f"serve-{label}.json", {"label": label, "ok": False, "error": "skipped: not enough of the call"})
             continue
-        # No boot while packs are being written: the writer takes cores and the disk (seen: a boot twice as long).
-        while writer is not None and writer.running() and left() > 200:
+        # No boot before this group's packs are written: the writer takes cores and the disk (seen: a boot twice as
+        # long). A writer still busy with another group's pack is left to run.
+        packs_needed = {e.get("pack") or e["like"] for e in group}
+        while (writer is not None and writer.running() and left() > 200
+               and not all((pack_dir(n) / "done.json").exists() for n in packs_needed)):
             time.sleep(2)
         log(f"serve: booting {', '.join(names)}")
         started = [start_server(plan, e) for e in group]
@@ -523,7 +601,7 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
 def main() -> int:
     global BUDGET
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", default="setup,quality,serve")
+    ap.add_argument("--steps", default="setup,packs,quality,switch,serve")
     ap.add_argument("--serve", default=None, help="comma-separated [[serve]] labels (default all, in order)")
     ap.add_argument("--budget", type=float, default=BUDGET, help="seconds this call may use")
     ap.add_argument("--kernels", default=None, help="comma-separated: only these kernel profiles (quality step)")
@@ -553,16 +631,22 @@ def main() -> int:
             log("vllm serve cannot start here: " + r.stderr.strip().splitlines()[-1])
         save("native.json", setup_native())
         log(f"native: {json.loads((RESULTS / 'native.json').read_text()).get('check')}")
-    wants_exl = "exllamav3" in plan["quality"]["kernels"] + plan["quality"]["switch-kernels"]
-    if ("quality" in steps and wants_exl) or "exlgen" in steps:
+    wants_exl = ("kernels" in steps or "exlgen" in steps
+                 or ("quality" in steps and "exllamav3" in plan["quality"]["kernels"])
+                 or ("switch" in steps and "exllamav3" in plan["quality"]["switch-kernels"]))
+    if wants_exl:
         exl_build = start_exl_build()
     chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
-    needed = [e.get("pack") or e["like"] for e in chosen] if "serve" in steps else []
+    needed = [e.get("pack") or e["like"] for e in chosen] if {"serve", "packs"} & set(steps) else []
     needed = list(dict.fromkeys(needed + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else [])))
-    if needed:
+    if needed and not all((pack_dir(n) / "done.json").exists() for n in needed):
         writer = start_pack_writer(needed)
+    if "kernels" in steps:
+        kernel_tests(exl_build)
     if "quality" in steps:
-        quality(plan, exl_build)
+        quality(plan, exl_build, with_switch="switch" in steps)
+    if "switch" in steps:
+        switch(plan, exl_build, first_done="quality" in steps)
     if "serve" in steps:
         serve(plan, a.serve.split(",") if a.serve else None, writer)
     if "exlgen" in steps and left() > 120:
