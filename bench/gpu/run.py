@@ -479,6 +479,13 @@ def kernel_tests(exl_build) -> None:
                 log(f"moe bench {name}: rc={r.returncode} in {time.monotonic() - t:.0f} s")
             except subprocess.TimeoutExpired:
                 log(f"moe bench {name}: cut off")
+            if name == "native" and left() > 150:  # per-kernel device times of one layer call: where the time goes
+                try:
+                    r = subprocess.run([sys.executable, "bench/moe.py", "--profile"], capture_output=True, text=True,
+                                       env=env, cwd=ROOT, timeout=max(30.0, min(120.0, left() - 90)))
+                    (RESULTS / "moe-native-profile.jsonl").write_text(r.stdout + r.stderr[-2000:])
+                except subprocess.TimeoutExpired:
+                    log("moe profile: cut off")
             archive()
 
 
