@@ -1,0 +1,90 @@
+"""The serving table of one harness run: every [[serve]] row that bench/gpu/run.py measured, side by side, each
+against a base row (vLLM's own GPTQ 4-bit by default): the server's ms per decode step and decode tokens/s at each
+concurrency, prefill tokens/s at each long-prompt length, the boot time, and the idle servers beside it.
+
+    python3 bench/gpu/table.py RESULTS_DIR [--base gptq-4b-vllm] [--out FILE.md]
+
+RESULTS_DIR holds run.py's serve-LABEL.json rows and bench-LABEL/results.json runs (its $OUT/results.tgz, unpacked).
+Every number comes from those files; a row that did not run says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugin"))
+
+from vllm_exl3.servebench import report as rep  # noqa: E402
+
+
+def load_rows(results: Path) -> dict[str, dict]:
+    """label -> {'row': its serve-LABEL.json, 'run': its bench results.json or None}, in file order."""
+    rows = {}
+    for f in sorted(results.glob("serve-*.json")):
+        row = json.loads(f.read_text())
+        run_file = results / f"bench-{row['label']}" / "results.json"
+        rows[row["label"]] = {"row": row, "run": json.loads(run_file.read_text()) if run_file.exists() else None}
+    return rows
+
+
+def decode(run: dict) -> dict[int, dict]:
+    """concurrency -> the server's numbers of that phase (ms/step, decode tok/s, tokens/step)."""
+    return {c: (p.get("server") or {}) for c, p in rep.phases(run, "A").items()}
+
+
+def prefill(run: dict) -> dict[int, float | None]:
+    return {p["prefill_length"]: (p.get("server") or {}).get("prefill_tokens_per_s") for p in rep.prefill_phases(run)}
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def table(rows: dict[str, dict], base: str) -> list[str]:
+    ok = {label: r for label, r in rows.items() if r["run"] is not None}
+    levels = sorted({c for r in ok.values() for c in decode(r["run"])})
+    lengths = sorted({n for r in ok.values() for n in prefill(r["run"])})
+    base_dec = decode(ok[base]["run"]) if base in ok else {}
+    base_pre = prefill(ok[base]["run"]) if base in ok else {}
+    head = (["server", "boot s"] + [f"c{c} ms/step (× {base})" for c in levels]
+            + [f"c{c} tok/s (all)" for c in levels] + [f"prefill {n} tok/s (× {base})" for n in lengths])
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for label, r in ok.items():
+        dec, pre = decode(r["run"]), prefill(r["run"])
+        cells = [label, _f(r["row"].get("boot_s"), 0)]
+        for c in levels:
+            ms, b = dec.get(c, {}).get("ms_per_step"), base_dec.get(c, {}).get("ms_per_step")
+            cells.append(f"{_f(ms)} ({_f(ms / b if ms and b else None)})")
+        cells += [_f(dec.get(c, {}).get("tokens_per_s"), 0) for c in levels]
+        for n in lengths:
+            t, b = pre.get(n), base_pre.get(n)
+            cells.append(f"{_f(t, 0)} ({_f(t / b if t and b else None)})")
+        lines.append("| " + " | ".join(cells) + " |")
+    not_run = [f"- `{label}`: {r['row'].get('error') or 'no bench results'}" for label, r in rows.items()
+               if r["run"] is None]
+    beside = [f"- `{label}` was measured with {', '.join(r['row']['idle_servers_beside'])} idle beside it"
+              for label, r in ok.items() if r["row"].get("idle_servers_beside")]
+    return lines + ([""] + beside if beside else []) + (["", "Not measured:"] + not_run if not_run else [])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--base", default="gptq-4b-vllm")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    rows = load_rows(a.results)
+    if not rows:
+        sys.exit(f"{a.results}: no serve-*.json rows (is this an unpacked results.tgz of bench/gpu/run.py?)")
+    text = "\n".join(table(rows, a.base)) + "\n"
+    if a.out:
+        a.out.write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

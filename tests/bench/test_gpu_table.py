@@ -1,0 +1,47 @@
+"""bench/gpu/table.py: the serving table of a harness run, built from run.py's serve rows and the bench's saved runs
+(written here in their real formats by hand: two servers, one that did not boot)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _phase(concurrency: int, ms: float, tok_s: float) -> dict:
+    return {"side": "A", "concurrency": concurrency, "wall_s": 1.0, "requests": [],
+            "server": {"ms_per_step": ms, "tokens_per_s": tok_s}}
+
+
+def _write(results: Path, label: str, phases: list[dict] | None, **row) -> None:
+    (results / f"serve-{label}.json").write_text(json.dumps({"label": label, **row}))
+    if phases is not None:
+        (results / f"bench-{label}").mkdir()
+        (results / f"bench-{label}" / "results.json").write_text(json.dumps(
+            {"sides": {"A": {}}, "phases": phases, "partial": False, "error": None}))
+
+
+def test_rows_are_set_against_the_base_and_a_server_that_did_not_boot_says_why(tmp_path):
+    prefill = {"side": "A", "prefill_length": 2048, "wall_s": 1.0, "requests": [],
+               "server": {"prefill_tokens_per_s": 20000.0}}
+    _write(tmp_path, "ours", [_phase(1, 6.0, 160.0), _phase(8, 9.0, 880.0), {**prefill, "server": {
+        "prefill_tokens_per_s": 15000.0}}], boot_s=150.2, idle_servers_beside=["base"])
+    _write(tmp_path, "base", [_phase(1, 5.0, 190.0), _phase(8, 6.0, 1300.0), prefill], boot_s=140.0)
+    _write(tmp_path, "late", None, ok=False, error="not healthy before the call's end")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "table.py"), str(tmp_path), "--base", "base"],
+                         capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("| server | boot s | c1 ms/step (× base) | c8 ms/step (× base) |")
+    ours = next(ln for ln in lines if ln.startswith("| ours |"))
+    assert ours == "| ours | 150 | 6.00 (1.20) | 9.00 (1.50) | 160 | 880 | 15,000 (0.75) |"
+    assert "- `ours` was measured with base idle beside it" in lines
+    assert "- `late`: not healthy before the call's end" in lines
+
+
+def test_a_folder_without_rows_is_one_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "table.py"), str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "no serve-*.json rows" in r.stderr and "Traceback" not in r.stderr
