@@ -235,6 +235,21 @@ EXL3_HD uint32_t codeword(uint32_t state, uint32_t mul, uint32_t add) {
   else return and_xor(state * mul + add, kHalfPairMask, kHalfPairXor);
 }
 
+// The 8 codewords of this lane's positions from the words it loaded (w[i] = word at lw.word_byte[i]): the decode
+// step of every kernel. What becomes of the codewords (tensor-core operands as they are, or rounded pairs) is the
+// caller's. moe_gemm.cuh, panel.cuh and skinny.cuh write these lines out instead: called from there, the helper
+// changed their SASS (identical PTX instructions for skinny, registers numbered differently; ptxas then gave some
+// sm_90a skinny instances 2-3 registers more or fewer).
+template <bool kMul1, int kBits2, bool kShiftOnAlu>
+EXL3_HD void lane_codewords(const LaneWindows<kBits2, kShiftOnAlu>& lw,
+                            const uint32_t (&w)[TileBits<kBits2>::kLoadWords], uint32_t mul, uint32_t add,
+                            uint32_t (&cw)[kLanePositions]) {
+  uint32_t s[kLanePositions];
+  lw.states(w, s);
+#pragma unroll
+  for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+}
+
 // Bit-exact Ŵ: two codewords (positions a, b) -> half2 (a in the low half), rounded exactly like the reference.
 // 3inst/mcg: rn16(lo + hi) is one HADD (the exact sum fits 15 bits, §2.2). mul1: one HFMA with exact constants.
 #if defined(__CUDACC__)

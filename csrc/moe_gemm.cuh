@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
       uint32_t w[TB::kLoadWords];
 #pragma unroll
       for (int i = 0; i < TB::kLoadWords; ++i) w[i] = lds32(tile + lw.word_byte[i]);
+      // lane_codewords written out: exl3_decode.cuh says why, above it.
       uint32_t s[kLanePositions], cw[kLanePositions];
       lw.states(w, s);
 #pragma unroll

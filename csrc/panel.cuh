@@ -177,6 +177,7 @@ __global__ void __launch_bounds__(kGemmThreads, 2) panel_kernel(const GemmArgs a
 #pragma unroll
         for (int i = 0; i < TB::kLoadWords; ++i)
           wd[i] = lds32(st + j * T::kItemBytes + warp * TB::kBytes + lw.word_byte[i]);
+        // lane_codewords written out: exl3_decode.cuh says why, above it.
         uint32_t s[kLanePositions], cw[kLanePositions];
         lw.states(wd, s);
 #pragma unroll

@@ -21,10 +21,8 @@ constexpr int kXfThreads = kXfWarps * kWarp;
 template <int kBits2, bool kMul1>
 __device__ __forceinline__ void rounded_pairs(const LaneWindows<kBits2>& lw, const uint32_t (&w)[TileBits<kBits2>::kLoadWords],
                                               uint32_t mul, uint32_t add, uint32_t (&p)[kLanePositions / 2]) {
-  uint32_t s[kLanePositions], cw[kLanePositions];
-  lw.states(w, s);
-#pragma unroll
-  for (int j = 0; j < kLanePositions; ++j) cw[j] = codeword<kMul1>(s[j], mul, add);
+  uint32_t cw[kLanePositions];
+  lane_codewords<kMul1>(lw, w, mul, add, cw);
 #pragma unroll
   for (int i = 0; i < kLanePositions / 2; ++i) p[i] = rounded_pair<kMul1>(cw[2 * i], cw[2 * i + 1]);
 }

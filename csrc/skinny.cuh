@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
         uint32_t w[TB::kLoadWords];
 #pragma unroll
         for (int i = 0; i < TB::kLoadWords; ++i) w[i] = lds32(st + nt * TB::kBytes + lw.word_byte[i]);
+        // lane_codewords written out: exl3_decode.cuh says why, above it.
         uint32_t s[kLanePositions], cw[kLanePositions];
         lw.states(w, s);
 #pragma unroll

@@ -83,27 +83,30 @@ def write_pack(root: str | Path, tensors: dict[str, torch.Tensor], config: dict[
 
 
 def expert_stack(weights, experts, i0: int = 0, i1: int | None = None):
-    """The ExpertStack one rank holds (moe.py's layout): `weights[e] = [gate, up, down]` (Exl3Weights, padded
-    geometry) of the global experts, this rank's `experts` in order, and the intermediate block range around
-    [i0, i1) (default: all of it). Trellis records are padded to the widest width, as the layer stores them."""
-    from ..kernels.specs import ExpertStack
+    """The ExpertStack one rank holds (moe.py's layout): `weights[e]` (Exl3Weights, padded geometry, in PROJECTIONS
+    order: gate, up, down) of the global experts, this rank's `experts` in order, and the intermediate block range
+    around [i0, i1) (default: all of it). Trellis records are padded to the widest width, as the layer stores them."""
+    from ..kernels.specs import PROJECTIONS, W13, W2, ExpertStack
 
-    i1 = weights[experts[0]][0].out_padded if i1 is None else i1
+    def proj(e: int, name: str):
+        return weights[e][PROJECTIONS.index(name)]
+
+    i1 = proj(experts[0], "gate").out_padded if i1 is None else i1
     b0, b1 = i0 // HADAMARD_BLOCK * HADAMARD_BLOCK, -(-i1 // HADAMARD_BLOCK) * HADAMARD_BLOCK
-    w13_words = max(round(weights[e][p].bits * TILE) for e in experts for p in (0, 1))
-    w2_words = max(round(weights[e][2].bits * TILE) for e in experts)
+    w13_words = max(round(proj(e, p).bits * TILE) for e in experts for p in W13)
+    w2_words = max(round(proj(e, W2).bits * TILE) for e in experts)
 
     def pad(t, words):
         return torch.nn.functional.pad(t, (0, words - t.shape[-1]))
 
     return ExpertStack(
-        torch.stack([torch.stack([pad(weights[e][p].trellis[:, b0 // TILE:b1 // TILE], w13_words) for p in (0, 1)])
+        torch.stack([torch.stack([pad(proj(e, p).trellis[:, b0 // TILE:b1 // TILE], w13_words) for p in W13])
                      for e in experts]).contiguous(),
-        torch.stack([torch.stack([weights[e][p].suh for p in (0, 1)]) for e in experts]).contiguous(),
-        torch.stack([torch.stack([weights[e][p].svh[b0:b1] for p in (0, 1)]) for e in experts]).contiguous(),
-        torch.stack([pad(weights[e][2].trellis[b0 // TILE:b1 // TILE], w2_words) for e in experts]).contiguous(),
-        torch.stack([weights[e][2].suh[b0:b1] for e in experts]).contiguous(),
-        torch.stack([weights[e][2].svh for e in experts]).contiguous(),
-        tuple(round(weights[e][p].bits * TILE) for e in experts for p in (0, 1)),
-        tuple(round(weights[e][2].bits * TILE) for e in experts),
-        tuple(weights[e][p].codebook for e in experts for p in range(3)), i0 - b0, i1 - i0)
+        torch.stack([torch.stack([proj(e, p).suh for p in W13]) for e in experts]).contiguous(),
+        torch.stack([torch.stack([proj(e, p).svh[b0:b1] for p in W13]) for e in experts]).contiguous(),
+        torch.stack([pad(proj(e, W2).trellis[b0 // TILE:b1 // TILE], w2_words) for e in experts]).contiguous(),
+        torch.stack([proj(e, W2).suh[b0:b1] for e in experts]).contiguous(),
+        torch.stack([proj(e, W2).svh for e in experts]).contiguous(),
+        tuple(round(proj(e, p).bits * TILE) for e in experts for p in W13),
+        tuple(round(proj(e, W2).bits * TILE) for e in experts),
+        tuple(proj(e, p).codebook for e in experts for p in PROJECTIONS), i0 - b0, i1 - i0)

@@ -44,7 +44,7 @@ from .backend import get_backend
 from .errors import ParityError
 from .interface import Backend
 from .selection import exclude
-from .specs import ExpertStack
+from .specs import PROJECTIONS, ExpertStack
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def linear_error(backend: Backend, w, prepared: torch.Tensor, in_features: int, 
 def sample_experts(experts: ExpertStack) -> list[int]:
     """The first and last local expert, then one of each (codebooks, widths) not yet covered."""
     def signature(e: int):
-        return experts.codebooks[3 * e:3 * e + 3], experts.w13_words[2 * e:2 * e + 2], experts.w2_words[e]
+        return tuple((experts.codebook(e, p), experts.words(e, p)) for p in PROJECTIONS)
 
     n = experts.num_experts
     chosen = list(dict.fromkeys([0, n - 1]))

@@ -68,18 +68,30 @@ class ExpertStack:
     def num_experts(self) -> int:
         return self.w13_trellis.shape[0]
 
+    def codebook(self, expert: int, proj: str) -> str:
+        """The codebook of one projection of one local expert."""
+        return self.codebooks[len(PROJECTIONS) * expert + PROJECTIONS.index(_checked(proj))]
+
+    def words(self, expert: int, proj: str) -> int:
+        """The int16 words per tile record one projection of one local expert really uses."""
+        if _checked(proj) == W2:  # the stack's own layout: gate, up in w13; down in w2
+            return self.w2_words[expert]
+        return self.w13_words[len(W13) * expert + W13.index(proj)]
+
     def weights(self, expert: int, proj: str) -> Exl3Weights:
         """Views of one projection ("gate", "up" or "down": PROJECTIONS) of one local expert."""
         from ..format.records import bits_from_trellis_dim
 
-        if proj not in PROJECTIONS:
-            raise ValueError(f"unknown expert projection {proj!r} (expected one of {', '.join(PROJECTIONS)})")
-        if proj in W13:  # the stack's own layout: gate, up in w13; down in w2
+        words, codebook = self.words(expert, proj), self.codebook(expert, proj)
+        if proj in W13:
             i = W13.index(proj)
-            words = self.w13_words[len(W13) * expert + i]
             t, suh, svh = self.w13_trellis[expert, i], self.w13_suh[expert, i], self.w13_svh[expert, i]
         else:
-            words = self.w2_words[expert]
             t, suh, svh = self.w2_trellis[expert], self.w2_suh[expert], self.w2_svh[expert]
-        codebook = self.codebooks[len(PROJECTIONS) * expert + PROJECTIONS.index(proj)]
         return Exl3Weights(t[..., :words], suh, svh, codebook, bits_from_trellis_dim(words))
+
+
+def _checked(proj: str) -> str:
+    if proj not in PROJECTIONS:
+        raise ValueError(f"unknown expert projection {proj!r} (expected one of {', '.join(PROJECTIONS)})")
+    return proj

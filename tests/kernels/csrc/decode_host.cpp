@@ -27,10 +27,12 @@ int run(int codebook, int tiles, const std::vector<int16_t>& data) {
         w[i] = p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24);
       }
       lw.states(w, s);
+      uint32_t cw[exl3::kLanePositions];  // through the kernels' helper, not codeword() per state
+      if (codebook == exl3::kCbMul1) exl3::lane_codewords<true>(lw, w, mul, add, cw);
+      else exl3::lane_codewords<false>(lw, w, mul, add, cw);
       for (int j = 0; j < exl3::kLanePositions; ++j) {
         out.push_back(s[j]);
-        out.push_back(codebook == exl3::kCbMul1 ? exl3::codeword<true>(s[j], mul, add)
-                                                : exl3::codeword<false>(s[j], mul, add));
+        out.push_back(cw[j]);
       }
     }
   }

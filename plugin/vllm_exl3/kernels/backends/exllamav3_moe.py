@@ -38,7 +38,7 @@ import torch
 
 from ...format.constants import CODEBOOK_3INST, MARKER_VALUE
 from ...format.reference import zero_extend
-from ..specs import PROJECTIONS, ExpertStack, MoESpec
+from ..specs import PROJECTIONS, W13, ExpertStack, MoESpec
 
 # ExLlamaV3's names for our activations (kernels.specs.ACTIVATIONS); an activation absent here is refused.
 ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu"}
@@ -113,7 +113,7 @@ def _slice_mask(stack: ExpertStack) -> torch.Tensor | None:
         return None
     keep = torch.zeros(inter, dtype=stack.w13_svh.dtype, device=stack.w13_svh.device)
     keep[stack.inter_offset:stack.inter_offset + stack.inter_size] = 1
-    return (stack.w13_svh[:, 1] * keep).contiguous()
+    return (stack.w13_svh[:, W13.index("up")] * keep).contiguous()
 
 
 class _RoutedByVllm:

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from ...format.constants import CODEBOOKS
-from ..specs import ACTIVATIONS, ExpertStack, MoESpec
+from ..specs import ACTIVATIONS, W13, W2, ExpertStack, MoESpec
 from .native_limits import limits_reason
 from .native_moe_limits import MAX_LOCAL_EXPERTS, MOE_CHUNK_TOKENS
 
@@ -61,9 +61,9 @@ def _empty_map(device: torch.device) -> torch.Tensor:
 def prepare(experts: ExpertStack, top_k: int | None, max_tokens: int | None) -> list[torch.Tensor]:
     """Per layer: the key tensors, the kernels' shared-memory limits raised, the shared workspace reserved."""
     device = experts.w13_trellis.device
-    cb = codebook_indices(experts.codebooks)
-    gate_up_cb = [cb[3 * e + p] for e in range(experts.num_experts) for p in (0, 1)]
-    down_cb = [cb[3 * e + 2] for e in range(experts.num_experts)]
+    local = range(experts.num_experts)
+    gate_up_cb = codebook_indices(tuple(experts.codebook(e, p) for e in local for p in W13))  # as w13_words
+    down_cb = codebook_indices(tuple(experts.codebook(e, W2) for e in local))
     for words, codebook in set(zip(experts.w13_words, gate_up_cb)) | set(zip(experts.w2_words, down_cb)):
         torch.ops.vllm_exl3.moe_prepare(words, codebook)
     keys13 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w13_words), gate_up_cb).to(device)
@@ -86,6 +86,7 @@ def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, exp
     return torch.ops.vllm_exl3.native_moe(
         x, topk_weights, topk_ids, expert_map, experts.w13_trellis, experts.w13_suh, experts.w13_svh,
         experts.w2_trellis, experts.w2_suh, experts.w2_svh, keys13, keys2, list(experts.w13_words),
+        # codebooks cross as the stack holds them, PROJECTIONS order per expert (csrc/moe_bindings.cpp splits them)
         list(experts.w2_words), codebook_indices(experts.codebooks), activation,
         router_weight_on_input, experts.inter_offset, experts.inter_size)
 

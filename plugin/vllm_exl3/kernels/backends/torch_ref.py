@@ -17,7 +17,7 @@ from ...format.tensors import Exl3Weights
 from ...format import reference
 from ...format.reference import decode_rotated
 from ..interface import Backend, register_backend
-from ..specs import PROJECTIONS, ExpertStack, LinearSpec, MoESpec
+from ..specs import W13, W2, ExpertStack, LinearSpec, MoESpec
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ class TorchBackend(Backend):
         if experts.w13_trellis.is_cuda:
             return []
         e = experts.num_experts
-        w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in ("gate", "up")])
+        w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in W13])
                            for i in range(e)])
-        w2 = torch.stack([cached_w_hat(experts.weights(i, "down")) for i in range(e)])
+        w2 = torch.stack([cached_w_hat(experts.weights(i, W2)) for i in range(e)])
         return [w13, w2]
 
     def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
@@ -85,7 +85,7 @@ def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: s
         w13_hat, w2_hat = prepared
 
         def w_hat(e: int, proj: str) -> torch.Tensor:
-            return w2_hat[e] if proj == "down" else w13_hat[e, PROJECTIONS.index(proj)]
+            return w2_hat[e] if proj == W2 else w13_hat[e, W13.index(proj)]
     else:
         if warn_slow and not _warned_slow:
             _warned_slow = True
@@ -95,10 +95,12 @@ def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: s
         def w_hat(e: int, proj: str) -> torch.Tensor:
             return cached_w_hat(experts.weights(e, proj))
 
+    g, u = W13.index("gate"), W13.index("up")
+
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        gate = rotated_linear(xe, experts.w13_suh[e, 0], experts.w13_svh[e, 0], w_hat(e, "gate"), 0, io, isz)
-        up = rotated_linear(xe, experts.w13_suh[e, 1], experts.w13_svh[e, 1], w_hat(e, "up"), 0, io, isz)
-        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w_hat(e, "down"), io, 0, hidden)
+        gate = rotated_linear(xe, experts.w13_suh[e, g], experts.w13_svh[e, g], w_hat(e, "gate"), 0, io, isz)
+        up = rotated_linear(xe, experts.w13_suh[e, u], experts.w13_svh[e, u], w_hat(e, "up"), 0, io, isz)
+        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w_hat(e, W2), io, 0, hidden)
 
     return expert
 
