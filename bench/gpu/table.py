@@ -1,16 +1,18 @@
 """The serving table of one harness run: every [[serve]] row that bench/gpu/run.py measured, side by side, each
-against a base row (vLLM's own GPTQ 4-bit by default): the server's ms per decode step and decode tokens/s at each
+against the base row of its model shape (vLLM's own GPTQ 4-bit by default): the server's ms per decode step and decode tokens/s at each
 concurrency, prefill tokens/s at each long-prompt length, the boot time, and the idle servers beside it.
 
-    python3 bench/gpu/table.py RESULTS_DIR [--base gptq-4b-vllm] [--out FILE.md]
+    python3 bench/gpu/table.py RESULTS_DIR [--base LABEL ...] [--out FILE.md]
 
-RESULTS_DIR holds run.py's serve-LABEL.json rows and bench-LABEL/results.json runs (its $OUT/results.tgz, unpacked).
+RESULTS_DIR holds run.py's serve-LABEL.json rows and bench-LABEL/results.json runs (its $OUT/results.tgz, unpacked;
+results.json.gz as committed). A row's base is the --base row served on the same pack shape and depth.
 Every number comes from those files; a row that did not run says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -25,9 +27,22 @@ def load_rows(results: Path) -> dict[str, dict]:
     rows = {}
     for f in sorted(results.glob("serve-*.json")):
         row = json.loads(f.read_text())
-        run_file = results / f"bench-{row['label']}" / "results.json"
-        rows[row["label"]] = {"row": row, "run": json.loads(run_file.read_text()) if run_file.exists() else None}
+        rows[row["label"]] = {"row": row, "run": _saved_run(results / f"bench-{row['label']}")}
     return rows
+
+
+def _saved_run(folder: Path) -> dict | None:
+    if (folder / "results.json").exists():
+        return json.loads((folder / "results.json").read_text())
+    if (folder / "results.json.gz").exists():
+        return json.loads(gzip.decompress((folder / "results.json.gz").read_bytes()))
+    return None
+
+
+def shape(row: dict) -> tuple:
+    """The model a row served: its pack's shape and depth (a GPTQ or fp16 row names the pack it copies)."""
+    pack = row.get("pack") or {}
+    return pack.get("shape"), pack.get("layers")
 
 
 def decode(run: dict) -> dict[int, dict]:
@@ -43,18 +58,19 @@ def _f(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:,.{digits}f}"
 
 
-def table(rows: dict[str, dict], base: str) -> list[str]:
+def table(rows: dict[str, dict], bases: list[str]) -> list[str]:
     ok = {label: r for label, r in rows.items() if r["run"] is not None}
     levels = sorted({c for r in ok.values() for c in decode(r["run"])})
     lengths = sorted({n for r in ok.values() for n in prefill(r["run"])})
-    base_dec = decode(ok[base]["run"]) if base in ok else {}
-    base_pre = prefill(ok[base]["run"]) if base in ok else {}
-    head = (["server", "boot s"] + [f"c{c} ms/step (× {base})" for c in levels]
-            + [f"c{c} tok/s (all)" for c in levels] + [f"prefill {n} tok/s (× {base})" for n in lengths])
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    head = (["server", "base", "boot s"] + [f"c{c} ms/step (× base)" for c in levels]
+            + [f"c{c} tok/s (all)" for c in levels] + [f"prefill {n} tok/s (× base)" for n in lengths])
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for label, r in ok.items():
+        base = next((b for b in bases if b in ok and shape(ok[b]["row"]) == shape(r["row"])), None)
+        base_dec = decode(ok[base]["run"]) if base else {}
+        base_pre = prefill(ok[base]["run"]) if base else {}
         dec, pre = decode(r["run"]), prefill(r["run"])
-        cells = [label, _f(r["row"].get("boot_s"), 0)]
+        cells = [label, base or "–", _f(r["row"].get("boot_s"), 0)]
         for c in levels:
             ms, b = dec.get(c, {}).get("ms_per_step"), base_dec.get(c, {}).get("ms_per_step")
             cells.append(f"{_f(ms)} ({_f(ms / b if ms and b else None)})")
@@ -73,13 +89,14 @@ def table(rows: dict[str, dict], base: str) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path)
-    ap.add_argument("--base", default="gptq-4b-vllm")
+    ap.add_argument("--base", action="append", help="a base row's label (repeatable; default gptq-4b-vllm and "
+                    "glm-gptq-4b-vllm): each row is set against the base served on its pack shape")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     rows = load_rows(a.results)
     if not rows:
         sys.exit(f"{a.results}: no serve-*.json rows (is this an unpacked results.tgz of bench/gpu/run.py?)")
-    text = "\n".join(table(rows, a.base)) + "\n"
+    text = "\n".join(table(rows, a.base or ["gptq-4b-vllm", "glm-gptq-4b-vllm"])) + "\n"
     if a.out:
         a.out.write_text(text)
     print(text, end="")

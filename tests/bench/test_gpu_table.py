@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -16,27 +17,34 @@ def _phase(concurrency: int, ms: float, tok_s: float) -> dict:
             "server": {"ms_per_step": ms, "tokens_per_s": tok_s}}
 
 
-def _write(results: Path, label: str, phases: list[dict] | None, **row) -> None:
+def _write(results: Path, label: str, phases: list[dict] | None, gz: bool = False, **row) -> None:
+    """run.py's row, and the bench's saved run (gzipped as committed under bench/results/, or as run.py leaves it)."""
     (results / f"serve-{label}.json").write_text(json.dumps({"label": label, **row}))
     if phases is not None:
         (results / f"bench-{label}").mkdir()
-        (results / f"bench-{label}" / "results.json").write_text(json.dumps(
-            {"sides": {"A": {}}, "phases": phases, "partial": False, "error": None}))
+        run = json.dumps({"sides": {"A": {}}, "phases": phases, "partial": False, "error": None}).encode()
+        name = "results.json.gz" if gz else "results.json"
+        (results / f"bench-{label}" / name).write_bytes(gzip.compress(run) if gz else run)
 
 
 def test_rows_are_set_against_the_base_and_a_server_that_did_not_boot_says_why(tmp_path):
     prefill = {"side": "A", "prefill_length": 2048, "wall_s": 1.0, "requests": [],
                "server": {"prefill_tokens_per_s": 20000.0}}
+    qwen, glm = {"shape": "qwen3-30b-a3b", "layers": 48}, {"shape": "glm-4.5-air", "layers": 20}
     _write(tmp_path, "ours", [_phase(1, 6.0, 160.0), _phase(8, 9.0, 880.0), {**prefill, "server": {
-        "prefill_tokens_per_s": 15000.0}}], boot_s=150.2, idle_servers_beside=["base"])
-    _write(tmp_path, "base", [_phase(1, 5.0, 190.0), _phase(8, 6.0, 1300.0), prefill], boot_s=140.0)
+        "prefill_tokens_per_s": 15000.0}}], boot_s=150.2, idle_servers_beside=["base"], pack=qwen)
+    _write(tmp_path, "base", [_phase(1, 5.0, 190.0), _phase(8, 6.0, 1300.0), prefill], boot_s=140.0, pack=qwen,
+           gz=True)
+    _write(tmp_path, "other-shape", [_phase(1, 4.0, 250.0)], boot_s=90.0, pack=glm)  # no base of its shape
     _write(tmp_path, "late", None, ok=False, error="not healthy before the call's end")
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "table.py"), str(tmp_path), "--base", "base"],
                          capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
-    assert lines[0].startswith("| server | boot s | c1 ms/step (× base) | c8 ms/step (× base) |")
+    assert lines[0].startswith("| server | base | boot s | c1 ms/step (× base) | c8 ms/step (× base) |")
     ours = next(ln for ln in lines if ln.startswith("| ours |"))
-    assert ours == "| ours | 150 | 6.00 (1.20) | 9.00 (1.50) | 160 | 880 | 15,000 (0.75) |"
+    assert ours == "| ours | base | 150 | 6.00 (1.20) | 9.00 (1.50) | 160 | 880 | 15,000 (0.75) |"
+    other = next(ln for ln in lines if ln.startswith("| other-shape |"))
+    assert other.startswith("| other-shape | – | 90 | 4.00 (–) | – (–) | 250 |")
     assert "- `ours` was measured with base idle beside it" in lines
     assert "- `late`: not healthy before the call's end" in lines
 

@@ -214,6 +214,10 @@ def test_prefill_prompts_are_seeded_token_ids_with_no_shared_prefix():
     assert [len(p.token_ids) for p in long] == [512] * 3
     assert len({tuple(p.token_ids[:4]) for p in long}) == 3  # distinct from the first tokens: no prefix-cache hit
     assert all(100 <= t < 1000 for p in long for t in p.token_ids)
+    # the unmeasured warm-up of a length: that length, seeded, sharing no first tokens with the measured prompts
+    warm = a.prefill_warmup(512)
+    assert len(warm.token_ids) == 512 and warm.token_ids == b.prefill_warmup(512).token_ids
+    assert tuple(warm.token_ids[:4]) not in {tuple(p.token_ids[:4]) for p in long}
     restored = saved.workload_of({"workload": a.to_json()}, "results.json")
     assert restored.to_json() == a.to_json()
 

@@ -183,6 +183,10 @@ async def measure(session: aiohttp.ClientSession, side: Side, workload: Workload
     if prefill_length is not None:
         phase["prefill_length"] = prefill_length
         windows = [(None, workload.prefill_phase(prefill_length))]
+        if workload.warmup > 0:
+            warm, _ = await _send_all(session, side, workload, [workload.prefill_warmup(prefill_length)], 1, progress)
+            if not warm[0].ok:
+                raise RunStopped(f"{side.name} prefill warm-up ({prefill_length} tokens) failed: {warm[0].error}")
     try:
         for category, window in windows:
             before = await _wait_idle(session, side, opts)
@@ -252,7 +256,7 @@ def _version() -> str:
 
 def total_requests(sides: int, workload: Workload) -> int:
     return sides * (workload.warmup + sum(len(workload.phase_prompts(c)) for c in workload.concurrency)
-                    + len(workload.prefill_prompts))
+                    + len(workload.prefill_prompts) + (len(workload.prefill_lengths) if workload.warmup > 0 else 0))
 
 
 def new_report(workload: Workload) -> dict:

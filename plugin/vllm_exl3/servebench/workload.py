@@ -78,6 +78,14 @@ class Workload:
     def prefill_phase(self, length: int) -> list[Prompt]:
         return [p for p in self.prefill_prompts if p.category == PREFILL_CATEGORY.format(length)]
 
+    def prefill_warmup(self, length: int) -> Prompt:
+        """The prompt sent, not measured, before the prefill phase of `length` tokens: the first prompt of a new
+        length pays one-time costs (a GEMM tuned or compiled for the new shape: one H200 run's first 2048-token
+        prefill took 965 ms, the next two 47 ms). Its own ids, so the measured prompts find no prefix cached."""
+        rng = random.Random(f"{self.seed}:{length}:warm-up")
+        return Prompt(PREFILL_CATEGORY.format(length), -1, "", PREFILL_OUTPUT_TOKENS,
+                      [rng.randrange(*PREFILL_ID_RANGE) for _ in range(length)])
+
 
 def prefill_prompts(lengths: list[int], requests: int, seed: int) -> list[Prompt]:
     """`requests` prompts of each length, token ids drawn from PREFILL_ID_RANGE (deterministic in the seed)."""

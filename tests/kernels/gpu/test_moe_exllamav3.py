@@ -153,3 +153,14 @@ def test_named_exllamav3_serves_moe(monkeypatch):
     monkeypatch.setenv("VLLM_EXL3_KERNEL_STRICT", "1")
     spec = specs.MoESpec(("mcg",) * 3, (4.0,) * 3, 2048, 768, 128, "silu", torch.bfloat16, "cuda")
     assert selection.choose_moe_backend(spec).name == "exllamav3"
+
+
+def test_built_while_the_default_dtype_is_bf16():
+    """vLLM builds the layers while torch's default dtype is the model's: ExLlamaV3's intermediates must stay fp16
+    (left to the default, a bf16 model's load died in BC_BlockSparseMLP: "gu_u is incorrect datatype")."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        case(dtype=torch.bfloat16, tokens=5, seed=14)
+    finally:
+        torch.set_default_dtype(before)

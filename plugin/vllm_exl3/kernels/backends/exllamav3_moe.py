@@ -148,13 +148,16 @@ def build(stack: ExpertStack, top_k: int, activation: str):
         lin.device = device
         return lin
 
-    gates = [linear(e, "gate", None) for e in range(experts)]
-    ups = [linear(e, "up", None) for e in range(experts)]
+    # fp16 intermediates, as ExLlamaV3's own MoE models build the module (exllamav3/architecture/qwen3_moe.py): left
+    # unset, its buffers take torch's default dtype, which vLLM sets to the model's while it loads, and a bf16 model's
+    # load then died in BC_BlockSparseMLP ("gu_u is incorrect datatype, must be kHalf"; H200 serving run 3).
+    gates = [linear(e, "gate", torch.half) for e in range(experts)]
+    ups = [linear(e, "up", torch.half) for e in range(experts)]
     downs = [linear(e, "down", torch.float, allow_input_padding=True, trim_padded_out=True) for e in range(experts)]
     module = BlockSparseMLP(None, KEY, hidden_size=hidden, intermediate_size=inter, num_experts=experts + 1,
                             num_experts_per_tok=top_k, num_local_experts=experts,
                             activation_fn=ACTIVATION[activation], gates=gates, ups=ups, downs=downs,
-                            routing_first=0, routing_last=experts)
+                            routing_first=0, routing_last=experts, interm_dtype=torch.half)
     module.device = device
     module.load_local()
     if missing := [a for a in MODULE_ATTRS if not hasattr(module, a)]:
