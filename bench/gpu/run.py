@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import os
 import re
 import shutil
@@ -99,9 +100,9 @@ def gpu_present() -> bool:
 def setup_native() -> dict:
     """The carried stable-ABI build (tools/build-kernels) if it loads, else torch's JIT build of setup.py's sources."""
     kernels = ROOT / "plugin" / "vllm_exl3" / "kernels"
-    carried = ROOT / ".vgpu" / "ext" / "_C.abi3.so"
+    carried = ROOT / ".vgpu" / "ext" / "_C.abi3.so.xz"  # compressed by `vgpu ext`: it travels with every work call
     if carried.exists():
-        shutil.copy(carried, kernels / "_C.abi3.so")
+        (kernels / "_C.abi3.so").write_bytes(lzma.decompress(carried.read_bytes()))
     check = [sys.executable, "-c", "from vllm_exl3.kernels.backends import native; "
              "print(native.unavailable_reason() or 'ok', native.build_info())"]
     r = subprocess.run(check, capture_output=True, text=True, cwd=ROOT)
@@ -525,7 +526,7 @@ def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
                                "kv-cache-memory-bytes": srv["kv-cache-memory-bytes"],
                                "gpu-memory-utilization": srv["gpu-memory-utilization"], "load-format": load_format,
                                "served-model-name": label})
-    env = dict(entry.get("env", {}))
+    env = {**srv.get("env", {}), **entry.get("env", {})}  # the plan's server-wide settings, then the row's own
     s = Server(label, str(model), flags, env, WORK / "cache-serve" / label)
     return s, {"label": label, "model": str(model), "load_format": load_format, "env": env, "argv": s.argv[3:],
                "pack": json.loads((pack_dir(pack) / "done.json").read_text())}
