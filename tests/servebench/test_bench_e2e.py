@@ -180,12 +180,22 @@ def test_refused_requests_are_reported_with_the_servers_reason(servers, tmp_path
 
 def test_fill_and_the_prefill_phase(servers, tmp_path):
     """--fill keeps a level busy (2 prompts at concurrency 4 become 8 requests); --prefill measures long prompts
-    sent as token ids, and the server's prefill rate comes from its own counters."""
+    sent as token ids, and the server's prefill rate comes from its own counters. Each prefill length is preceded
+    by one unmeasured prompt of that length: the server counts it, the phase does not."""
+    def prompt_tokens_served() -> float:
+        text = requests.get(f"{servers[0].base_url}/metrics", timeout=10).text
+        return server_metrics.parse(text).values.get(server_metrics.PROMPT_TOKENS, 0)
+
+    before = prompt_tokens_served()
     r = bench("--a", servers[0].base_url, "--categories", "coding,prose", "--prompts", "1", "--max-tokens", "8",
               "--concurrency", "1,4", "--fill", "2", "--prefill", "64,128", "--prefill-requests", "2",
               "--warmup", "1", "--api", "completions", "--no-plots", "-o", str(tmp_path))
     assert r.returncode == 0, r.stderr
     results = json.loads((tmp_path / "results.json").read_text())
+    measured = sum(q["prompt_tokens"] for p in results["phases"] for q in p["requests"])
+    general_warmup = next(q["prompt_tokens"] for p in results["phases"] for q in p["requests"]
+                          if q["category"] == "coding")  # --warmup 1 sends the first prompt (coding) once
+    assert prompt_tokens_served() - before == measured + general_warmup + 64 + 128
     by_level = {p["concurrency"]: p for p in results["phases"] if "prefill_length" not in p}
     assert len(by_level[1]["requests"]) == 2 and len(by_level[4]["requests"]) == 8
     prefill = [p for p in results["phases"] if "prefill_length" in p]
