@@ -148,13 +148,13 @@ def test_watchdog_idles_on_other_roles():
 TREE = r"""
 import os, signal, subprocess, sys, time
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-print(engine.pid, flush=True)
 def drain(*_):
     if sys.argv[1] == "ignore":
         return
     time.sleep(float(sys.argv[1]))
     engine.terminate(); engine.wait(); sys.exit(0)
 signal.signal(signal.SIGTERM, drain)
+print(engine.pid, flush=True)  # only now: a SIGTERM before the handler would kill the leader at once
 time.sleep(300)
 """
 
