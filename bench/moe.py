@@ -29,6 +29,7 @@ from kernels import copy_bandwidth, time_calls  # noqa: E402  (bench/kernels.py)
 from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
 from vllm_exl3.format.constants import TILE  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 from vllm_exl3.kernels.specs import ExpertStack  # noqa: E402
 
 DEV = "cuda"
@@ -84,7 +85,7 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
     layer_bytes = experts * 3 * hidden * inter * bits / 8
     copies = max(2, min(8, math.ceil(3 * L2_DEFEAT / layer_bytes) + 1))
     stacks = [random_stack(hidden, inter, experts, bits, "mcg", seed=s) for s in range(copies)]
-    prepared = [native.prepare_moe(s, top_k, max(tokens_list), "silu") for s in stacks]
+    bound = [native.bind_moe(s, MoECall("silu", top_k=top_k, max_tokens=max(tokens_list))) for s in stacks]
     rows = []
     for tokens in tokens_list:
         g = torch.Generator().manual_seed(tokens)
@@ -94,8 +95,7 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
             w, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
             routes.append(((w / w.sum(-1, keepdim=True)).to(DEV), ids.to(torch.int32).to(DEV)))
             xs.append(torch.randn(tokens, hidden, device=DEV, dtype=torch.float16))
-        calls = [lambda i=i: native.moe(xs[i], routes[i][0], routes[i][1], None, stacks[i], prepared[i], "silu",
-                                        False) for i in range(copies)]
+        calls = [lambda i=i: bound[i](xs[i], routes[i][0], routes[i][1], None) for i in range(copies)]
         nbytes = statistics.mean(routed_bytes(stacks[i], routes[i][1]) for i in range(copies))
         flops = 2 * tokens * top_k * 3 * hidden * inter
         us_graph = graph_time(calls, replays=10 if quick else 30)
@@ -117,17 +117,17 @@ def profile(tokens_list=(1, 8, 32, 64)) -> None:
     native = get_backend("native")
     h, i, e, k = SHAPES["qwen3-30b-a3b"]
     stack = random_stack(h, i, e, 4, "mcg", seed=0)
-    prepared = native.prepare_moe(stack, k, 1024)
+    bound = native.bind_moe(stack, MoECall("silu", top_k=k, max_tokens=1024))
     for tokens in tokens_list:
         x = torch.randn(tokens, h, device=DEV, dtype=torch.float16)
         w, ids = torch.topk(torch.randn(tokens, e, device=DEV).softmax(-1), k, dim=-1)
         ids = ids.to(torch.int32)
         for _ in range(3):
-            native.moe(x, w, ids, None, stack, prepared, "silu", False)
+            bound(x, w, ids, None)
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                native.moe(x, w, ids, None, stack, prepared, "silu", False)
+                bound(x, w, ids, None)
             torch.cuda.synchronize()
         for ev in prof.key_averages():
             if ev.device_type.name == "CUDA" and ev.count:

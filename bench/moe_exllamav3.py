@@ -31,6 +31,7 @@ from vllm_exl3.dev.synthetic import expert_stack  # noqa: E402
 from vllm_exl3.format.pack import Pack  # noqa: E402
 from vllm_exl3.format.tensors import load_weights, read_tensor  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 
 DEV = "cuda"
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -98,25 +99,23 @@ def main() -> None:
     stack, gate = our_layer(Path(args.pack))
     top_k = exl.num_experts_per_tok
     native = get_backend("native")
-    prepared = native.prepare_moe(stack, top_k, 1024)
-    exl_backend = get_backend("exllamav3")
-    exl_prepared = exl_backend.prepare_moe(stack, top_k, 1024, "silu")
+    call = MoECall("silu", top_k=top_k, max_tokens=1024)
+    ours_bound = native.bind_moe(stack, call)
+    exl_bound = get_backend("exllamav3").bind_moe(stack, call)
     hidden = stack.w13_suh.shape[-1]
     rows = []
     for tokens in map(int, args.tokens.split(",")):
         xs = [torch.randn(tokens, hidden, device=DEV, dtype=torch.float16) for _ in range(INPUTS)]
         routes = [route(x, gate, top_k) for x in xs]
-        ours = [lambda i=i: native.moe(xs[i], routes[i][0], routes[i][1], None, stack, prepared, "silu", False)
-                for i in range(INPUTS)]
+        ours = [lambda i=i: ours_bound(xs[i], routes[i][0], routes[i][1], None) for i in range(INPUTS)]
 
         def with_router(i):
             w, ids = route(xs[i], gate, top_k)
-            return native.moe(xs[i], w, ids, None, stack, prepared, "silu", False)
+            return ours_bound(xs[i], w, ids, None)
 
         ours_routed = [lambda i=i: with_router(i) for i in range(INPUTS)]
         theirs = [lambda i=i: exl.forward(xs[i], {}) for i in range(INPUTS)]
-        backend = [lambda i=i: exl_backend.moe(xs[i], routes[i][0], routes[i][1], None, stack, exl_prepared, "silu",
-                                               False) for i in range(INPUTS)]
+        backend = [lambda i=i: exl_bound(xs[i], routes[i][0], routes[i][1], None) for i in range(INPUTS)]
         y_exl = theirs[0]().float()
         y_ours = ours[0]().float()
         y_backend = backend[0]().float()

@@ -26,6 +26,7 @@ from moe import random_stack  # noqa: E402  (bench/moe.py)
 from vllm_exl3.dev.synthetic import random_weights  # noqa: E402
 from vllm_exl3.kernels import parity  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 
 DEV = "cuda"
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 96, 8, 128
@@ -61,15 +62,15 @@ def main() -> None:
     rows = {}
     for name, (k, n) in DENSE.items():
         w = random_weights(k, n, 4.0, "mcg", seed=len(rows), device=DEV)
-        prepared = backend.prepare_linear(w)
-        parity.linear_error(backend, w, prepared, k, 0, 0, n, dtype)  # warm-up: first launches, cuBLAS handles
-        seconds, err = timed(lambda: parity.linear_error(backend, w, prepared, k, 0, 0, n, dtype))
+        bound = backend.bind_linear(w, 0, 0, n)
+        parity.linear_error(bound, k, dtype)  # warm-up: first launches, cuBLAS handles
+        seconds, err = timed(lambda: parity.linear_error(bound, k, dtype))
         rows[name] = {"shape": [k, n], "seconds": seconds, "error": err}
         print(json.dumps({name: rows[name]}), flush=True)
     stack = random_stack(HIDDEN, EXPERT_WIDTH, EXPERTS, 4, "mcg", seed=0)
-    prepared = backend.prepare_moe(stack, TOP_K, 1024, "silu")
-    parity.moe_error(backend, stack, prepared, HIDDEN, "silu", dtype, TOP_K)
-    seconds, err = timed(lambda: parity.moe_error(backend, stack, prepared, HIDDEN, "silu", dtype, TOP_K))
+    experts = backend.bind_moe(stack, MoECall("silu", top_k=TOP_K, max_tokens=1024))
+    parity.moe_error(experts, HIDDEN, dtype)
+    seconds, err = timed(lambda: parity.moe_error(experts, HIDDEN, dtype))
     rows["experts"] = {"shape": [HIDDEN, EXPERT_WIDTH, EXPERTS], "seconds": seconds, "error": err}
     print(json.dumps({"experts": rows["experts"]}), flush=True)
     # One layer type (4-bit mcg) for every dense linear and one for the experts: the first layer of each, then the

@@ -41,6 +41,7 @@ from vllm_exl3.format.geometry import Span  # noqa: E402
 from vllm_exl3.format.pack import Pack  # noqa: E402
 from vllm_exl3.format.tensors import Exl3Weights, load_weights  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "exl3"
 WORLD = 2
@@ -123,12 +124,12 @@ def check_dense(backend, name, w, rank, dtype, device, results):
     k, n = w.in_padded, w.out_padded
     g = torch.Generator().manual_seed(7)
     x = torch.randn(9, k, generator=g).to(device, dtype)
-    full = backend.linear(x, w, backend.prepare_linear(w), 0, 0, n)
+    full = backend.bind_linear(w, 0, 0, n)(x)
     for parts in split_points(n):  # column parallel: each rank computes its outputs, all_gather
         o0, o1 = parts[rank]
         wr = rank_slice(w, Span.around(0, k, k), Span.around(o0, o1, n))
         cols = Span.around(o0, o1, n)
-        y = backend.linear(x, wr, backend.prepare_linear(wr), 0, cols.offset, cols.size)
+        y = backend.bind_linear(wr, 0, cols.offset, cols.size)(x)
         width = max(b - a for a, b in parts)  # all_gather takes equal sizes: pad, then trim each piece
         mine = torch.zeros(x.shape[0], width, dtype=dtype, device=device)
         mine[:, :y.shape[1]] = y
@@ -140,7 +141,7 @@ def check_dense(backend, name, w, rank, dtype, device, results):
         i0, i1 = parts[rank]
         rows = Span.around(i0, i1, k)
         wr = rank_slice(w, rows, Span.around(0, n, n))
-        y = backend.linear(x[:, i0:i1].contiguous(), wr, backend.prepare_linear(wr), rows.offset, 0, n).float()
+        y = backend.bind_linear(wr, rows.offset, 0, n)(x[:, i0:i1].contiguous()).float()
         dist.all_reduce(y)
         results.append({"layer": name, "split": "rows", "ranges": parts, "rel_err": rel(y, full)})
 
@@ -152,27 +153,27 @@ def check_moe(backend, name, weights, rank, dtype, device, results, graphs: bool
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
     tw, ti = routing(tokens, experts, top_k, 11, device)
     whole = expert_stack(weights, list(range(experts)))
-    full = backend.moe(x, tw, ti, None, whole, backend.prepare_moe(whole, top_k, tokens, "silu"), "silu", False)
+    call = MoECall("silu", top_k=top_k, max_tokens=tokens)
+    full = backend.bind_moe(whole, call)(x, tw, ti, None)
     for parts in split_points(inter):  # tensor parallel: intermediate ranges
         i0, i1 = parts[rank]
         stack = expert_stack(weights, list(range(experts)), i0, i1)
-        prepared = backend.prepare_moe(stack, top_k, tokens, "silu")
-        y = backend.moe(x, tw, ti, None, stack, prepared, "silu", False).float()
+        y = backend.bind_moe(stack, call)(x, tw, ti, None).float()
         dist.all_reduce(y)
         results.append({"layer": name, "split": "tp-intermediate", "ranges": parts, "rel_err": rel(y, full)})
     mine = list(range(rank, experts, WORLD))  # expert parallelism, round-robin placement
     emap = torch.full((experts,), -1, dtype=torch.int32, device=device)
     emap[mine] = torch.arange(len(mine), dtype=torch.int32, device=device)
     stack = expert_stack(weights, mine)
-    prepared = backend.prepare_moe(stack, top_k, tokens, "silu")
-    y = backend.moe(x, tw, ti, emap, stack, prepared, "silu", False).float()
+    bound = backend.bind_moe(stack, call)
+    y = bound(x, tw, ti, emap).float()
     dist.all_reduce(y)
     results.append({"layer": name, "split": "expert-parallel", "ranges": [mine], "rel_err": rel(y, full)})
     if graphs:
         static = (x.clone(), tw.clone(), ti.clone())
 
         def step():
-            out = backend.moe(static[0], static[1], static[2], emap, stack, prepared, "silu", False)
+            out = bound(static[0], static[1], static[2], emap)
             dist.all_reduce(out)
             return out
 
@@ -195,7 +196,7 @@ def timing(backend, rank, dtype, device) -> list[dict]:
     stack = expert_stack(moe_w, list(range(rank * 64, rank * 64 + 64)))  # EP over 128 experts
     emap = torch.full((128,), -1, dtype=torch.int32, device=device)
     emap[rank * 64:rank * 64 + 64] = torch.arange(64, dtype=torch.int32, device=device)
-    prepared = backend.prepare_moe(stack, 8, 16, "silu")
+    bound = backend.bind_moe(stack, MoECall("silu", top_k=8, max_tokens=16))
     for hidden in (2048, 4096):
         for tokens in DECODE_TOKENS:
             a = torch.randn(tokens, hidden, device=device, dtype=dtype)
@@ -205,7 +206,7 @@ def timing(backend, rank, dtype, device) -> list[dict]:
                 x = torch.randn(tokens, hidden, device=device, dtype=dtype)
                 tw, ti = routing(tokens, 128, 8, tokens, device)
                 row["moe_op_us(qwen3-30b-a3b, 64 local experts)"] = time_us(
-                    lambda: backend.moe(x, tw, ti, emap, stack, prepared, "silu", False))
+                    lambda: bound(x, tw, ti, emap))
             link = row["bytes"] / SPARK_LINK_BYTES_PER_S  # two ranks: each sends and receives its buffer once
             row["spark_predicted_us"] = (SPARK_ALLREDUCE_LATENCY_S + link) * 1e6
             rows.append(row)

@@ -256,6 +256,11 @@ def test_a_memory_watchdog_stop_drains_and_new_requests_get_503(box):
     box.meminfo.write_text(re.sub(r"^MemAvailable:.*$", "MemAvailable:      65536 kB", original, flags=re.M))
     statuses: list[int] = []
     try:
+        # Ask only once the watchdog has acted: a request sent before it is served (200) and, on a loaded machine,
+        # can outlast the stream, leaving nothing asked during the drain.
+        wait_until("the watchdog's stop", lambda: f"stopping vLLM (pid {pid})" in box.log.read_text(), 60, box.proc,
+                   box.log)
+        assert t.is_alive(), "the stream ended before the watchdog stopped vLLM: nothing was drained"
         while t.is_alive():
             try:
                 r = requests.post(box.base + "/v1/completions", json=body(), headers=auth(), timeout=30)

@@ -30,7 +30,7 @@ def env(monkeypatch, tmp_path):
 
 
 class Layer:
-    """What linear.py's _bind does for one shard: choose, prepare, then bind through binding.bind_checked."""
+    """What linear.py's _bind does for one shard: choose, bind, then check through binding.bind_checked."""
 
     def __init__(self, name: str, w, last_block: bool = False):
         self.name, self.w, self.last_block, self.bound = name, w, last_block, []
@@ -38,11 +38,10 @@ class Layer:
 
     def bind(self):
         b = selection.choose_linear_backend(self.spec)
-        prepared = b.prepare_linear(self.w)
+        bound = b.bind_linear(self.w, 0, 0, self.w.out_padded)
         self.bound.append(b.name)
         binding.bind_checked(self.name, selection.linear_layer_type(self.spec), b, torch.float32,
-                             lambda be: parity.linear_error(be, self.w, prepared, self.w.in_padded, 0, 0,
-                                                            self.w.out_padded, torch.float32),
+                             lambda: parity.linear_error(bound, self.w.in_padded, torch.float32),
                              self.bind, self.last_block)
 
 

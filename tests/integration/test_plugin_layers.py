@@ -33,6 +33,7 @@ from vllm.model_executor.layers import linear as vllm_linear  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  # noqa: E402
 
 from vllm_exl3.integration.config import Exl3Config, Exl3ConfigError  # noqa: E402
+from vllm_exl3.kernels import ops  # noqa: E402
 
 from support.fixtures import pack_dir  # noqa: E402
 
@@ -327,7 +328,8 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy
         load(layer, tensors)
         x = torch.randn(5, 256)
         assert rel(layer(x), reference(x, w, 256, 384)) < 1e-5
-        assert layer.exl3_shards[0][2][1] == "torch"  # the backend the gate moved the layer to
+        assert layer.quant_method.bound[0].backend == "torch"  # the backend the gate moved the layer to
+        assert ops.serving(layer.exl3_trellis_0) is layer.quant_method.bound[0]  # and the op runs that binding
     finally:
         parity.reset()
         binding.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import subprocess
 import sys
@@ -12,9 +13,11 @@ import torch
 from vllm_exl3.kernels import backend as kbackend
 from vllm_exl3.kernels import errors, interface, requested, selection, specs
 from vllm_exl3.format import reference as R
-from vllm_exl3.kernels.specs import ExpertStack, LinearSpec
-from vllm_exl3.kernels import ops  # noqa: F401  (registers torch.ops.vllm_exl3.*)
-from vllm_exl3.kernels.backends.torch_ref import TorchBackend, moe_all_tokens, moe_routed_tokens
+from vllm_exl3.kernels.specs import LinearSpec
+from support.backends import WrongNative
+from vllm_exl3.kernels import ops
+from vllm_exl3.kernels.backends.torch_ref import TorchBackend, decoded_experts, moe_all_tokens, moe_routed_tokens
+from vllm_exl3.kernels.interface import MoECall
 from vllm_exl3.dev.synthetic import expert_stack, random_weights
 
 
@@ -94,11 +97,11 @@ def test_unknown_kernel_name(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 def test_linear_op_matches_reference_and_traces_whole_under_compile():
     w = random_weights(320, 200, 3, "mcg", seed=1)
-    prepared = TorchBackend().prepare_linear(w)
-    args = (w.trellis, w.suh, w.svh, prepared, "mcg", "torch", 0, 0, 200)
+    bound = TorchBackend().bind_linear(w, 0, 0, 200)
+    ops.serve(bound)
 
     def f(x):
-        return torch.ops.vllm_exl3.linear(x, *args) * 2
+        return torch.ops.vllm_exl3.linear(x, w.trellis, 200) * 2
 
     x = torch.randn(7, 320)
     expected = 2 * R.forward(x, w, out_features=200)
@@ -107,6 +110,25 @@ def test_linear_op_matches_reference_and_traces_whole_under_compile():
     for rows in (7, 1, 33):  # one graph for every row count: the op decides GEMV/GEMM inside, at run time
         x = torch.randn(rows, 320)
         assert rel(compiled(x), 2 * R.forward(x, w, out_features=200)) < 1e-5
+
+
+def test_the_op_runs_the_binding_served_last_and_forgets_an_unloaded_layer():
+    """A fallback binds a layer again: the op then runs the new binding. A layer that is gone (its binding no longer
+    referenced) leaves nothing behind, and the op says which trellis it could not place."""
+    w = random_weights(128, 128, 3, "mcg", seed=2)
+    x = torch.randn(3, 128)
+    first = TorchBackend().bind_linear(w, 0, 0, 128)
+    ops.serve(first)
+    assert ops.serving(w.trellis) is first
+    wrong = WrongNative().bind_linear(w, 0, 0, 128)
+    ops.serve(wrong)
+    assert ops.serving(w.trellis) is wrong
+    assert rel(torch.ops.vllm_exl3.linear(x, w.trellis, 128), 1.1 * first(x)) < 1e-6
+    del first, wrong
+    gc.collect()
+    assert ops.serving(w.trellis) is None
+    with pytest.raises(RuntimeError, match=r"no BoundLinear is served for a trellis of shape \[8, 8, 48\]"):
+        torch.ops.vllm_exl3.linear(x, w.trellis, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,8 +176,7 @@ def moe_case():
 def test_torch_moe_matches_naive(moe_case, run):
     weights, x, topk_weights, topk_ids, expected = moe_case
     experts = stack(weights, range(EXPERTS))
-    prepared = TorchBackend().prepare_moe(experts)
-    y = run(x, topk_weights, topk_ids, None, experts, prepared, "silu", False)
+    y = run(x, topk_weights, topk_ids, None, experts, decoded_experts(experts), "silu", False)
     assert rel(y, expected) < 1e-5
 
 
@@ -167,7 +188,7 @@ def test_moe_expert_parallel_ranks_sum_to_the_whole(moe_case):
         expert_map[local] = torch.arange(len(local), dtype=torch.int32)
         experts = stack(weights, local)
         total = total + moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts,
-                                          TorchBackend().prepare_moe(experts), "silu", False)
+                                          decoded_experts(experts), "silu", False)
     assert rel(total, expected) < 1e-5
 
 
@@ -179,18 +200,16 @@ def test_moe_tensor_parallel_ranks_sum_to_the_whole(moe_case, tp):
     for r in range(tp):
         experts = stack(weights, range(EXPERTS), r * part, (r + 1) * part)
         total = total + moe_routed_tokens(x, topk_weights, topk_ids, None, experts,
-                                          TorchBackend().prepare_moe(experts), "silu", False)
+                                          decoded_experts(experts), "silu", False)
     assert rel(total, expected) < 1e-5
 
 
 def test_moe_op_through_torch_ops(moe_case):
     weights, x, topk_weights, topk_ids, expected = moe_case
     e = stack(weights, range(EXPERTS))
-    prepared = TorchBackend().prepare_moe(e)
-    y = torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, torch.empty(0, dtype=torch.int32), e.w13_trellis,
-                                e.w13_suh, e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared, list(e.w13_words),
-                                list(e.w2_words), ops.codebook_list(e.codebooks), "silu", False, "torch",
-                                e.inter_offset, e.inter_size)
+    bound = TorchBackend().bind_moe(e, MoECall("silu", top_k=TOP_K))
+    ops.serve(bound)
+    y = torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, torch.empty(0, dtype=torch.int32), e.w13_trellis)
     assert rel(y, expected) < 1e-5
 
 

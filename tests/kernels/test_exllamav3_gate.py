@@ -12,6 +12,7 @@ import torch
 
 from vllm_exl3.kernels.backends import exllamav3 as exl_backend
 from vllm_exl3.kernels.backends import exllamav3_moe
+from vllm_exl3.kernels.interface import MoECall
 from vllm_exl3.kernels.specs import MoESpec
 
 
@@ -100,9 +101,9 @@ def test_servable_layers_pass_the_layer_checks():
     assert exllamav3_moe.unsupported_reason(spec(bits=(4.0, 4.0, 3.0) * 2, activation="gelu_tanh")) is None
 
 
-def test_prepare_needs_top_k_and_activation():
-    with pytest.raises(ValueError, match="needs the layer's top-k and activation"):
-        exl_backend.ExLlamaV3Backend().prepare_moe(object(), None, None, "silu")
+def test_binding_needs_top_k():
+    with pytest.raises(ValueError, match="needs the layer's top-k"):
+        exl_backend.ExLlamaV3Backend().bind_moe(object(), MoECall("silu"))
 
 
 def test_the_image_checks_the_prebuilt_extension_for_these_entry_points(tmp_path):

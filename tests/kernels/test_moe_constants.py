@@ -14,6 +14,7 @@ from vllm_exl3.appliance import memory_plan
 from vllm_exl3.dev.synthetic import expert_stack, random_weights
 from vllm_exl3.kernels.backends import native_moe
 from vllm_exl3.kernels.backends.native_moe_limits import MAX_LOCAL_EXPERTS, MOE_CHUNK_TOKENS
+from vllm_exl3.kernels.interface import MoECall
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
@@ -34,8 +35,8 @@ def test_the_memory_plan_sizes_one_chunk():
     assert memory_plan.MOE_CHUNK_TOKENS is MOE_CHUNK_TOKENS
 
 
-def test_native_prepare_reserves_one_chunk_without_a_token_budget(monkeypatch):
-    """prepare_moe without vLLM's max_tokens reserves the workspace for one whole chunk (the op's own cap)."""
+def test_native_binding_reserves_one_chunk_without_a_token_budget(monkeypatch):
+    """A native binding without vLLM's max_tokens reserves the workspace for one whole chunk (the op's own cap)."""
     reserved = []
     fake_ops = types.SimpleNamespace(
         moe_prepare=lambda words, codebook: None,
@@ -44,6 +45,6 @@ def test_native_prepare_reserves_one_chunk_without_a_token_budget(monkeypatch):
     monkeypatch.setattr(torch.ops, "vllm_exl3", fake_ops, raising=False)
     weights = [[random_weights(128, 128, 2, "mcg", seed=3 * e + p) for p in range(3)] for e in range(2)]
     stack = expert_stack(weights, [0, 1])
-    native_moe.prepare(stack, top_k=2, max_tokens=None)
-    native_moe.prepare(stack, top_k=2, max_tokens=96)
+    native_moe.BoundNativeMoE(stack, MoECall("silu", top_k=2))
+    native_moe.BoundNativeMoE(stack, MoECall("silu", top_k=2, max_tokens=96))
     assert reserved == [MOE_CHUNK_TOKENS, 96]

@@ -18,25 +18,26 @@ from vllm_exl3.format.pack import Pack
 from vllm_exl3.format.tensors import load_weights
 from vllm_exl3.kernels import backend as kbackend
 from vllm_exl3.kernels import parity, selection
-from vllm_exl3.kernels.backends.torch_ref import TorchBackend
+from support.backends import WrongNative
+from vllm_exl3.kernels.backends.torch_ref import TorchBackend, TorchLinear
+from vllm_exl3.kernels.interface import MoECall
 from vllm_exl3.kernels.specs import LinearSpec, MoESpec
 
 
-class Broken(TorchBackend):
-    """The reference plus 10 % noise: the kind of silent wrong output the gate exists for."""
+class NoisyLinear(TorchLinear):
+    backend = "native"
 
-    name = "native"
-
-    def unavailable_reason(self):
-        return None
-
-    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
-        y = super().linear(x, w, prepared, in_offset, out_offset, out_features)
+    def __call__(self, x):
+        y = super().__call__(x)
         return y + 0.1 * y.std() * torch.randn_like(y)
 
-    def moe(self, *args):
-        y = super().moe(*args)
-        return y * 1.1
+
+class Broken(WrongNative):
+    """The reference plus 10 % noise (dense) or 10 % off (routed): the kind of silent wrong output the gate exists
+    for."""
+
+    def bind_linear(self, w, in_offset, out_offset, out_features):
+        return NoisyLinear(w, in_offset, out_offset, out_features)
 
 
 @pytest.fixture
@@ -56,18 +57,17 @@ def pack():
 
 
 def bind_linear(w, log: list, decisions: list | None = None):
-    """What Exl3LinearMethod._bind does through integration/binding.py, minus vLLM: choose, prepare, gate; on the
+    """What Exl3LinearMethod._bind does through integration/binding.py, minus vLLM: choose, bind, gate; on the
     gate's fallback, bind again (selection skips the failed backend). Each binding records its backend."""
     spec = LinearSpec(w.codebook, w.bits, w.in_padded, w.out_padded, torch.float32, "cpu")
     decisions = [] if decisions is None else decisions
 
     def bind():
         b = selection.choose_linear_backend(spec)
-        prepared = b.prepare_linear(w)
+        bound = b.bind_linear(w, 0, 0, w.out_padded)
         log.append(b.name)
         fallback = parity.gate("model.layers.0.self_attn.q_proj", selection.linear_layer_type(spec), b,
-                               torch.float32, lambda be: parity.linear_error(be, w, prepared, w.in_padded, 0, 0,
-                                                                             w.out_padded, torch.float32), False)
+                               torch.float32, lambda: parity.linear_error(bound, w.in_padded, torch.float32), False)
         decisions.append(fallback)
         if fallback is not None:
             bind()
@@ -147,10 +147,10 @@ def test_routed_experts_gate(gate_env, pack, monkeypatch, policy):
 
     def bind():
         b = selection.choose_moe_backend(spec)
-        prepared = b.prepare_moe(stack, 2)
+        bound = b.bind_moe(stack, MoECall("silu", top_k=2))
         log.append(b.name)
         if parity.gate("model.layers.1.mlp.experts", selection.moe_layer_type(spec), b, torch.float32,
-                       lambda be: parity.moe_error(be, stack, prepared, hidden, "silu", torch.float32, 2), True):
+                       lambda: parity.moe_error(bound, hidden, torch.float32), True):
             bind()
 
     if policy == "strict":

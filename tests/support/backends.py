@@ -3,7 +3,21 @@
 
 from __future__ import annotations
 
-from vllm_exl3.kernels.backends.torch_ref import TorchBackend
+from vllm_exl3.kernels.backends.torch_ref import TorchBackend, TorchLinear, TorchMoE
+
+
+class WrongLinear(TorchLinear):
+    backend = "native"
+
+    def __call__(self, x):
+        return 1.1 * super().__call__(x)
+
+
+class WrongMoE(TorchMoE):
+    backend = "native"
+
+    def __call__(self, *args):
+        return 1.1 * super().__call__(*args)
 
 
 class WrongNative(TorchBackend):
@@ -12,8 +26,8 @@ class WrongNative(TorchBackend):
     def unavailable_reason(self):
         return None
 
-    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
-        return 1.1 * super().linear(x, w, prepared, in_offset, out_offset, out_features)
+    def bind_linear(self, w, in_offset, out_offset, out_features):
+        return WrongLinear(w, in_offset, out_offset, out_features)
 
-    def moe(self, *args):
-        return 1.1 * super().moe(*args)
+    def bind_moe(self, experts, call):
+        return WrongMoE(experts, call)

@@ -12,6 +12,7 @@ import torch
 
 from vllm_exl3.dev.synthetic import expert_stack, random_weights
 from vllm_exl3.format import reference as R
+from vllm_exl3.kernels.interface import MoECall
 
 DEV = "cuda"
 BOUND = {torch.float16: 3e-3, torch.bfloat16: 1e-2}
@@ -102,9 +103,9 @@ def run_case(backend, *, hidden=256, inter=384, experts=8, top_k=2, tokens=7, wi
     x = torch.randn(tokens, hidden, generator=g).to(DEV, dtype)
     topk_weights, topk_ids = routing(tokens, experts if ep is None else ep[0], top_k, seed, skew)
     topk_ids = topk_ids.to(ids_dtype)
-    prepared = backend.prepare_moe(stack, top_k, tokens, activation)
+    bound = backend.bind_moe(stack, MoECall(activation, rwoi, top_k, tokens))
     poison((tokens, hidden), dtype)
-    y = backend.moe(x, topk_weights, topk_ids, expert_map, stack, prepared, activation, rwoi)
+    y = bound(x, topk_weights, topk_ids, expert_map)
     torch.cuda.synchronize()
     assert y.shape == (tokens, hidden) and y.dtype == dtype
     assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
@@ -113,17 +114,16 @@ def run_case(backend, *, hidden=256, inter=384, experts=8, top_k=2, tokens=7, wi
     if note is not None:
         note(err)
     assert err < BOUND[dtype], err
-    return x, topk_weights, topk_ids, expert_map, stack, prepared, y
+    return x, topk_weights, topk_ids, expert_map, stack, bound, y
 
 
 
 
-def through_custom_op(backend_name, x, topk_weights, topk_ids, stack, prepared):
-    """The same call through `torch.ops.vllm_exl3.moe` (as the vLLM layer makes it), no expert map."""
+def through_custom_op(bound, x, topk_weights, topk_ids):
+    """The same call through `torch.ops.vllm_exl3.moe` (as the vLLM layer makes it, with the binding served), no
+    expert map."""
     from vllm_exl3.kernels import ops
 
-    e = stack
+    ops.serve(bound)
     return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, torch.empty(0, dtype=torch.int32, device=DEV),
-                                   e.w13_trellis, e.w13_suh, e.w13_svh, e.w2_trellis, e.w2_suh, e.w2_svh, prepared,
-                                   list(e.w13_words), list(e.w2_words), ops.codebook_list(e.codebooks), "silu", False,
-                                   backend_name, e.inter_offset, e.inter_size)
+                                   bound.experts.w13_trellis)

@@ -20,7 +20,7 @@ _bound: dict[tuple[str, str], list[Callable[[], None]]] = {}  # (backend, layer 
 
 
 def bind_checked(layer: str, layer_type: str, backend: Backend, dtype: torch.dtype,
-                 measure: Callable[[Backend], tuple[float, str]], rebind: Callable[[], None],
+                 measure: Callable[[], tuple[float, str]], rebind: Callable[[], None],
                  last_block: bool) -> None:
     """Called right after `backend` was bound to `layer`: record `rebind` (which chooses and binds the layer
     again), run the gate, and act on a fallback it decides."""

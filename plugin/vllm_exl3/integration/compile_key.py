@@ -2,12 +2,13 @@
 
 vLLM keys its compile cache (`$VLLM_CACHE_ROOT/torch_compile_cache/...`, AOT artifacts included) by its own
 configs, its own environment variables and the source files Dynamo traced; the plugin's custom ops are opaque to
-Dynamo, so which backend serves a layer (a constant argument of the op) and the tensors that backend prepared (their
-shapes are asserted by the compiled graph) are in no factor. A boot that reused a graph compiled for another backend
-replayed the wrong op or failed in `assert_size_stride` during warm-up. vLLM hashes `VllmConfig.additional_config`
-(a free-form dict) into the same key and computes that key only at the model's first forward, after every layer was
-loaded and bound: so each worker records what it chose there, under its own name, and a different choice is a
-different cache entry. The choice per layer type is final by then (the parity gate's fallbacks included).
+Dynamo, so nothing of the plugin's kernels is in any factor. When the backend was a constant argument of the op and
+its prepared tensors were graph inputs, a boot that reused a graph compiled for another backend failed in
+`assert_size_stride` during warm-up; the ops now find each layer's binding at run time (kernels/ops.py), and this
+key still keeps every kernel build and plugin version in its own cache entry. vLLM hashes
+`VllmConfig.additional_config` (a free-form dict) into the same key and computes that key only at the model's first
+forward, after every layer was loaded and bound: so each worker records what it chose there, under its own name,
+and a different choice is a different cache entry. The choice per layer type is final by then (the parity gate's fallbacks included).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from ..format.errors import Exl3FormatError
 from ..format.records import marker_value_problem
 from ..format.tensors import Exl3Weights, check_delivered, unpack_signs
 from ..format.geometry import Span, check_padding
-from ..kernels import parity
+from ..kernels import ops, parity
+from ..kernels.interface import BoundLinear
 from ..kernels.selection import choose_linear_backend, linear_layer_type
 from ..kernels.specs import LinearSpec
 
@@ -118,6 +119,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         self.prefix = prefix
         self.names, self.shard_ids, self.metas, self.plain_shapes = names, shard_ids, metas, plain_shapes
         self.shards: list[Shard] = []
+        self.bound: dict[int, BoundLinear] = {}  # shard index -> its binding (kernels/ops.py serves it)
         self.last_block = False  # set by Exl3Config: this layer is in the model's last block (the parity gate)
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -230,9 +232,8 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                             layer.suh.data[s.offsets["suh"]:s.offsets["suh"] + s.rows.block_size],
                             layer.svh.data[s.offsets["svh"]:s.offsets["svh"] + s.cols.block_size],
                             s.meta.codebook, s.meta.bits)
-            for part, tensor in (("trellis", w.trellis), ("suh", w.suh), ("svh", w.svh)):
-                layer.register_buffer(f"exl3_{part}_{i}", tensor, persistent=False)
-            layer.exl3_shards.append(("exl3", i, None))
+            layer.register_buffer(f"exl3_trellis_{i}", w.trellis, persistent=False)  # what the op is called with
+            layer.exl3_shards.append(("exl3", i, s.cols.size))
             self._bind(layer, i, s, w)
         layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
                               if compat.is_lm_head(layer) else 0)
@@ -240,18 +241,16 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         telemetry.layer_bound()  # the metrics exporter's view of this worker, once per load (telemetry.py)
 
     def _bind(self, layer, i: int, s: Shard, w: Exl3Weights) -> None:
-        """Choose shard i's backend, prepare it, then let the parity gate compare it with the torch reference
-        (which may bind it again, to the next backend)."""
+        """Choose shard i's backend and bind it, serve that binding (kernels/ops.py), then let the parity gate
+        compare it with the torch reference (which may bind it again, to the next backend)."""
         spec = LinearSpec(s.meta.codebook, s.meta.bits, s.rows.block_size, s.cols.block_size, layer.params_dtype,
                           w.trellis.device.type)
         backend = choose_linear_backend(spec)
-        prepared = backend.prepare_linear(w)
-        layer.register_buffer(f"exl3_prepared_{i}", prepared, persistent=False)
-        call = (s.meta.codebook, backend.name, s.rows.offset, s.cols.offset, s.cols.size)
-        layer.exl3_shards[[e[1] for e in layer.exl3_shards].index(i)] = ("exl3", i, call)
+        bound = backend.bind_linear(w, s.rows.offset, s.cols.offset, s.cols.size)
+        ops.serve(bound)
+        self.bound[i] = bound  # the layer keeps its binding alive; the ops hold it weakly
         binding.bind_checked(s.name, linear_layer_type(spec), backend, layer.params_dtype,
-                             lambda b: parity.linear_error(b, w, prepared, s.rows.size, s.rows.offset,
-                                                           s.cols.offset, s.cols.size, layer.params_dtype),
+                             lambda: parity.linear_error(bound, s.rows.size, layer.params_dtype),
                              lambda: self._bind(layer, i, s, w), self.last_block)
 
     def tie_weights(self, layer, embed_tokens):
@@ -263,13 +262,11 @@ class Exl3LinearMethod(compat.LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         outs = []
-        for kind, i, call in layer.exl3_shards:
+        for kind, i, out_features in layer.exl3_shards:
             if kind == "plain":
                 outs.append(F.linear(x2, getattr(layer, f"exl3_plain_{i}")))
             else:
-                outs.append(torch.ops.vllm_exl3.linear(
-                    x2, getattr(layer, f"exl3_trellis_{i}"), getattr(layer, f"exl3_suh_{i}"),
-                    getattr(layer, f"exl3_svh_{i}"), getattr(layer, f"exl3_prepared_{i}"), *call))
+                outs.append(torch.ops.vllm_exl3.linear(x2, getattr(layer, f"exl3_trellis_{i}"), out_features))
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if layer.exl3_out_pad:  # vocab padding columns of this rank (sliced off by the logits processor)
             y = F.pad(y, (0, layer.exl3_out_pad))

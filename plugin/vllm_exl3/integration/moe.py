@@ -21,8 +21,8 @@ from ..format.errors import Exl3FormatError
 from ..format.records import marker_value_problem
 from ..format.tensors import check_delivered, unpack_signs
 from ..format.geometry import Span, check_padding
-from ..kernels import parity
-from ..kernels.ops import codebook_list
+from ..kernels import ops, parity
+from ..kernels.interface import MoECall
 from ..kernels.selection import choose_moe_backend, moe_layer_type
 from ..kernels.specs import ACTIVATIONS, PROJECTIONS, W13, W2, ExpertStack, MoESpec
 
@@ -156,32 +156,21 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         telemetry.layer_bound()  # the metrics exporter's view of this worker, once per load (telemetry.py)
 
     def _bind(self, layer, spec: MoESpec) -> None:
-        """Choose the backend, prepare it, then let the parity gate compare it with the torch reference (which
-        may bind the layer again, to the next backend)."""
+        """Choose the backend and bind the layer to it, serve that binding (kernels/ops.py), then let the parity gate
+        compare it with the torch reference (which may bind the layer again, to the next backend)."""
         backend = choose_moe_backend(spec)
-        top_k = getattr(self.moe, "experts_per_token", None)
-        for k in range(getattr(self, "num_prepared", 0)):  # a previous binding's tensors
-            delattr(layer, f"exl3_prepared_{k}")
-        prepared = backend.prepare_moe(self.stack, top_k, getattr(self.moe, "max_num_tokens", None), spec.activation)
-        for k, t in enumerate(prepared):
-            layer.register_buffer(f"exl3_prepared_{k}", t, persistent=False)
-        self.call = (list(self.stack.w13_words), list(self.stack.w2_words),
-                     codebook_list(spec.codebooks), spec.activation, bool(layer.apply_router_weight_on_input),
-                     backend.name,
-                     self.stack.inter_offset, self.stack.inter_size)
-        self.num_prepared = len(prepared)
+        call = MoECall(spec.activation, bool(layer.apply_router_weight_on_input),
+                       getattr(self.moe, "experts_per_token", None), getattr(self.moe, "max_num_tokens", None))
+        self.bound = bound = backend.bind_moe(self.stack, call)  # the layer keeps it alive; the ops hold it weakly
+        ops.serve(bound)
         binding.bind_checked(self.prefix, moe_layer_type(spec), backend, spec.act_dtype,
-                             lambda b: parity.moe_error(b, self.stack, prepared, self.hidden_span.size,
-                                                        spec.activation, spec.act_dtype, top_k),
+                             lambda: parity.moe_error(bound, self.hidden_span.size, spec.act_dtype),
                              lambda: self._bind(layer, spec), self.last_block)
 
     # -- forward --------------------------------------------------------------------------------------------
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         del shared_experts, shared_experts_input  # the runner computes shared experts itself
         expert_map = layer.expert_map
-        if expert_map is None:
+        if expert_map is None:  # no expert parallelism (an op argument cannot be None)
             expert_map = torch.empty(0, dtype=torch.int32, device=x.device)
-        prepared = [getattr(layer, f"exl3_prepared_{k}") for k in range(self.num_prepared)]
-        return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, expert_map, layer.w13_trellis, layer.w13_suh,
-                                       layer.w13_svh, layer.w2_trellis, layer.w2_suh, layer.w2_svh, prepared,
-                                       *self.call)
+        return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, expert_map, layer.w13_trellis)

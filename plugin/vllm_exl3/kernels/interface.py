@@ -1,12 +1,71 @@
 """The interface every kernel backend implements, and the table the backend modules add themselves to on import
-(`register_backend`). Backend modules import this module only; backend.py imports them (no cycle)."""
+(`register_backend`). A backend binds each layer once at load (`bind_linear`, `bind_moe`): the bound object holds
+everything the layer's calls need and is what kernels/ops.py runs. Backend modules import this module only;
+backend.py imports them (no cycle)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..format.tensors import Exl3Weights
 from .specs import ExpertStack, LinearSpec, MoESpec
+
+
+@dataclass(frozen=True)
+class MoECall:
+    """How a routed-experts layer is called, fixed when it is bound: its gated activation, whether the router
+    weight scales the input (top-1 models) instead of the output, and, when known, its top-k and vLLM's
+    batched-token budget (a backend may reserve its workspace from them before CUDA-graph capture)."""
+
+    activation: str
+    router_weight_on_input: bool = False
+    top_k: int | None = None
+    max_tokens: int | None = None
+
+
+class BoundLinear:
+    """One dense EXL3 linear bound to a backend: everything its calls need, made once at load (`Backend.bind_linear`).
+
+    `self(x)`: x [M, in] in the activation dtype, placed at columns [in_offset, in_offset + in) of a zero input of
+    width w.in_padded; returns [M, out_features] = columns [out_offset, out_offset + out_features) of the output, in
+    x's dtype, without bias. Must not sync the host or allocate by tensor *values* (CUDA graphs)."""
+
+    backend = "?"
+
+    def __init__(self, w: Exl3Weights, in_offset: int, out_offset: int, out_features: int):
+        self.w, self.in_offset, self.out_offset, self.out_features = w, in_offset, out_offset, out_features
+
+    @property
+    def handle(self) -> torch.Tensor:
+        """The tensor the `vllm_exl3::linear` op receives for this layer (kernels/ops.py finds the binding by it)."""
+        return self.w.trellis
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class BoundMoE:
+    """One routed-experts layer bound to a backend, made once at load (`Backend.bind_moe`).
+
+    `self(x, topk_weights, topk_ids, expert_map)`: Σ_k w_k · expert_{id_k}(x) over the experts local to this rank,
+    [M, H] in x's dtype. topk_ids are global expert ids; `expert_map` (global -> local, -1 elsewhere) is given under
+    expert parallelism, else None. With `call.router_weight_on_input` x is scaled before the experts instead."""
+
+    backend = "?"
+
+    def __init__(self, experts: ExpertStack, call: MoECall):
+        self.experts, self.call = experts, call
+
+    @property
+    def handle(self) -> torch.Tensor:
+        """The tensor the `vllm_exl3::moe` op receives for this layer (kernels/ops.py finds the binding by it)."""
+        return self.experts.w13_trellis
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_map: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class Backend:
@@ -26,40 +85,19 @@ class Backend:
     def linear_unsupported_reason(self, spec: LinearSpec) -> str | None:
         return "dense linears not implemented"
 
-    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
-        """Once per layer after loading: any derived tensor the backend wants (a decoded cache, a repacked
-        trellis). Returned tensor is kept on the layer and handed back to `linear`; empty when unused."""
-        return torch.empty(0, device=w.trellis.device)
-
-    def linear(self, x: torch.Tensor, w: Exl3Weights, prepared: torch.Tensor, in_offset: int, out_offset: int,
-               out_features: int) -> torch.Tensor:
-        """y = x·W for a layer stored as the 128-aligned block range around its logical slice.
-
-        x: [M, in] in the activation dtype, placed at columns [in_offset, in_offset + in) of a zero input of
-        width w.in_padded; returns [M, out_features] = columns [out_offset, out_offset + out_features) of the
-        output, in x's dtype, without bias. Must not sync the host or allocate by tensor *values* (CUDA graphs).
-        """
-        raise NotImplementedError
+    def bind_linear(self, w: Exl3Weights, in_offset: int, out_offset: int, out_features: int) -> BoundLinear:
+        """Once per layer after loading: a layer stored as the 128-aligned block range around its logical slice,
+        bound with whatever the backend derives from it (a decoded cache, a built module, its call's arguments)."""
+        raise NotImplementedError(f"the {self.name} backend has no dense linears")
 
     # -- routed experts -----------------------------------------------------------------------------------
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return "routed experts not implemented"
 
-    def prepare_moe(self, experts: ExpertStack, top_k: int | None = None, max_tokens: int | None = None,
-                    activation: str | None = None) -> list[torch.Tensor]:
-        """Once per layer after loading (tensors kept on the layer and handed back to `moe`). top_k and
-        max_tokens (vLLM's batched-token budget), when known, let a backend reserve its workspace now, before
-        CUDA-graph capture; a backend whose kernels are built per activation needs `activation` here too."""
-        return []
-
-    def moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            expert_map: torch.Tensor | None, experts: ExpertStack, prepared: list[torch.Tensor], activation: str,
-            router_weight_on_input: bool) -> torch.Tensor:
-        """Σ_k w_k · expert_{id_k}(x) over the experts local to this rank, [M, H] in x's dtype.
-
-        topk_ids are global expert ids; `expert_map` (global -> local, -1 elsewhere) is given under expert
-        parallelism. With `router_weight_on_input` (top-1 models) x is scaled before the experts instead."""
-        raise NotImplementedError
+    def bind_moe(self, experts: ExpertStack, call: MoECall) -> BoundMoE:
+        """Once per layer after loading: the layer's experts bound with what the backend derives from them (key
+        tables, a built module, a workspace reserved before CUDA-graph capture)."""
+        raise NotImplementedError(f"the {self.name} backend has no routed experts")
 
 
 REGISTRY: dict[str, Backend] = {}  # name -> backend, filled by the backend modules as backend.py imports them

@@ -1,70 +1,72 @@
-"""The EXL3 custom ops vLLM's graphs see. Each has a fake (shape-only) implementation, so torch.compile traces
-through it and CUDA graphs capture whatever kernel the chosen backend launches inside.
+"""The EXL3 custom ops vLLM's graphs see, and the bindings they call.
 
-Names, not indices, cross this boundary: the backend (one of kernels.PREFERENCE), the codebook(s) (format.CODEBOOKS)
-and the activation (kernels.ACTIVATIONS) are strings, checked here when the op runs."""
+A layer is bound once at load (`Backend.bind_linear` / `bind_moe`: its backend, codebooks, offsets, key tables and
+workspace fixed then); `serve` makes that binding the one the ops run for the layer. A call then carries only the
+activations, the routing and the layer's own packed trellis, by which the op finds the binding: no argument lists
+are rebuilt and no names re-checked per call.
+
+Why the trellis and not the layer's name (as vLLM's own `moe_forward(..., layer_name)` does): a name would be a
+different constant in every layer's traced graph, and torch.compile would then compile each of the model's
+identical layers on its own instead of reusing one compiled piece; the trellis is a graph input like any weight,
+the same in every layer's graph, and unique to its layer while the layer lives. Bindings are held weakly: the layer
+keeps its binding alive, so an unloaded model leaves nothing here, and a later one may reuse its addresses.
+
+Each op has a fake (shape-only) implementation, so torch.compile traces through it and CUDA graphs capture
+whatever kernel the binding launches inside.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
 
 import torch
 
-from ..format.constants import CODEBOOKS
-from ..format.records import bits_from_trellis_dim
-from ..format.tensors import Exl3Weights
-from .backend import get_backend
-from .requested import PREFERENCE
-from .specs import ACTIVATIONS, ExpertStack
+from .interface import BoundLinear, BoundMoE
+
+_lock = threading.Lock()
+_serving: weakref.WeakValueDictionary[int, BoundLinear | BoundMoE] = weakref.WeakValueDictionary()
 
 
-def _checked(what: str, value: str, allowed: Sequence[str]) -> str:
-    if value not in allowed:
-        raise ValueError(f"vllm_exl3 op: unknown {what} {value!r} (expected one of {', '.join(allowed)})")
-    return value
+def serve(bound: BoundLinear | BoundMoE) -> None:
+    """From now on the ops run `bound` for its layer (replacing an earlier binding of the same layer: a fallback)."""
+    with _lock:
+        _serving[bound.handle.data_ptr()] = bound
 
 
-def codebook_list(codebooks: Sequence[str]) -> str:
-    """The `codebooks` argument of vllm_exl3::moe: the names, comma-separated."""
-    return ",".join(codebooks)
+def serving(handle: torch.Tensor) -> BoundLinear | BoundMoE | None:
+    """The binding the ops run for the layer whose trellis is `handle`, None if no layer was served there."""
+    with _lock:
+        return _serving.get(handle.data_ptr())
+
+
+def _bound(handle: torch.Tensor, kind: type, op: str):
+    bound = serving(handle)
+    if not isinstance(bound, kind):
+        raise RuntimeError(f"vllm_exl3::{op}: no {kind.__name__} is served for a trellis of shape "
+                           f"{list(handle.shape)} at {handle.data_ptr():#x} (the layer was not bound after loading)")
+    return bound
 
 
 @torch.library.custom_op("vllm_exl3::linear", mutates_args=())
-def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                prepared: torch.Tensor, codebook: str, backend: str, in_offset: int, out_offset: int,
-                out_features: int) -> torch.Tensor:
-    """y [M, out_features] = x [M, in] · W; see Backend.linear for the offsets. `codebook` is a format.CODEBOOKS
-    name, `backend` a kernels.PREFERENCE name."""
-    w = Exl3Weights(trellis, suh, svh, _checked("codebook", codebook, CODEBOOKS),
-                    bits_from_trellis_dim(trellis.shape[-1]))
-    backend = get_backend(_checked("backend", backend, PREFERENCE))
-    return backend.linear(x, w, prepared, in_offset, out_offset, out_features)
+def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, out_features: int) -> torch.Tensor:
+    """y [M, out_features] = x [M, in] · W of the layer whose packed trellis is `trellis`; see BoundLinear."""
+    return _bound(trellis, BoundLinear, "linear")(x)
 
 
 @exl3_linear.register_fake
-def _(x, trellis, suh, svh, prepared, codebook, backend, in_offset, out_offset, out_features):
+def _(x, trellis, out_features):
     return x.new_empty((x.shape[0], out_features))
 
 
 @torch.library.custom_op("vllm_exl3::moe", mutates_args=())
 def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor,
-             w13_trellis: torch.Tensor, w13_suh: torch.Tensor, w13_svh: torch.Tensor, w2_trellis: torch.Tensor,
-             w2_suh: torch.Tensor, w2_svh: torch.Tensor, prepared: list[torch.Tensor], w13_words: list[int],
-             w2_words: list[int], codebooks: str, activation: str, router_weight_on_input: bool,
-             backend: str, inter_offset: int, inter_size: int) -> torch.Tensor:
-    """Routed experts: [M, H] local partial sum; see Backend.moe. An empty `expert_map` means no expert
-    parallelism; `codebooks` names the codebook of each (expert, gate/up/down), comma-separated (op schemas take no
-    list of strings; see codebook_list), `activation` is a kernels.ACTIVATIONS name, `backend` a kernels.PREFERENCE
-    name."""
-    experts = ExpertStack(w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, tuple(w13_words),
-                          tuple(w2_words), tuple(_checked("codebook", c, CODEBOOKS) for c in codebooks.split(",")), inter_offset,
-                          inter_size)
-    return get_backend(_checked("backend", backend, PREFERENCE)).moe(
-        x, topk_weights, topk_ids, expert_map if expert_map.numel() else None, experts, prepared,
-        _checked("activation", activation, ACTIVATIONS), router_weight_on_input)
+             w13_trellis: torch.Tensor) -> torch.Tensor:
+    """Routed experts of the layer whose gate/up trellis is `w13_trellis`: [M, H] local partial sum; see BoundMoE.
+    An empty `expert_map` means no expert parallelism."""
+    return _bound(w13_trellis, BoundMoE, "moe")(x, topk_weights, topk_ids, expert_map if expert_map.numel() else None)
 
 
 @exl3_moe.register_fake
-def _(x, topk_weights, topk_ids, expert_map, w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh, prepared,
-      w13_words, w2_words, codebooks, activation, router_weight_on_input, backend, inter_offset, inter_size):
+def _(x, topk_weights, topk_ids, expert_map, w13_trellis):
     return torch.empty_like(x)

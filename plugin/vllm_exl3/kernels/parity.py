@@ -42,7 +42,7 @@ from ..base import settings
 from ..format.jsonfile import write_json
 from .backend import get_backend
 from .errors import ParityError
-from .interface import Backend
+from .interface import Backend, BoundLinear, BoundMoE
 from .selection import exclude
 from .specs import PROJECTIONS, ExpertStack
 
@@ -213,18 +213,14 @@ def _randn(shape, dtype, device, generator) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
-def linear_error(backend: Backend, w, prepared: torch.Tensor, in_features: int, in_offset: int, out_offset: int,
-                 out_features: int, dtype: torch.dtype) -> tuple[float, str]:
-    """Worst relative error of `backend.linear` against the torch reference over LINEAR_ROWS fixed inputs."""
-    ref = get_backend(REFERENCE)
-    ref_prepared = ref.prepare_linear(w)
+def linear_error(bound: BoundLinear, in_features: int, dtype: torch.dtype) -> tuple[float, str]:
+    """Worst relative error of a bound linear against the torch reference over LINEAR_ROWS fixed inputs."""
+    ref = get_backend(REFERENCE).bind_linear(bound.w, bound.in_offset, bound.out_offset, bound.out_features)
     g = torch.Generator().manual_seed(SEED)
     worst = 0.0
     for rows in LINEAR_ROWS:
-        x = _randn((rows, in_features), dtype, w.trellis.device, g)
-        y = backend.linear(x, w, prepared, in_offset, out_offset, out_features)
-        y_ref = ref.linear(x, w, ref_prepared, in_offset, out_offset, out_features)
-        worst = max(worst, rel_error(y, y_ref))
+        x = _randn((rows, in_features), dtype, bound.w.trellis.device, g)
+        worst = max(worst, rel_error(bound(x), ref(x)))
     return worst, "rows " + ",".join(map(str, LINEAR_ROWS))
 
 
@@ -248,22 +244,23 @@ def sample_experts(experts: ExpertStack) -> list[int]:
     return sorted(chosen)
 
 
-def moe_error(backend: Backend, experts: ExpertStack, prepared: list[torch.Tensor], hidden: int, activation: str,
-              dtype: torch.dtype, top_k: int | None) -> tuple[float, str]:
-    """Relative error of `backend.moe` against the torch reference, MOE_TOKENS fixed tokens routed over a
-    sample of the layer's experts (local ids, no expert map)."""
+def moe_error(bound: BoundMoE, hidden: int, dtype: torch.dtype) -> tuple[float, str]:
+    """Relative error of a bound routed-experts layer against the torch reference, MOE_TOKENS fixed tokens routed
+    over a sample of the layer's experts (local ids, no expert map; the reference decodes only those)."""
     from .backends.torch_ref import moe_routed_tokens
 
+    experts, call = bound.experts, bound.call
     device = experts.w13_trellis.device
     sample = torch.tensor(sample_experts(experts))
-    k = max(1, min(top_k or 2, len(sample)))
+    k = max(1, min(call.top_k or 2, len(sample)))
     g = torch.Generator().manual_seed(SEED)
     order = torch.rand(MOE_TOKENS, len(sample), generator=g).argsort(dim=1)[:, :k]
     ids = sample[order].to(device=device, dtype=torch.int32)
     weights = torch.rand(MOE_TOKENS, k, generator=g).softmax(dim=1).to(device)
     x = _randn((MOE_TOKENS, hidden), dtype, device, g)
-    y = backend.moe(x, weights, ids, None, experts, prepared, activation, False)
-    y_ref = moe_routed_tokens(x, weights, ids, None, experts, [], activation, False, warn_slow=False)
+    y = bound(x, weights, ids, None)
+    y_ref = moe_routed_tokens(x, weights, ids, None, experts, [], call.activation, call.router_weight_on_input,
+                              warn_slow=False)
     return rel_error(y, y_ref), f"{MOE_TOKENS} tokens, top-{k} of experts {sample.tolist()}"
 
 
@@ -286,10 +283,11 @@ def _write_report() -> None:
 
 
 def gate(layer: str, layer_type: str, backend: Backend, dtype: torch.dtype,
-         measure: Callable[[Backend], tuple[float, str]], last_block: bool) -> Fallback | None:
-    """Called for a layer right after `backend` was bound to it. `measure(backend)` returns (error, inputs). None:
-    the binding stands. A `Fallback`: the backend failed on this layer type and is excluded; the caller binds again
-    every layer of the type it had bound to it. Under `strict` a failure raises ParityError instead."""
+         measure: Callable[[], tuple[float, str]], last_block: bool) -> Fallback | None:
+    """Called for a layer right after `backend` was bound to it. `measure()` returns (error, inputs) of that binding
+    (linear_error, moe_error). None: the binding stands. A `Fallback`: the backend failed on this layer type and is
+    excluded; the caller binds again every layer of the type it had bound to it. Under `strict` a failure raises
+    ParityError instead."""
     mode = policy()
     key = (backend.name, layer_type)
     with _lock:
@@ -302,7 +300,7 @@ def gate(layer: str, layer_type: str, backend: Backend, dtype: torch.dtype,
             return None
         _verified.add(key)
     t0 = time.perf_counter()
-    error, inputs = measure(backend)
+    error, inputs = measure()
     seconds = time.perf_counter() - t0
     bound = BOUNDS.get(dtype, max(BOUNDS.values()))
     passed = error <= bound

@@ -24,6 +24,7 @@ from vllm_exl3.dev.synthetic import expert_stack  # noqa: E402
 from vllm_exl3.format.pack import Pack  # noqa: E402
 from vllm_exl3.format.tensors import load_weights  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 
 from support.packs import dequantized_checkpoint  # noqa: E402
 
@@ -36,13 +37,12 @@ PROJ = ("gate_proj", "up_proj", "down_proj")
 class BackendLinear(torch.nn.Module):
     def __init__(self, backend, w, out_features):
         super().__init__()
-        self.backend, self.w, self.out_features = backend, w, out_features
-        self.prepared = backend.prepare_linear(w)
+        self.w, self.out_features = w, out_features
+        self.bound = backend.bind_linear(w, 0, 0, out_features)
 
     def forward(self, x):
         shape = x.shape
-        y = self.backend.linear(x.reshape(-1, shape[-1]).contiguous(), self.w, self.prepared, 0, 0,
-                                self.out_features)
+        y = self.bound(x.reshape(-1, shape[-1]).contiguous())
         if self.w.bias is not None:
             y = y + self.w.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
@@ -53,13 +53,10 @@ class BackendExperts(torch.nn.Module):
 
     def __init__(self, backend, stack, top_k):
         super().__init__()
-        self.stack = stack
-        self.backend = backend
-        self.prepared = self.backend.prepare_moe(stack, top_k, 1024, "silu")
+        self.bound = backend.bind_moe(stack, MoECall("silu", top_k=top_k, max_tokens=1024))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        return self.backend.moe(hidden_states.contiguous(), top_k_weights.float(), top_k_index, None, self.stack,
-                                self.prepared, "silu", False)
+        return self.bound(hidden_states.contiguous(), top_k_weights.float(), top_k_index, None)
 
 
 def _replace(model, name, module):

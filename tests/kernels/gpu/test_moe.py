@@ -33,6 +33,7 @@ native = native_or_skip()
 
 from vllm_exl3.kernels import ops  # noqa: E402, F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 from vllm_exl3.kernels.specs import ACTIVATIONS  # noqa: E402
 
 WIDTHS = [(cb, float(b)) for cb in CODEBOOKS for b in range(1, 9)] + [("mul1", 1.5), ("mul1", 2.5), ("mul1", 3.5)]
@@ -114,10 +115,9 @@ def test_sums_of_tp_ranks_and_ep_ranks_equal_the_whole():
     x = torch.randn(tokens, hidden, device=DEV, dtype=torch.float16)
     topk_weights, topk_ids = routing(tokens, experts, top_k, 12)
     whole = expert_stack(weights, list(range(experts)))
-    full = BACKEND.moe(x, topk_weights, topk_ids, None, whole, BACKEND.prepare_moe(whole, top_k, tokens), "silu",
-                       False).float()
-    tp_sum = sum(BACKEND.moe(x, topk_weights, topk_ids, None, s, BACKEND.prepare_moe(s, top_k, tokens), "silu",
-                             False).float()
+    call = MoECall("silu", top_k=top_k, max_tokens=tokens)
+    full = BACKEND.bind_moe(whole, call)(x, topk_weights, topk_ids, None).float()
+    tp_sum = sum(BACKEND.bind_moe(s, call)(x, topk_weights, topk_ids, None).float()
                  for s in (expert_stack(weights, list(range(experts)), 0, 160),
                            expert_stack(weights, list(range(experts)), 160, 384)))
     ep_sum = 0
@@ -125,19 +125,18 @@ def test_sums_of_tp_ranks_and_ep_ranks_equal_the_whole():
         emap = torch.full((experts,), -1, dtype=torch.int32, device=DEV)
         emap[part] = torch.arange(len(part), dtype=torch.int32, device=DEV)
         s = expert_stack(weights, part)
-        ep_sum = ep_sum + BACKEND.moe(x, topk_weights, topk_ids, emap, s, BACKEND.prepare_moe(s, top_k, tokens),
-                                      "silu", False).float()
+        ep_sum = ep_sum + BACKEND.bind_moe(s, call)(x, topk_weights, topk_ids, emap).float()
     assert rel(tp_sum, full) < 2e-3 and rel(ep_sum, full) < 2e-3
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
 def test_graph_replay_bitwise_equal_and_deterministic(tokens):
-    x, tw, ti, emap, stack, prepared, y = run_case(experts=16, top_k=4, tokens=tokens, seed=13)
-    again = BACKEND.moe(x, tw, ti, emap, stack, prepared, "silu", False)
+    x, tw, ti, emap, stack, bound, y = run_case(experts=16, top_k=4, tokens=tokens, seed=13)
+    again = bound(x, tw, ti, emap)
     assert torch.equal(again, y), "two eager runs differ"
     static_x, static_w, static_i = x.clone(), tw.clone(), ti.clone()
     before = torch.cuda.memory_allocated()  # the warm-up inside capture() must leave nothing behind either
-    graph, out = capture(lambda: BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False))
+    graph, out = capture(lambda: bound(static_x, static_w, static_i, emap))
     assert torch.cuda.memory_allocated() - before <= out.numel() * out.element_size() + 4096
     out.fill_(float("nan"))
     graph.replay()
@@ -149,28 +148,28 @@ def test_graph_replay_bitwise_equal_and_deterministic(tokens):
     static_w.copy_(tw2)
     static_i.copy_(ti2)
     graph.replay()
-    eager = BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False)
+    eager = bound(static_x, static_w, static_i, emap)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
 
 
 def test_no_sixteen_bit_copy_of_the_experts():
-    """prepare_moe keeps two small key tensors; the only other memory is the shared workspace."""
+    """A native binding keeps two small key tensors; the only other memory is the shared workspace."""
     hidden, inter, experts = 2048, 768, 16
     weights = make_weights(hidden, inter, experts, [("mcg", 4.0)], seed=14)
     stack = expert_stack(weights, list(range(experts)))
     packed = sum(t.numel() * t.element_size() for t in (stack.w13_trellis, stack.w2_trellis))
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    prepared = BACKEND.prepare_moe(stack, 8, 1)  # 1 token: the workspace adds ~1 MB at most
+    bound = BACKEND.bind_moe(stack, MoECall("silu", top_k=8, max_tokens=1))  # 1 token: the workspace adds ~1 MB at most
     after = torch.cuda.memory_allocated()
-    assert sum(t.numel() * t.element_size() for t in prepared) < 4096
+    assert sum(t.numel() * t.element_size() for t in bound.keys) < 4096
     assert after - before < 0.05 * packed, (after - before, packed)
 
 
 def test_through_the_custom_op():
-    x, tw, ti, emap, stack, prepared, y = run_case(tokens=12, seed=15)
-    assert torch.equal(through_custom_op("native", x, tw, ti, stack, prepared), y)
+    x, tw, ti, emap, stack, bound, y = run_case(tokens=12, seed=15)
+    assert torch.equal(through_custom_op(bound, x, tw, ti), y)
 
 
 def test_auto_picks_native_for_moe_on_cuda(monkeypatch):

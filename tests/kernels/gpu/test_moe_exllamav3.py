@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 from vllm_exl3.kernels.backends import exllamav3_moe  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 
 BACKEND = get_backend("exllamav3")
 if (_why := BACKEND.unavailable_reason() or exllamav3_moe.api_reason()) is not None:
@@ -94,17 +95,17 @@ def test_erf_gelu_and_mixed_layers_are_declined():
 
 def test_two_eager_runs_bitwise_equal():
     for tokens in (4, 300):
-        x, tw, ti, emap, stack, prepared, y = case(experts=16, top_k=4, tokens=tokens, seed=13)
-        assert torch.equal(BACKEND.moe(x, tw, ti, emap, stack, prepared, "silu", False), y)
+        x, tw, ti, emap, stack, bound, y = case(experts=16, top_k=4, tokens=tokens, seed=13)
+        assert torch.equal(bound(x, tw, ti, emap), y)
 
 
 @pytest.mark.parametrize("codebook", ["mcg", "3inst"])  # above 8 tokens: the fused route, the decode-chunk route
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
 def test_graph_capture_and_replay(codebook, tokens):
-    x, tw, ti, emap, stack, prepared, y = case(experts=16, top_k=4, tokens=tokens, widths=((codebook, 4.0),),
+    x, tw, ti, emap, stack, bound, y = case(experts=16, top_k=4, tokens=tokens, widths=((codebook, 4.0),),
                                                seed=14)
     static_x, static_w, static_i = x.clone(), tw.clone(), ti.clone()
-    graph, out = capture(lambda: BACKEND.moe(static_x, static_w, static_i, emap, stack, prepared, "silu", False))
+    graph, out = capture(lambda: bound(static_x, static_w, static_i, emap))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -132,18 +133,19 @@ def test_no_sixteen_bit_copy_of_the_experts():
     hidden, inter, experts = 2048, 768, 16
     stacks = [expert_stack(make_weights(hidden, inter, experts, [("mcg", 4.0)], seed=s), list(range(experts)))
               for s in (15, 16)]
-    BACKEND.prepare_moe(stacks[0], 8, 1, "silu")
+    call = MoECall("silu", top_k=8, max_tokens=1)
+    bound = [BACKEND.bind_moe(stacks[0], call)]  # the first binding makes the per-device buffers
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    assert BACKEND.prepare_moe(stacks[1], 8, 1, "silu") == []
+    bound.append(BACKEND.bind_moe(stacks[1], call))
     torch.cuda.synchronize()
     packed = sum(t.numel() * t.element_size() for t in (stacks[1].w13_trellis, stacks[1].w2_trellis))
     assert torch.cuda.memory_allocated() - before < 0.05 * packed
 
 
 def test_through_the_custom_op():
-    x, tw, ti, emap, stack, prepared, y = case(tokens=12, seed=17)
-    assert torch.equal(through_custom_op("exllamav3", x, tw, ti, stack, prepared), y)
+    x, tw, ti, emap, stack, bound, y = case(tokens=12, seed=17)
+    assert torch.equal(through_custom_op(bound, x, tw, ti), y)
 
 
 def test_named_exllamav3_serves_moe(monkeypatch):

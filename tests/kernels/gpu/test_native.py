@@ -203,13 +203,14 @@ def test_skinny_trace_is_a_consistent_timeline(monkeypatch):
 # the op as vLLM calls it; CUDA graphs; fake implementations; coexistence with the Python-defined ops
 # ---------------------------------------------------------------------------------------------------------------
 def test_through_custom_op_with_native_backend():
-    from vllm_exl3.kernels import ops  # noqa: F401  (registers vllm_exl3::linear)
+    from vllm_exl3.kernels import ops
 
     w = random_weights(512, 768, 3.5, "mul1", seed=11, device=DEV)
+    bound = get_backend("native").bind_linear(w, 128, 64, 600)
+    ops.serve(bound)
     for rows in (1, 8, 200):
         x = torch.randn(rows, 300, device=DEV, dtype=torch.bfloat16)
-        y = torch.ops.vllm_exl3.linear(x, w.trellis, w.suh, w.svh, torch.empty(0, device=DEV),
-                                       "mul1", "native", 128, 64, 600)
+        y = torch.ops.vllm_exl3.linear(x, w.trellis, 600)
         ref = R.forward(x.float(), w, in_offset=128, out_offset=64, out_features=600)
         assert rel(y, ref) < BOUND[torch.bfloat16]
 
@@ -299,10 +300,10 @@ def test_exllamav3_backend_against_reference():
         pytest.skip(reason)
     for codebook, bits in [("mul1", 4.0), ("mcg", 3.0), ("3inst", 2.0), ("mul1", 2.5)]:
         w = random_weights(512, 384, bits, codebook, seed=21, device=DEV)
-        prepared = backend.prepare_linear(w)
+        bound = backend.bind_linear(w, 64, 32, 300)
         for rows in (1, 5, 200):
             x = torch.randn(rows, 300, device=DEV, dtype=torch.bfloat16)
-            y = backend.linear(x, w, prepared, 64, 32, 300)
+            y = bound(x)
             ref = R.forward(x.float(), w, in_offset=64, out_offset=32, out_features=300)
             err = rel(y, ref)
             _note(f"exllamav3/{codebook}", err)

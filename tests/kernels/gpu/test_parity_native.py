@@ -20,6 +20,7 @@ from vllm_exl3.format.pack import Pack  # noqa: E402
 from vllm_exl3.format.tensors import load_weights  # noqa: E402
 from vllm_exl3.kernels import parity  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
+from vllm_exl3.kernels.interface import MoECall  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
 PACKS = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
@@ -41,8 +42,7 @@ def test_native_passes_the_gate_on_every_layer(pack):
             experts.setdefault(head, {}).setdefault(int(e), [None] * 3)[PROJ.index(proj)] = w
             continue
         t0 = time.perf_counter()
-        err, _ = parity.linear_error(backend, w, backend.prepare_linear(w), w.in_padded, 0, 0, w.out_padded,
-                                     torch.float16)
+        err, _ = parity.linear_error(backend.bind_linear(w, 0, 0, w.out_padded), w.in_padded, torch.float16)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         worst = max(worst, err)
@@ -50,8 +50,8 @@ def test_native_passes_the_gate_on_every_layer(pack):
     for name, per_expert in experts.items():
         stack = expert_stack([per_expert[e] for e in sorted(per_expert)], list(range(len(per_expert))))
         t0 = time.perf_counter()
-        err, _ = parity.moe_error(backend, stack, backend.prepare_moe(stack, 2, 64), stack.w13_suh.shape[-1],
-                                  "silu", torch.float16, 2)
+        err, _ = parity.moe_error(backend.bind_moe(stack, MoECall("silu", top_k=2, max_tokens=64)),
+                                  stack.w13_suh.shape[-1], torch.float16)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         worst = max(worst, err)

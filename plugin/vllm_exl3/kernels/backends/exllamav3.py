@@ -16,14 +16,13 @@ import importlib.machinery
 import importlib.util
 import logging
 import re
-import threading
 from pathlib import Path
 
 import torch
 
 from ...format.reference import zero_extend
 from ...format.tensors import Exl3Weights
-from ..interface import Backend, register_backend
+from ..interface import Backend, BoundLinear, BoundMoE, MoECall, register_backend
 from ..specs import ExpertStack, LinearSpec, MoESpec
 from . import exllamav3_moe
 
@@ -83,11 +82,6 @@ def make_layer(w: Exl3Weights):
 class ExLlamaV3Backend(Backend):
     name = "exllamav3"
 
-    def __init__(self) -> None:
-        self._layers: dict[tuple[int, int, int], object] = {}
-        self._moe_layers: dict[tuple[int, int, int, int], object] = {}
-        self._lock = threading.Lock()
-
     def unavailable_reason(self) -> str | None:
         if (err := _import_error()) is not None:
             return err
@@ -107,25 +101,8 @@ class ExLlamaV3Backend(Backend):
             return f"activations must be fp16 or bf16, not {spec.act_dtype}"
         return None
 
-    def _layer(self, w: Exl3Weights):
-        key = (w.trellis.data_ptr(), w.suh.data_ptr(), w.svh.data_ptr())
-        with self._lock:
-            layer = self._layers.get(key)
-            if layer is None:
-                layer = self._layers[key] = make_layer(w)
-        return layer
-
-    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
-        self._layer(w)  # build (and JIT-load the extension) at load time, not in the first forward
-        return torch.empty(0, device=w.trellis.device)
-
-    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
-        layer = self._layer(w)
-        x16 = x.to(torch.float16)
-        if in_offset != 0 or x.shape[1] != w.in_padded:
-            x16 = zero_extend(x16, w.in_padded, in_offset)
-        y = layer.forward(x16.contiguous(), {})
-        return y[:, out_offset:out_offset + out_features].to(x.dtype)
+    def bind_linear(self, w: Exl3Weights, in_offset: int, out_offset: int, out_features: int) -> BoundLinear:
+        return _Linear(w, in_offset, out_offset, out_features)
 
     # -- routed experts -----------------------------------------------------------------------------------
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
@@ -138,30 +115,44 @@ class ExLlamaV3Backend(Backend):
         load_package()  # the API check below imports ExLlamaV3
         return exllamav3_moe.api_reason()
 
-    @staticmethod
-    def _moe_key(experts: ExpertStack) -> tuple[int, int, int, int]:
-        return (experts.w13_trellis.data_ptr(), experts.w2_trellis.data_ptr(), experts.inter_offset,
-                experts.inter_size)
-
-    def prepare_moe(self, experts, top_k=None, max_tokens=None, activation=None):
-        if top_k is None or activation is None:
+    def bind_moe(self, experts: ExpertStack, call: MoECall) -> BoundMoE:
+        if call.top_k is None:
             raise ValueError("the exllamav3 backend builds ExLlamaV3's expert module at load and needs the layer's "
-                             f"top-k and activation (got top_k={top_k}, activation={activation})")
+                             "top-k (got None)")
         if (reason := exllamav3_moe.api_reason()) is not None:
             raise RuntimeError(reason)
-        module = exllamav3_moe.build(experts, top_k, activation)
-        with self._lock:
-            self._moe_layers[self._moe_key(experts)] = module
-        return []
+        return _MoE(experts, call)
 
-    def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
-        module = self._moe_layers.get(self._moe_key(experts))
-        if module is None:
-            raise RuntimeError("exllamav3 backend: moe() on an expert stack that prepare_moe() never saw")
-        if module.activation_fn != exllamav3_moe.ACTIVATION.get(activation):
-            raise ValueError(f"exllamav3 backend: the layer was prepared for {module.activation_fn}, "
-                             f"called with {activation!r}")
-        return exllamav3_moe.forward(module, x, topk_weights, topk_ids, expert_map, router_weight_on_input)
+
+class _Linear(BoundLinear):
+    """ExLlamaV3's LinearEXL3, built at load (which JIT-loads its extension then, not in the first forward)."""
+
+    backend = ExLlamaV3Backend.name
+
+    def __init__(self, w, in_offset, out_offset, out_features):
+        super().__init__(w, in_offset, out_offset, out_features)
+        self.layer = make_layer(w)
+
+    def __call__(self, x):
+        x16 = x.to(torch.float16)
+        if self.in_offset != 0 or x.shape[1] != self.w.in_padded:
+            x16 = zero_extend(x16, self.w.in_padded, self.in_offset)
+        y = self.layer.forward(x16.contiguous(), {})
+        return y[:, self.out_offset:self.out_offset + self.out_features].to(x.dtype)
+
+
+class _MoE(BoundMoE):
+    """ExLlamaV3's BlockSparseMLP over the stack, built at load (exllamav3_moe.build)."""
+
+    backend = ExLlamaV3Backend.name
+
+    def __init__(self, experts, call):
+        super().__init__(experts, call)
+        self.module = exllamav3_moe.build(experts, call.top_k, call.activation)
+
+    def __call__(self, x, topk_weights, topk_ids, expert_map):
+        return exllamav3_moe.forward(self.module, x, topk_weights, topk_ids, expert_map,
+                                     self.call.router_weight_on_input)
 
 
 register_backend(ExLlamaV3Backend())

@@ -23,8 +23,8 @@ import torch
 
 from ...format.constants import CODEBOOKS
 from ...format.tensors import Exl3Weights
-from ..interface import Backend, register_backend
-from ..specs import LinearSpec, MoESpec
+from ..interface import Backend, BoundLinear, BoundMoE, MoECall, register_backend
+from ..specs import ExpertStack, LinearSpec, MoESpec
 from . import native_moe
 from .native_limits import limits_reason
 
@@ -127,24 +127,35 @@ class NativeBackend(Backend):
         return limits_reason(spec.device_type, spec.act_dtype, [(spec.codebook, spec.bits)],
                              [spec.in_padded, spec.out_padded])
 
-    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
+    def bind_linear(self, w: Exl3Weights, in_offset: int, out_offset: int, out_features: int) -> BoundLinear:
         # The kernels read the stored layout as is: no repacked copy, no extra memory.
-        return torch.empty(0, device=w.trellis.device)
-
-    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
-        return linear(x, w, in_offset, out_offset, out_features)
+        if (err := extension_error()) is not None:
+            raise RuntimeError(err)
+        return _Linear(w, in_offset, out_offset, out_features)
 
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return native_moe.unsupported_reason(spec)
 
-    def prepare_moe(self, experts, top_k=None, max_tokens=None, activation=None):
+    def bind_moe(self, experts: ExpertStack, call: MoECall) -> BoundMoE:
         if (err := extension_error()) is not None:
             raise RuntimeError(err)
-        return native_moe.prepare(experts, top_k, max_tokens)
+        return _MoE(experts, call)
 
-    def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
-        return native_moe.moe(x, topk_weights, topk_ids, expert_map, experts, prepared, activation,
-                              router_weight_on_input)
+
+class _Linear(BoundLinear):
+    backend = NativeBackend.name
+
+    def __init__(self, w, in_offset, out_offset, out_features):
+        super().__init__(w, in_offset, out_offset, out_features)
+        self.args = (w.trellis, w.suh, w.svh, codebook_index(w.codebook), in_offset, out_offset, out_features,
+                     int(NativePath.AUTO))
+
+    def __call__(self, x):
+        return torch.ops.vllm_exl3.native_linear(x, *self.args)
+
+
+class _MoE(native_moe.BoundNativeMoE):
+    backend = NativeBackend.name
 
 
 register_backend(NativeBackend())

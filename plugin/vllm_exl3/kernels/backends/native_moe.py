@@ -1,7 +1,7 @@
-"""Routed experts on the native kernels (csrc/moe.h): the op `torch.ops.vllm_exl3.native_moe` and what the native
-backend keeps per layer.
+"""Routed experts on the native kernels (csrc/moe.h): the op `torch.ops.vllm_exl3.native_moe` and a layer bound to
+it (`BoundNativeMoE`).
 
-The packed trellis is read as stored (no 16-bit copy of any expert). Per layer the backend keeps two tiny int32
+The packed trellis is read as stored (no 16-bit copy of any expert). Per layer the binding keeps two tiny int32
 tensors (the kernel key of each expert's gate/up and down weight, for layers that mix bit widths or codebooks); per
 device one workspace serves every MoE layer, sized for at most MOE_CHUNK_TOKENS tokens (native_moe_limits.py; longer
 calls run in chunks inside the op), and reserved at load so that CUDA-graph capture allocates nothing. Routing,
@@ -11,12 +11,12 @@ token count captures.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from ...format.constants import CODEBOOKS
+from ..interface import BoundMoE, MoECall
 from ..specs import ACTIVATIONS, W13, W2, ExpertStack, MoESpec
 from .native_limits import limits_reason
 from .native_moe_limits import MAX_LOCAL_EXPERTS, MOE_CHUNK_TOKENS
@@ -46,20 +46,15 @@ def unsupported_reason(spec: MoESpec) -> str | None:
                          [spec.hidden_padded, spec.intermediate_padded])
 
 
-@functools.lru_cache(maxsize=None)
 def codebook_indices(codebooks: tuple[str, ...]) -> list[int]:
     """The C++ op's codebook numbers (csrc/exl3_kernels.h `enum Codebook` = format.CODEBOOKS order): the one place
-    names become indices on the MoE path. Cached: an eager call must not redo this per layer and step."""
+    names become indices on the MoE path."""
     return [CODEBOOKS.index(c) for c in codebooks]
 
 
-@functools.lru_cache(maxsize=None)
-def _empty_map(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int32, device=device)
-
-
-def prepare(experts: ExpertStack, top_k: int | None, max_tokens: int | None) -> list[torch.Tensor]:
-    """Per layer: the key tensors, the kernels' shared-memory limits raised, the shared workspace reserved."""
+def expert_keys(experts: ExpertStack) -> list[torch.Tensor]:
+    """The kernel key of each local expert's gate/up and down weights (csrc/moe.h moe_weight_key), on the stack's
+    device, with the kernels' shared-memory limits raised for every key present."""
     device = experts.w13_trellis.device
     local = range(experts.num_experts)
     gate_up_cb = codebook_indices(tuple(experts.codebook(e, p) for e in local for p in W13))  # as w13_words
@@ -68,25 +63,37 @@ def prepare(experts: ExpertStack, top_k: int | None, max_tokens: int | None) -> 
         torch.ops.vllm_exl3.moe_prepare(words, codebook)
     keys13 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w13_words), gate_up_cb).to(device)
     keys2 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w2_words), down_cb).to(device)
-    if top_k:
-        held = torch.ops.vllm_exl3.moe_reserve(device, max_tokens or MOE_CHUNK_TOKENS, top_k, experts.num_experts,
-                                               experts.w13_trellis.shape[2] * 16, experts.w13_trellis.shape[3] * 16)
-        logger.debug("EXL3 native MoE workspace on %s: %.1f MiB (shared by every MoE layer)", device, held / 2**20)
     return [keys13, keys2]
 
 
-def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
-        experts: ExpertStack, prepared: list[torch.Tensor], activation: str,
-        router_weight_on_input: bool) -> torch.Tensor:
-    keys13, keys2 = prepared
-    if expert_map is None:
-        expert_map = _empty_map(x.device)
-    elif expert_map.dtype != torch.int32:
-        expert_map = expert_map.to(torch.int32)
-    return torch.ops.vllm_exl3.native_moe(
-        x, topk_weights, topk_ids, expert_map, experts.w13_trellis, experts.w13_suh, experts.w13_svh,
-        experts.w2_trellis, experts.w2_suh, experts.w2_svh, keys13, keys2, list(experts.w13_words),
-        # codebooks cross as the stack holds them, PROJECTIONS order per expert (csrc/moe_bindings.cpp splits them)
-        list(experts.w2_words), codebook_indices(experts.codebooks), activation,
-        router_weight_on_input, experts.inter_offset, experts.inter_size)
+def reserve(experts: ExpertStack, top_k: int, max_tokens: int | None) -> int:
+    """The shared workspace reserved for this layer's shape (bytes held on its device): at most one chunk of tokens,
+    before CUDA-graph capture so that capture allocates nothing."""
+    device = experts.w13_trellis.device
+    held = torch.ops.vllm_exl3.moe_reserve(device, max_tokens or MOE_CHUNK_TOKENS, top_k, experts.num_experts,
+                                           experts.w13_trellis.shape[2] * 16, experts.w13_trellis.shape[3] * 16)
+    logger.debug("EXL3 native MoE workspace on %s: %.1f MiB (shared by every MoE layer)", device, held / 2**20)
+    return held
 
+
+class BoundNativeMoE(BoundMoE):
+    """A layer on the native op: its key tables and the op's whole argument list, made once."""
+
+    def __init__(self, experts: ExpertStack, call: MoECall):
+        super().__init__(experts, call)
+        self.keys = keys13, keys2 = expert_keys(experts)  # the binding's only tensors of its own
+        if call.top_k:
+            reserve(experts, call.top_k, call.max_tokens)
+        self.no_map = torch.empty(0, dtype=torch.int32, device=experts.w13_trellis.device)
+        # codebooks cross as the stack holds them, PROJECTIONS order per expert (csrc/moe_bindings.cpp splits them)
+        self.args = (experts.w13_trellis, experts.w13_suh, experts.w13_svh, experts.w2_trellis, experts.w2_suh,
+                     experts.w2_svh, keys13, keys2, list(experts.w13_words), list(experts.w2_words),
+                     codebook_indices(experts.codebooks), call.activation, call.router_weight_on_input,
+                     experts.inter_offset, experts.inter_size)
+
+    def __call__(self, x, topk_weights, topk_ids, expert_map):
+        if expert_map is None:
+            expert_map = self.no_map
+        elif expert_map.dtype != torch.int32:
+            expert_map = expert_map.to(torch.int32)
+        return torch.ops.vllm_exl3.native_moe(x, topk_weights, topk_ids, expert_map, *self.args)

@@ -16,7 +16,7 @@ import torch
 from ...format.tensors import Exl3Weights
 from ...format import reference
 from ...format.reference import decode_rotated
-from ..interface import Backend, register_backend
+from ..interface import Backend, BoundLinear, BoundMoE, MoECall, register_backend
 from ..specs import W13, W2, ExpertStack, LinearSpec, MoESpec
 
 logger = logging.getLogger(__name__)
@@ -50,39 +50,61 @@ class TorchBackend(Backend):
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return None
 
-    def prepare_linear(self, w: Exl3Weights) -> torch.Tensor:
-        return cached_w_hat(w)
+    def bind_linear(self, w: Exl3Weights, in_offset: int, out_offset: int, out_features: int) -> BoundLinear:
+        return TorchLinear(w, in_offset, out_offset, out_features)
 
-    def linear(self, x, w, prepared, in_offset, out_offset, out_features):
-        return rotated_linear(x, w.suh, w.svh, prepared, in_offset, out_offset, out_features)
+    def bind_moe(self, experts: ExpertStack, call: MoECall) -> BoundMoE:
+        return TorchMoE(experts, call)
 
-    def prepare_moe(self, experts: ExpertStack, top_k=None, max_tokens=None, activation=None) -> list[torch.Tensor]:
-        """CPU: decoded Ŵ of every (expert, projection), [E, 2, H, I_blk] and [E, I_blk, H]. CUDA: nothing."""
-        if experts.w13_trellis.is_cuda:
-            return []
-        e = experts.num_experts
-        w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in W13])
-                           for i in range(e)])
-        w2 = torch.stack([cached_w_hat(experts.weights(i, W2)) for i in range(e)])
-        return [w13, w2]
 
-    def moe(self, x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+class TorchLinear(BoundLinear):
+    backend = TorchBackend.name
+
+    def __init__(self, w, in_offset, out_offset, out_features):
+        super().__init__(w, in_offset, out_offset, out_features)
+        self.w_hat = cached_w_hat(w)
+
+    def __call__(self, x):
+        return rotated_linear(x, self.w.suh, self.w.svh, self.w_hat, self.in_offset, self.out_offset,
+                              self.out_features)
+
+
+class TorchMoE(BoundMoE):
+    backend = TorchBackend.name
+
+    def __init__(self, experts, call):
+        super().__init__(experts, call)
+        self.decoded = decoded_experts(experts)
+
+    def __call__(self, x, topk_weights, topk_ids, expert_map):
         # CUDA graphs forbid data-dependent shapes, so on CUDA every expert sees every token (weighted 0 when
         # not routed there); elsewhere only the routed tokens are gathered.
         run = moe_all_tokens if x.is_cuda else moe_routed_tokens
-        return run(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input)
+        return run(x, topk_weights, topk_ids, expert_map, self.experts, self.decoded, self.call.activation,
+                   self.call.router_weight_on_input)
+
+
+def decoded_experts(experts: ExpertStack) -> list[torch.Tensor]:
+    """CPU: decoded Ŵ of every (expert, projection), [E, 2, H, I_blk] and [E, I_blk, H]. CUDA: nothing (decoded
+    per call, see the module docstring)."""
+    if experts.w13_trellis.is_cuda:
+        return []
+    e = experts.num_experts
+    w13 = torch.stack([torch.stack([cached_w_hat(experts.weights(i, p)) for p in W13]) for i in range(e)])
+    w2 = torch.stack([cached_w_hat(experts.weights(i, W2)) for i in range(e)])
+    return [w13, w2]
 
 
 _warned_slow = False
 
 
-def _expert_fn(experts: ExpertStack, prepared: list[torch.Tensor], activation: str, hidden: int,
+def _expert_fn(experts: ExpertStack, decoded: list[torch.Tensor], activation: str, hidden: int,
                warn_slow: bool = True):
     global _warned_slow
     act = _ACTIVATION[activation]
     io, isz = experts.inter_offset, experts.inter_size
-    if prepared:
-        w13_hat, w2_hat = prepared
+    if decoded:
+        w13_hat, w2_hat = decoded
 
         def w_hat(e: int, proj: str) -> torch.Tensor:
             return w2_hat[e] if proj == W2 else w13_hat[e, W13.index(proj)]
@@ -112,13 +134,14 @@ def _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input):
     return local, topk_weights.reshape(-1).float(), src
 
 
-def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input,
+def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, decoded, activation, router_weight_on_input,
                       warn_slow: bool = True):
-    """Only the experts that receive tokens run (and, without `prepared`, only those are decoded)."""
+    """Only the experts that receive tokens run (and, without `decoded` (decoded_experts), only those are
+    decoded)."""
     m, hidden = x.shape
     local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
     token = torch.arange(m, device=x.device).repeat_interleave(topk_ids.shape[1])
-    expert = _expert_fn(experts, prepared, activation, hidden, warn_slow)
+    expert = _expert_fn(experts, decoded, activation, hidden, warn_slow)
     out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     for e in range(experts.num_experts):
         sel = (local == e).nonzero().squeeze(1)
@@ -128,10 +151,10 @@ def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, 
     return out.to(x.dtype)
 
 
-def moe_all_tokens(x, topk_weights, topk_ids, expert_map, experts, prepared, activation, router_weight_on_input):
+def moe_all_tokens(x, topk_weights, topk_ids, expert_map, experts, decoded, activation, router_weight_on_input):
     m, hidden = x.shape
     local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
-    expert = _expert_fn(experts, prepared, activation, hidden)
+    expert = _expert_fn(experts, decoded, activation, hidden)
     out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     for e in range(experts.num_experts):
         routed = (local == e).view(m, -1)
