@@ -64,6 +64,15 @@ def time_calls(fns, iters: int, warmup: int = 3) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1000.0
 
 
+def save_result(result: dict, out: str | None, name: str) -> Path:
+    """Write a bench's JSON to `out`, or to bench/results/<gpu>-<name>.json."""
+    gpu = torch.cuda.get_device_name()
+    path = Path(out or f"bench/results/{gpu.replace(' ', '-').lower()}-{name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)

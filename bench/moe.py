@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import copy_bandwidth, time_calls  # noqa: E402  (bench/kernels.py)
+from kernels import copy_bandwidth, save_result, time_calls  # noqa: E402  (bench/kernels.py)
 from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
 from vllm_exl3.format.constants import TILE  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
@@ -159,9 +159,7 @@ def main() -> None:
         toks = TOKENS if not args.quick else (1, 8, 64, 1024)
         rows += bench_layer(name, h, i, e, k, int(bits), toks, bw, args.quick, args.backend)
     result = {"gpu": gpu, "copy_bandwidth": bw, "torch": torch.__version__, "backend": args.backend, "rows": rows}
-    out = Path(args.out or f"bench/results/{gpu.replace(' ', '-').lower()}-moe.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    save_result(result, args.out, "moe")
     print(f"\n{'layer':16} {'bits':>4} {'tokens':>6} {'graph µs':>9} {'eager µs':>9} {'GB/s':>7} {'floor µs':>8}")
     for r in rows:
         print(f"{r['layer']:16} {r['bits']:>4} {r['tokens']:>6} {r[args.backend + '_graph_us']:>9.1f} "

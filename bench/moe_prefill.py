@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import time_calls  # noqa: E402  (bench/kernels.py)
+from kernels import save_result, time_calls  # noqa: E402  (bench/kernels.py)
 from moe import SHAPES, random_stack  # noqa: E402  (bench/moe.py)
 from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
@@ -120,11 +120,8 @@ def main() -> None:
         sys.exit(f"torch {torch.__version__} has no torch._grouped_mm")
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = [r for name in args.layers.split(",") for r in bench(name, tokens, args.iters)]
-    gpu = torch.cuda.get_device_name()
-    result = {"gpu": gpu, "torch": torch.__version__, "rows": rows}
-    out = Path(args.out or f"bench/results/{gpu.replace(' ', '-').lower()}-moe-prefill.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    save_result({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, args.out,
+                "moe-prefill")
     print(f"\n{'layer':14} {'tokens':>6} {'op µs':>8} {'recon µs':>9} {'gemm µs':>8} {'tier/op':>8} {'diff':>8}")
     for r in rows:
         print(f"{r['layer']:14} {r['tokens']:>6} {r['op_us']:>8.0f} {r['tier_reconstruct_us']:>9.0f} "
