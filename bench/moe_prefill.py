@@ -25,8 +25,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import save_result, time_calls  # noqa: E402  (bench/kernels.py)
-from moe import SHAPES, random_stack  # noqa: E402  (bench/moe.py)
 from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 from vllm_exl3.kernels.backends import native  # noqa: E402
@@ -72,6 +70,11 @@ class Tier:
 
 
 def bench(name: str, tokens_list, iters: int) -> list[dict]:
+    # bench/'s own modules, imported where the GPU run needs them: tests/bench/test_moe_prefill.py imports this file
+    # for Tier inside pytest, where the name `kernels` is the tests' package
+    from kernels import time_calls
+    from moe import SHAPES, random_stack
+
     h, i, e, k = SHAPES[name]
     stack = random_stack(h, i, e, 4, "mcg", seed=0)
     op = get_backend("native").bind_moe(stack, MoECall("silu", top_k=k, max_tokens=max(tokens_list)))
@@ -120,6 +123,8 @@ def main() -> None:
         sys.exit(f"torch {torch.__version__} has no torch._grouped_mm")
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = [r for name in args.layers.split(",") for r in bench(name, tokens, args.iters)]
+    from kernels import save_result  # bench/kernels.py (see bench())
+
     save_result({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, args.out,
                 "moe-prefill")
     print(f"\n{'layer':14} {'tokens':>6} {'op µs':>8} {'recon µs':>9} {'gemm µs':>8} {'tier/op':>8} {'diff':>8}")

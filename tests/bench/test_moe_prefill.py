@@ -6,6 +6,7 @@ the timings."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -19,9 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("moe_prefill", ROOT / "bench" / "moe_prefill.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """bench/moe_prefill.py as a module; the sys.path entries it adds for its GPU run are taken back."""
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("moe_prefill", ROOT / "bench" / "moe_prefill.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
     return module
 
 
