@@ -1,9 +1,10 @@
 """Host cost of one eager `vllm_exl3::moe` / `vllm_exl3::linear` call: the op boundary alone, the backend's work
 replaced by an empty output (eager calls are vLLM's prefill steps and every step with --enforce-eager; CUDA graphs
-replay none of this). Runs against this tree, or against a checkout from before layers were bound once (fc9a136,
-where each call rebuilt its expert stack and checked its names), for the comparison in bench/NOTES.md:
+replay none of this). The "before" rows of bench/results/cpu-op-boundary.json (fc9a136, where each call carried the
+layer's whole argument list and rebuilt its expert stack) came from this script as of commit 874dc50, run against
+that checkout; it now measures this tree only:
 
-    PYTHONPATH=<checkout>/plugin python bench/op_boundary.py LABEL [--out FILE.json]
+    PYTHONPATH=plugin python bench/op_boundary.py LABEL [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from vllm_exl3.kernels import interface, ops
 HIDDEN, INTER, EXPERTS = 256, 384, 8
 
 
-def calls_bound(stack, w, x, tw, ti, emap):
-    """This tree: bindings made once, served, then called through the ops."""
+def calls(stack, w, x, tw, ti):
+    """Bindings made once and served, then called through the ops."""
 
     class Moe(interface.BoundMoE):
         def __call__(self, x, *rest):
@@ -37,29 +38,8 @@ def calls_bound(stack, w, x, tw, ti, emap):
     held = [Moe(stack, interface.MoECall("silu", top_k=2)), Linear(w, 0, 0, INTER)]  # the ops hold them weakly
     for bound in held:
         ops.serve(bound)
-    return (lambda: torch.ops.vllm_exl3.moe(x, tw, ti, emap, stack.w13_trellis),
+    return (lambda: torch.ops.vllm_exl3.moe(x, tw, ti, None, stack.w13_trellis),
             lambda: torch.ops.vllm_exl3.linear(x, w.trellis, INTER), held)
-
-
-def calls_per_call(stack, w, x, tw, ti, emap):
-    """Before: every call carried the layer's whole argument list and the op rebuilt and checked it."""
-
-    class Null(interface.Backend):
-        name = "torch"
-
-        def moe(self, x, *rest):
-            return torch.empty_like(x)
-
-        def linear(self, x, *rest):
-            return x.new_empty((x.shape[0], INTER))
-
-    kbackend.REGISTRY["torch"] = Null()
-    args = (list(stack.w13_words), list(stack.w2_words), ops.codebook_list(stack.codebooks), "silu", False, "torch",
-            stack.inter_offset, stack.inter_size)
-    tensors = (stack.w13_trellis, stack.w13_suh, stack.w13_svh, stack.w2_trellis, stack.w2_suh, stack.w2_svh)
-    return (lambda: torch.ops.vllm_exl3.moe(x, tw, ti, emap, *tensors, [], *args),
-            lambda: torch.ops.vllm_exl3.linear(x, w.trellis, w.suh, w.svh, torch.empty(0), "mcg", "torch", 0, 0,
-                                               INTER), None)
 
 
 def us_per_call(fn, n: int = 20000) -> float:
@@ -84,10 +64,8 @@ def main() -> None:
                + [random_weights(INTER, HIDDEN, 3, "mcg", seed=3 * e + 2)] for e in range(EXPERTS)]
     stack = expert_stack(weights, list(range(EXPERTS)))
     x, tw, ti = torch.randn(1, HIDDEN), torch.rand(1, 2), torch.tensor([[0, 1]], dtype=torch.int32)
-    bound = hasattr(interface, "BoundMoE")
-    make = calls_bound if bound else calls_per_call
-    moe, linear, _held = make(stack, weights[0][0], x, tw, ti, torch.empty(0, dtype=torch.int32))
-    row = {"tree": args.label, "api": "bound" if bound else "per-call", "torch": torch.__version__,
+    moe, linear, _held = calls(stack, weights[0][0], x, tw, ti)
+    row = {"tree": args.label, "api": "bound", "torch": torch.__version__,
            "moe_us": round(us_per_call(moe), 2), "linear_us": round(us_per_call(linear), 2)}
     print(json.dumps(row))
     if args.out:

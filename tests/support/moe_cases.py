@@ -125,5 +125,4 @@ def through_custom_op(bound, x, topk_weights, topk_ids):
     from vllm_exl3.kernels import ops
 
     ops.serve(bound)
-    return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, torch.empty(0, dtype=torch.int32, device=DEV),
-                                   bound.experts.w13_trellis)
+    return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, None, bound.experts.w13_trellis)

@@ -8,7 +8,8 @@ its prepared tensors were graph inputs, a boot that reused a graph compiled for 
 key still keeps every kernel build and plugin version in its own cache entry. vLLM hashes
 `VllmConfig.additional_config` (a free-form dict) into the same key and computes that key only at the model's first
 forward, after every layer was loaded and bound: so each worker records what it chose there, under its own name,
-and a different choice is a different cache entry. The choice per layer type is final by then (the parity gate's fallbacks included).
+and a different choice is a different cache entry. The choice per layer type is final by then (the parity gate's
+fallbacks included).
 """
 
 from __future__ import annotations

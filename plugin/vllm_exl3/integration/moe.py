@@ -170,7 +170,4 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
     # -- forward --------------------------------------------------------------------------------------------
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         del shared_experts, shared_experts_input  # the runner computes shared experts itself
-        expert_map = layer.expert_map
-        if expert_map is None:  # no expert parallelism (an op argument cannot be None)
-            expert_map = torch.empty(0, dtype=torch.int32, device=x.device)
-        return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, expert_map, layer.w13_trellis)
+        return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, layer.expert_map, layer.w13_trellis)

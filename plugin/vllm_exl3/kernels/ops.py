@@ -60,11 +60,11 @@ def _(x, trellis, out_features):
 
 
 @torch.library.custom_op("vllm_exl3::moe", mutates_args=())
-def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor,
+def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
              w13_trellis: torch.Tensor) -> torch.Tensor:
     """Routed experts of the layer whose gate/up trellis is `w13_trellis`: [M, H] local partial sum; see BoundMoE.
-    An empty `expert_map` means no expert parallelism."""
-    return _bound(w13_trellis, BoundMoE, "moe")(x, topk_weights, topk_ids, expert_map if expert_map.numel() else None)
+    `expert_map` is None without expert parallelism."""
+    return _bound(w13_trellis, BoundMoE, "moe")(x, topk_weights, topk_ids, expert_map)
 
 
 @exl3_moe.register_fake

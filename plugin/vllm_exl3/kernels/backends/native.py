@@ -107,11 +107,15 @@ def reconstruct(w: Exl3Weights, original_basis: bool = False, bf16: bool = False
     return torch.ops.vllm_exl3.reconstruct(w.trellis, cb, None, None, bf16)
 
 
+def linear_args(w: Exl3Weights, in_offset: int, out_offset: int, out_features: int, path: int) -> tuple:
+    """native_linear's arguments after x (csrc/bindings.cpp; tests/kernels/test_native_call_schema.py)."""
+    return (w.trellis, w.suh, w.svh, codebook_index(w.codebook), in_offset, out_offset, out_features, int(path))
+
+
 def linear(x: torch.Tensor, w: Exl3Weights, in_offset: int = 0, out_offset: int = 0,
            out_features: int | None = None, path: int = NativePath.AUTO) -> torch.Tensor:
     out_features = w.out_padded - out_offset if out_features is None else out_features
-    return torch.ops.vllm_exl3.native_linear(x, w.trellis, w.suh, w.svh, codebook_index(w.codebook), in_offset,
-                                             out_offset, out_features, int(path))
+    return torch.ops.vllm_exl3.native_linear(x, *linear_args(w, in_offset, out_offset, out_features, path))
 
 
 class NativeBackend(Backend):
@@ -147,8 +151,7 @@ class _Linear(BoundLinear):
 
     def __init__(self, w, in_offset, out_offset, out_features):
         super().__init__(w, in_offset, out_offset, out_features)
-        self.args = (w.trellis, w.suh, w.svh, codebook_index(w.codebook), in_offset, out_offset, out_features,
-                     int(NativePath.AUTO))
+        self.args = linear_args(w, in_offset, out_offset, out_features, NativePath.AUTO)
 
     def __call__(self, x):
         return torch.ops.vllm_exl3.native_linear(x, *self.args)
