@@ -110,7 +110,7 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
     return rows
 
 
-def profile(tokens_list=(1, 8, 32, 64)) -> None:
+def profile(tokens_list=(1, 8, 32, 64, 256, 1024)) -> None:
     """Device time of each kernel of one layer call (torch.profiler / CUPTI): where the time goes."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
