@@ -135,10 +135,24 @@ def profile(tokens_list=(1, 8, 32, 64, 256, 1024)) -> None:
                                   "count": ev.count}), flush=True)
 
 
+def ncu_target(tokens: int, calls: int = 6) -> None:
+    """`calls` calls of one Qwen3-30B-A3B-shaped 4-bit layer at `tokens` tokens, for Nsight Compute to pick one
+    kernel launch from (bench/moe_device.sh)."""
+    h, i, e, k = SHAPES["qwen3-30b-a3b"]
+    stack = random_stack(h, i, e, 4, "mcg", seed=0)
+    bound = get_backend("native").bind_moe(stack, MoECall("silu", top_k=k, max_tokens=tokens))
+    x = torch.randn(tokens, h, device=DEV, dtype=torch.float16)
+    w, ids = torch.topk(torch.randn(tokens, e, device=DEV).softmax(-1), k, dim=-1)
+    for _ in range(calls):
+        bound(x, w, ids.to(torch.int32), None)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times of one layer, then exit")
+    ap.add_argument("--ncu-tokens", type=int, default=0, help="a few calls at this many tokens for ncu, then exit")
     ap.add_argument("--out", default=None)
     ap.add_argument("--backend", default="native", choices=("native", "exllamav3"))
     ap.add_argument("--layers", default="qwen3-30b-a3b:4,qwen3-30b-a3b:2,glm-4.5-air:4", help="name:bits,...")
@@ -146,6 +160,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.profile:
         profile()
+        return
+    if args.ncu_tokens:
+        ncu_target(args.ncu_tokens)
         return
     bw = copy_bandwidth()
     gpu = torch.cuda.get_device_name()
