@@ -61,7 +61,8 @@ PY
 }
 # One build directory per set of extra flags: a variant with the default flags reuses the first build.
 build_dir() { echo "/tmp/vx-build-$(echo "$*" | md5sum | cut -c1-8)"; }
-build "$(build_dir)"
+read -ra EXTRA <<< "${EXTRA_NVCC:-}"  # extra nvcc flags for the main build (a tuning variant)
+build "$(build_dir "${EXTRA[@]}")" "${EXTRA[@]}"
 SO=$(ls plugin/vllm_exl3/kernels/_C*.so)
 python3 tools/check-cubins "$SO" "sm_${ARCH//./}" | tee -a "$OUT/build.log"
 python3 -m vllm_exl3.cli info 2>&1 | tail -12

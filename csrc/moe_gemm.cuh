@@ -25,6 +25,9 @@ constexpr int kMoeWarps = 8;  // one per n-tile of a 128-column group
 constexpr int kMoeThreads = kMoeWarps * kWarp;
 constexpr int kMoeXRowBytes = kHadBlock * 2 + 16;  // one activation row of a stage, padded: fragment reads hit 32 banks
 constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilogue buffer
+#ifndef EXL3_MOE_MAX_STAGES  // tuning (bench/moe_device.sh STAGE_VARIANTS): most ring stages per block
+#define EXL3_MOE_MAX_STAGES 4
+#endif
 
 template <int kBits2, int kRows>
 struct MoeGemmTraits {
@@ -32,9 +35,9 @@ struct MoeGemmTraits {
   static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
   static constexpr int kXBytes = kRows * kMoeXRowBytes;
   static constexpr int kStageBytes = kTileBytes + kXBytes;
-  // Up to four stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two.
+  // Up to EXL3_MOE_MAX_STAGES stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two.
   static constexpr int kStagesFit = 96 * 1024 / kStageBytes;
-  static constexpr int kStages = kStagesFit > 4 ? 4 : kStagesFit < 2 ? 2 : kStagesFit;
+  static constexpr int kStages = kStagesFit > EXL3_MOE_MAX_STAGES ? EXL3_MOE_MAX_STAGES : kStagesFit < 2 ? 2 : kStagesFit;
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kZBytes = kRows * kMoeZStride * 4;
   static constexpr int kSmemBytes = (kRingBytes > kZBytes ? kRingBytes : kZBytes) + kRows * 4;
