@@ -25,8 +25,11 @@ constexpr int kMoeWarps = 8;  // one per n-tile of a 128-column group
 constexpr int kMoeThreads = kMoeWarps * kWarp;
 constexpr int kMoeXRowBytes = kHadBlock * 2 + 16;  // one activation row of a stage, padded: fragment reads hit 32 banks
 constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilogue buffer
-#ifndef EXL3_MOE_MAX_STAGES  // tuning (bench/moe_device.sh STAGE_VARIANTS): most ring stages per block
+#ifndef EXL3_MOE_MAX_STAGES  // tuning (EXTRA_NVCC in bench/device_run.sh): most ring stages, 8/16-row chunks
 #define EXL3_MOE_MAX_STAGES 4
+#endif
+#ifndef EXL3_MOE_WIDE_STAGES  // the same for 64-row chunks
+#define EXL3_MOE_WIDE_STAGES 2
 #endif
 
 template <int kBits2, int kRows>
@@ -35,9 +38,12 @@ struct MoeGemmTraits {
   static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
   static constexpr int kXBytes = kRows * kMoeXRowBytes;
   static constexpr int kStageBytes = kTileBytes + kXBytes;
-  // Up to EXL3_MOE_MAX_STAGES stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two.
+  // Up to kMaxStages stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two. 64-row chunks
+  // (prefill) keep two: at 25 KB a stage, a third cost a block per SM (2 -> 3 resident: 747 -> 625 µs per Qwen3
+  // layer at 1024 tokens on the H200, bench/NOTES.md); decode chunks keep up to four (no gain from fewer).
+  static constexpr int kMaxStages = kRows >= 64 ? EXL3_MOE_WIDE_STAGES : EXL3_MOE_MAX_STAGES;
   static constexpr int kStagesFit = 96 * 1024 / kStageBytes;
-  static constexpr int kStages = kStagesFit > EXL3_MOE_MAX_STAGES ? EXL3_MOE_MAX_STAGES : kStagesFit < 2 ? 2 : kStagesFit;
+  static constexpr int kStages = kStagesFit > kMaxStages ? kMaxStages : kStagesFit < 2 ? 2 : kStagesFit;
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kZBytes = kRows * kMoeZStride * 4;
   static constexpr int kSmemBytes = (kRingBytes > kZBytes ? kRingBytes : kZBytes) + kRows * 4;
