@@ -5,7 +5,8 @@
 #             wait for the one before it (with PDL on, a kernel starts early and waits inside)
 #   splits    bench/moe.py --quick (Qwen3 shape, 4-bit) at each K-split target in SPLIT_TARGETS (blocks per SM)
 #   ncu       Nsight Compute on the grouped GEMM at each of NCU_TOKENS (occupancy, issue, stalls)
-# STEPS (default tests,profile,splits,ncu); results and logs under $OUT.
+# STEPS (default tests,profile,splits,ncu); results and logs under $OUT. EXTRA_NVCC builds a variant for all of it
+# (e.g. EXTRA_NVCC=-DEXL3_MOE_LDMATRIX=1; bench/device_run.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/vllm-exl3-out}
 STEPS=${STEPS:-tests,profile,splits,ncu}
