@@ -260,6 +260,33 @@ def test_o_direct_refused_falls_back_to_buffered(tmp_path, monkeypatch, refused_
     assert last_load_stats().direct_io is False
 
 
+def test_o_direct_fallback_keeps_the_refused_descriptor_for_workers_holding_it(tmp_path):
+    """A worker that took the O_DIRECT descriptor just before another worker's fallback reads from it after: it must
+    still be open (closed, the read failed with EBADF in a CI run; reused by another open, it would read another
+    file's bytes), and it is closed with the file."""
+    from vllm_exl3.loader.files import OpenFile
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(8192))
+    f = OpenFile(path, direct_io=True)
+    old_fd, direct = f.handle
+    if not direct:
+        f.close()
+        pytest.skip("this filesystem refuses O_DIRECT at open: no read-time fallback to exercise")
+    f.fall_back_to_buffered(old_fd)
+    new_fd, direct = f.handle
+    assert not direct and new_fd != old_fd
+    assert os.fstat(old_fd).st_ino == os.fstat(new_fd).st_ino  # still open, still this file
+    f.fall_back_to_buffered(old_fd)  # the late worker's own fallback changes nothing
+    assert f.handle == (new_fd, False)
+    assert os.pread(new_fd, 16, 0) == path.read_bytes()[:16]
+    f.close()
+    for fd in (old_fd, new_fd):
+        with pytest.raises(OSError) as e:
+            os.fstat(fd)
+        assert e.value.errno == errno.EBADF
+
+
 # ------------------------------------------------------------------------------------------------------------
 # options, progress
 # ------------------------------------------------------------------------------------------------------------

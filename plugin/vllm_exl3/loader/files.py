@@ -32,21 +32,36 @@ class OpenFile:
         self.path = path
         self.identity = identity
         self.lock = threading.Lock()
-        self.direct = False
-        self.fd = self._open(direct_io)
+        # (descriptor, opened with O_DIRECT), replaced as one value: a worker reads both at once (`handle`)
+        self._handle = self._open(direct_io)
+        # descriptors given up by the fallback, closed with the file: a worker may have taken one just before
+        # the fallback and read from it after; closed under it, that read fails (EBADF) or, once another open
+        # reuses the number, reads another file's bytes
+        self._retired: list[int] = []
 
-    def _open(self, direct_io: bool) -> int:
+    @property
+    def handle(self) -> tuple[int, bool]:
+        """(descriptor, whether it reads with O_DIRECT): the pair a read uses, consistent with each other."""
+        return self._handle
+
+    @property
+    def fd(self) -> int:
+        return self._handle[0]
+
+    @property
+    def direct(self) -> bool:
+        return self._handle[1]
+
+    def _open(self, direct_io: bool) -> tuple[int, bool]:
         if direct_io and hasattr(os, "O_DIRECT"):
             try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK)
-                self.direct = True
-                return fd
+                return os.open(self.path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise PackReadError(self.path, 0, None, "a file that opens for reading",
                                         f"{type(e).__name__}: {e}")
                 logger.info("%s: O_DIRECT refused by the filesystem, reading through the page cache", self.path)
-        return self._open_buffered()
+        return self._open_buffered(), False
 
     def check_unchanged(self, when: str) -> None:
         """The file is still the one whose header was read (same inode, size and mtime), both open and by path:
@@ -72,13 +87,15 @@ class OpenFile:
         return fd
 
     def fall_back_to_buffered(self, failed_fd: int) -> None:
-        """Some filesystems accept O_DIRECT at open and refuse it at read time (EINVAL)."""
+        """Some filesystems accept O_DIRECT at open and refuse it at read time (EINVAL). The refused descriptor
+        stays open until `close` (see `_retired`); a worker still holding it gets EINVAL again and comes here."""
         with self.lock:
-            if self.fd == failed_fd and self.direct:
+            if self._handle == (failed_fd, True):
                 logger.info("%s: O_DIRECT read refused, reading through the page cache", self.path)
-                self.fd = self._open_buffered()
-                self.direct = False
-                os.close(failed_fd)
+                self._handle = (self._open_buffered(), False)
+                self._retired.append(failed_fd)
 
     def close(self) -> None:
-        os.close(self.fd)
+        for fd in (self.fd, *self._retired):
+            os.close(fd)
+        self._retired.clear()

@@ -364,7 +364,7 @@ class ParallelRead:
         f = self._files[chunk.file]
         got = 0
         while got < chunk.needed:
-            fd, direct = f.fd, f.direct
+            fd, direct = f.handle
             offset = chunk.offset + got
             try:
                 n = read_into(fd, _views(segments, got), offset)
