@@ -3,13 +3,13 @@
 # vllm_exl3.kernels._C (bench/device_run.sh), the MoE GPU tests, then where one layer call's time goes:
 #   profile   per-kernel device times (bench/moe.py --profile) with PDL off, so that no kernel's time includes its
 #             wait for the one before it (with PDL on, a kernel starts early and waits inside)
-#   splits    bench/moe.py --quick (Qwen3 shape, 4-bit) at each K-split target in SPLIT_TARGETS (blocks per SM)
+#   quick     bench/moe.py --quick on the Qwen3 shape, 4-bit (the build's table)
 #   ncu       Nsight Compute on the grouped GEMM at each of NCU_TOKENS (occupancy, issue, stalls)
-# STEPS (default tests,profile,splits,ncu); results and logs under $OUT. EXTRA_NVCC builds a variant for all of it
-# (e.g. EXTRA_NVCC=-DEXL3_MOE_LDMATRIX=1; bench/device_run.sh).
+# STEPS (default tests,profile,quick,ncu); results and logs under $OUT. EXTRA_NVCC builds a variant for all of it
+# (e.g. EXTRA_NVCC=-DEXL3_MOE_WIDE_STAGES=3; bench/device_run.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/vllm-exl3-out}
-STEPS=${STEPS:-tests,profile,splits,ncu}
+STEPS=${STEPS:-tests,profile,quick,ncu}
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/plugin"
@@ -26,12 +26,9 @@ if has profile; then
   VLLM_EXL3_PDL=0 timeout 120 python3 bench/moe.py --profile > "$OUT/moe-profile-pdl-off.jsonl" 2>&1
   echo "profile (PDL off) rc=$? at $(( $(date +%s) - t0 )) s"
 fi
-if has splits; then
-  for target in ${SPLIT_TARGETS:-2 4 8}; do
-    VLLM_EXL3_MOE_SPLIT_TARGET=$target timeout 120 python3 bench/moe.py --quick --layers qwen3-30b-a3b:4 \
-      --out "$OUT/moe-split-target-$target.json" > "$OUT/moe-split-target-$target.log" 2>&1
-    echo "split target $target rc=$?:"; grep -E "^qwen3" "$OUT/moe-split-target-$target.log"
-  done
+if has quick; then
+  timeout 120 python3 bench/moe.py --quick --layers qwen3-30b-a3b:4 --out "$OUT/moe-quick.json" > "$OUT/moe-quick.log" 2>&1
+  echo "moe quick rc=$?:"; grep -E "^qwen3" "$OUT/moe-quick.log"
 fi
 if has ncu; then
   for tokens in ${NCU_TOKENS:-8 1024}; do

@@ -30,8 +30,6 @@ inline bool recon_first() { return get_int("VLLM_EXL3_RECON_FIRST", 1) != 0; }  
 // --- Bench-only diagnostics (bench/kernels.py): no serving configuration sets these.
 inline int skinny_grid() { return static_cast<int>(get_int("VLLM_EXL3_SKINNY_GRID", 0)); }  // 0: the planner's
 inline bool skinny_trace() { return get_int("VLLM_EXL3_SKINNY_TRACE", 0) != 0; }  // per-warp timestamps
-// Blocks per SM the MoE GEMMs' K splits aim for at decode sizes (moe.h moe_k_splits; the measured default is 2).
-inline int moe_split_target() { return static_cast<int>(get_int("VLLM_EXL3_MOE_SPLIT_TARGET", 2)); }
 
 }  // namespace env
 }  // namespace exl3

@@ -257,10 +257,10 @@ MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden
   return w;
 }
 
-int moe_k_splits(int pairs, long long blocks, int sms, int kb_count, int per_sm) {
+int moe_k_splits(int pairs, long long blocks, int sms, int kb_count) {
   if (pairs > kMoeSplitMaxPairs) return 1;
   int s = 1;
-  while (s < kMoeMaxSplits && s < kb_count && blocks * s < static_cast<long long>(per_sm) * sms) ++s;
+  while (s < kMoeMaxSplits && s < kb_count && blocks * s < 2LL * sms) ++s;
   return s;
 }
 

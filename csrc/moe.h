@@ -50,12 +50,11 @@ int moe_chunk_bound(int pairs, int experts, int rows_per_chunk);
 MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden_padded, int inter_padded,
                                   int rows_per_chunk, int splits13, int splits2);
 // K splits for a GEMM whose grid would have about `blocks` working blocks on a GPU of `sms` multiprocessors: enough
-// for `per_sm` blocks per SM (env.h moe_split_target, 2 unless a bench sets it), at most kMoeMaxSplits and the K
-// range's 128-blocks; none past kMoeSplitMaxPairs pairs (decode sizes only, so the split slots never need more
-// workspace than a full token chunk without splits).
+// for two blocks per SM, at most kMoeMaxSplits and the K range's 128-blocks; none past kMoeSplitMaxPairs pairs (decode
+// sizes only, so the split slots never need more workspace than a full token chunk without splits).
 constexpr int kMoeMaxSplits = 4;
 constexpr int kMoeSplitMaxPairs = 256;
-int moe_k_splits(int pairs, long long blocks, int sms, int kb_count, int per_sm);
+int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 
 // The router's choice: which expert each (token, k) pair goes to, and which experts are this rank's.
 struct MoeIds {

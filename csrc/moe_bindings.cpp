@@ -207,9 +207,8 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     const int pairs = tc * static_cast<int>(top_k);
     const int rows = exl3::moe_rows_per_chunk(pairs, static_cast<int>(experts));
     const int chunk_bound = exl3::moe_chunk_bound(pairs, static_cast<int>(experts), rows);
-    const int per_sm = exl3::env::moe_split_target();
-    const int splits13 = exl3::moe_k_splits(pairs, 2LL * chunk_bound * (ip / kHad), sms, static_cast<int>(hp / kHad), per_sm);
-    const int splits2 = exl3::moe_k_splits(pairs, 1LL * chunk_bound * (hp / kHad), sms, static_cast<int>(ip / kHad), per_sm);
+    const int splits13 = exl3::moe_k_splits(pairs, 2LL * chunk_bound * (ip / kHad), sms, static_cast<int>(hp / kHad));
+    const int splits2 = exl3::moe_k_splits(pairs, 1LL * chunk_bound * (hp / kHad), sms, static_cast<int>(ip / kHad));
     const exl3::MoeWorkspace L = exl3::moe_workspace_layout(tc, static_cast<int>(top_k), static_cast<int>(experts),
                                                             static_cast<int>(hp), static_cast<int>(ip), rows, splits13,
                                                             splits2);

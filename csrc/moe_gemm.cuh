@@ -31,9 +31,6 @@ constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilo
 #ifndef EXL3_MOE_WIDE_STAGES  // the same for 64-row chunks
 #define EXL3_MOE_WIDE_STAGES 2
 #endif
-#ifndef EXL3_MOE_LDMATRIX  // 1: activation fragments through ldmatrix (see moe_gemm_kernel; not yet measured)
-#define EXL3_MOE_LDMATRIX 0
-#endif
 
 template <int kBits2, int kRows>
 struct MoeGemmTraits {
@@ -42,7 +39,7 @@ struct MoeGemmTraits {
   static constexpr int kXBytes = kRows * kMoeXRowBytes;
   static constexpr int kStageBytes = kTileBytes + kXBytes;
   // Up to kMaxStages stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two. 64-row chunks
-  // (prefill) keep two: at 25 KB a stage, a third cost a block per SM (2 -> 3 resident: 747 -> 625 µs per Qwen3
+  // (prefill) keep two: at 25 KB a stage, a third cost a block per SM (2 -> 3 resident: 747 -> 629 µs per Qwen3
   // layer at 1024 tokens on the H200, bench/NOTES.md); decode chunks keep up to four (no gain from fewer). On sm_12x
   // (100 KB of shared memory per SM) one 64-row block fits either way, so there this only shortens the ring: not
   // measured (no GB10 lent).
@@ -67,10 +64,6 @@ struct MoeGemmTraits {
 template <int kBits2, bool kMul1, int kRows>
 __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
   constexpr bool kDup = !kMul1 && kRows <= 16;
-  // EXL3_MOE_LDMATRIX (off; an experiment for the next device run): the activation fragments of the rounded-pair
-  // form through ldmatrix, four 32-bit fragments per instruction instead of one, for 64-row chunks, where Nsight
-  // Compute found the warps waiting on these shared-memory loads (bench/NOTES.md "Fourth run").
-  constexpr bool kLdmatrix = EXL3_MOE_LDMATRIX && !kDup && kRows % 16 == 0;
   using T = MoeGemmTraits<kBits2, kRows>;
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -187,25 +180,10 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
       } else {
         const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
         const uint32_t a2 = rounded_pair<kMul1>(cw[2], cw[3]), a3 = rounded_pair<kMul1>(cw[6], cw[7]);
-        if constexpr (kLdmatrix) {
-          // Two row groups' B fragments (both k halves) in one ldmatrix.x4: matrix m = row group rg + m / 2, k half
-          // m % 2; lane l addresses row l % 8 of matrix l / 8 (rows 272 bytes apart: the 8 rows hit 32 banks).
-          const uint32_t xl = ring + static_cast<uint32_t>(slot * T::kStageBytes + T::kTileBytes +
-                                                           ((lane >> 4) * 8 + (lane & 7)) * kMoeXRowBytes +
-                                                           ((lane >> 3) & 1) * 16 + kt * kTile * 2);
 #pragma unroll
-          for (int rg = 0; rg < kRows / 8; rg += 2) {
-            uint32_t b[4];
-            ldmatrix_x4(b, xl + rg * 8 * kMoeXRowBytes);
-            mma_16816(acc[rg], a0, a1, a2, a3, b[0], b[1]);
-            mma_16816(acc[rg + 1], a0, a1, a2, a3, b[2], b[3]);
-          }
-        } else {
-#pragma unroll
-          for (int rg = 0; rg < kRows / 8; ++rg) {
-            const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
-            mma_16816(acc[rg], a0, a1, a2, a3, lds32(xr), lds32(xr + 16));
-          }
+        for (int rg = 0; rg < kRows / 8; ++rg) {
+          const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
+          mma_16816(acc[rg], a0, a1, a2, a3, lds32(xr), lds32(xr + 16));
         }
       }
     }
