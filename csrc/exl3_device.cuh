@@ -38,6 +38,14 @@ __device__ __forceinline__ uint32_t lds32(const void* smem) {
   return v;
 }
 
+// Four 8x8 b16 matrices from shared memory (`smem`: a shared-window address): lane l gives the address of row l % 8
+// of matrix l / 8 and receives, in register m, row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix m.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem));
+}
+
 // Programmatic dependent launch (sm_90+): let the next kernel start early / wait for the previous one's results.
 __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -64,6 +64,10 @@ struct MoeGemmTraits {
 template <int kBits2, bool kMul1, int kRows>
 __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
   constexpr bool kDup = !kMul1 && kRows <= 16;
+  // The rounded-pair form takes its activation fragments through ldmatrix, four 32-bit fragments per instruction
+  // instead of one: Nsight Compute found 64-row chunks waiting on these shared-memory loads, and ldmatrix took the
+  // Qwen3 layer at 1024 tokens from 625 to 579 µs on the H200 (bench/NOTES.md "Fifth run").
+  constexpr bool kLdmatrix = !kDup && kRows % 16 == 0;
   using T = MoeGemmTraits<kBits2, kRows>;
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -180,10 +184,25 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
       } else {
         const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
         const uint32_t a2 = rounded_pair<kMul1>(cw[2], cw[3]), a3 = rounded_pair<kMul1>(cw[6], cw[7]);
+        if constexpr (kLdmatrix) {
+          // Two row groups' B fragments (both k halves) in one ldmatrix.x4: matrix m = row group rg + m / 2, k half
+          // m % 2; lane l addresses row l % 8 of matrix l / 8 (rows 272 bytes apart: the 8 rows hit 32 banks).
+          const uint32_t xl = ring + static_cast<uint32_t>(slot * T::kStageBytes + T::kTileBytes +
+                                                           ((lane >> 4) * 8 + (lane & 7)) * kMoeXRowBytes +
+                                                           ((lane >> 3) & 1) * 16 + kt * kTile * 2);
 #pragma unroll
-        for (int rg = 0; rg < kRows / 8; ++rg) {
-          const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
-          mma_16816(acc[rg], a0, a1, a2, a3, lds32(xr), lds32(xr + 16));
+          for (int rg = 0; rg < kRows / 8; rg += 2) {
+            uint32_t b[4];
+            ldmatrix_x4(b, xl + rg * 8 * kMoeXRowBytes);
+            mma_16816(acc[rg], a0, a1, a2, a3, b[0], b[1]);
+            mma_16816(acc[rg + 1], a0, a1, a2, a3, b[2], b[3]);
+          }
+        } else {
+#pragma unroll
+          for (int rg = 0; rg < kRows / 8; ++rg) {
+            const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
+            mma_16816(acc[rg], a0, a1, a2, a3, lds32(xr), lds32(xr + 16));
+          }
         }
       }
     }

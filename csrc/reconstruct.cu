@@ -310,12 +310,6 @@ __global__ void __launch_bounds__(kXfThreads, 2) reconstruct_output_side_kernel(
 //   kernel's steps: the butterfly across the tile columns on fp16 pairs, H16 diag(svh) / 8 on the tensor cores,
 //   staged in the warp's own (already consumed) rows of the exchange and written as whole 256-byte rows.
 // ------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem));
-}
-
 // Three CTAs per SM (80 registers) take less time than two (bench/NOTES.md, "Kernel design measurements").
 #ifndef EXL3_ORIG_MIN_BLOCKS  // tuning (bench VARIANTS): CTAs per SM the register budget allows
 #define EXL3_ORIG_MIN_BLOCKS 3

@@ -492,15 +492,6 @@ def kernel_tests(exl_build, profiles: list[str] | None = None) -> None:
                     (RESULTS / "moe-native-profile.jsonl").write_text(r.stdout + r.stderr[-2000:])
                 except subprocess.TimeoutExpired:
                     log("moe profile: cut off")
-            if name == "native" and left() > 150:  # the prefill tier's question: bench/moe_prefill.py
-                try:
-                    r = subprocess.run([sys.executable, "bench/moe_prefill.py", "--out",
-                                        str(RESULTS / "moe-prefill.json")], capture_output=True, text=True, env=env,
-                                       cwd=ROOT, timeout=max(30.0, min(180.0, left() - 90)))
-                    (RESULTS / "moe-prefill.md").write_text(r.stdout + r.stderr[-3000:])
-                    log(f"moe prefill bench: rc={r.returncode}")
-                except subprocess.TimeoutExpired:
-                    log("moe prefill bench: cut off")
             archive()
 
 
