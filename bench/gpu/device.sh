@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (bench/gpu/vgpu prepared the chunks):
-#   bash .vgpu/cNN/device.sh stage      keep this call's chunk in /tmp/vgpu (one call per chunk folder)
+#   bash .vgpu/cNN/device.sh stage      keep this call's chunk in /tmp/vgpu (one call per chunk folder); the folder
+#                                       .vgpu/exl (bench/gpu/vgpu exl) holds ExLlamaV3's extension instead, kept in
+#                                       /tmp/vgpu/exl for run.py (bench/gpu/exl_prebuilt.py)
 #   source /tmp/vgpu/device.sh env      once all chunks are there: unpack (first time only), then export PYTHONPATH etc.
 #                                       so that python3 imports the staged torch + vLLM, and vLLM finds the plugin from
 #                                       ./plugin through its entry point (a dist-info written beside the staged tree)
@@ -8,8 +10,14 @@ S=/tmp/vgpu/site
 case "${1:-}" in
 stage)
   here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-  mkdir -p /tmp/vgpu/parts && cp "$here"/part-* /tmp/vgpu/parts/ && cp "$here"/device.sh /tmp/vgpu/
-  echo "vgpu: $(find /tmp/vgpu/parts -name 'part-*' | wc -l) chunks staged ($(du -sh /tmp/vgpu/parts | cut -f1))" ;;
+  mkdir -p /tmp/vgpu/parts /tmp/vgpu/exl && cp "$here"/device.sh /tmp/vgpu/
+  if [ -f "$here"/exllamav3_ext.json ]; then
+    cp "$here"/exllamav3_ext.* /tmp/vgpu/exl/
+    echo "vgpu: ExLlamaV3's extension staged ($(du -sh /tmp/vgpu/exl | cut -f1))"
+  else
+    cp "$here"/part-* /tmp/vgpu/parts/
+    echo "vgpu: $(find /tmp/vgpu/parts -name 'part-*' | wc -l) chunks staged ($(du -sh /tmp/vgpu/parts | cut -f1))"
+  fi ;;
 env)
   if [ ! -d $S/vllm ]; then
     mkdir -p $S

@@ -44,12 +44,19 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "plugin"))
 sys.path.insert(0, str(HERE))
+import exl_prebuilt  # noqa: E402  (beside this file)
+
 OUT = Path(os.environ.get("OUT", "/tmp/vgpu-out"))
 WORK = Path(os.environ.get("VGPU_RUN_DIR", "/tmp/vgpu-run"))
 # Kept on the machine between calls and archived whole into $OUT/results.tgz after every result (the device tool
 # empties $OUT before each call and returns at most 8 files from it).
 RESULTS = WORK / "results"
 EXL_EXT_DIR = WORK / "exl-ext"
+# ExLlamaV3's extension as an earlier session built it (bench/gpu/exl_prebuilt.py): staged here by `device.sh stage`,
+# installed into EXL_PREBUILT, which every ExLlamaV3 process then has first on its path.
+EXL_STAGED = Path("/tmp/vgpu/exl")
+EXL_PREBUILT = WORK / "exl-prebuilt"
+EXL_ARCHS = "9.0"
 FIXTURES = ROOT / "tests" / "fixtures" / "exl3"
 T0 = time.monotonic()
 BUDGET = 560.0
@@ -138,7 +145,17 @@ shutil.copy(os.path.join(d, '_C.so'), 'plugin/vllm_exl3/kernels/_C.abi3.so')
 def exl_env() -> dict:
     # Every process that may import exllamav3 (its build, the servers on its profile, its generator) sees one
     # extension folder and one arch list: torch hashes the flags, and another list would build it again.
-    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXL_EXT_DIR), "TORCH_CUDA_ARCH_LIST": "9.0"}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(EXL_EXT_DIR), "TORCH_CUDA_ARCH_LIST": EXL_ARCHS}
+    if (EXL_PREBUILT / f"{exl_prebuilt.NAME}.so").exists():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXL_PREBUILT), env.get("PYTHONPATH")]))
+    return env
+
+
+def exl_versions() -> dict[str, str]:
+    """What a carried extension must have been built against: the staged torch and ExLlamaV3, and the arch list."""
+    from importlib import metadata
+
+    return {"torch": metadata.version("torch"), "exllamav3": metadata.version("exllamav3"), "archs": EXL_ARCHS}
 
 
 class Background:
@@ -178,8 +195,28 @@ class Background:
             time.sleep(2)
 
 
+def exl_jit_library() -> Path | None:
+    return next(iter(EXL_EXT_DIR.glob("*/exllamav3_ext*.so")), None)
+
+
 def exl_built() -> bool:
-    return bool(list(EXL_EXT_DIR.glob("*/exllamav3_ext*.so")))
+    return (EXL_PREBUILT / f"{exl_prebuilt.NAME}.so").exists() or exl_jit_library() is not None
+
+
+def export_exl_build() -> None:
+    """The first build on this machine goes back in $OUT (exl_prebuilt.export), once: `bench/gpu/vgpu exl` then
+    carries it to the next session's machine."""
+    library, marker = exl_jit_library(), WORK / "exl-exported"
+    if library is None or marker.exists() or (EXL_PREBUILT / f"{exl_prebuilt.NAME}.so").exists():
+        return
+    try:
+        files = exl_prebuilt.export(library, OUT, exl_versions())
+    except ValueError as e:
+        log(f"ExLlamaV3's extension not exported: {e}")
+        marker.write_text(str(e))
+        return
+    marker.write_text("\n".join(map(str, files)))
+    log(f"ExLlamaV3's extension exported for the next session: {', '.join(f.name for f in files)}")
 
 
 def start_exl_build() -> Background | None:
@@ -649,6 +686,7 @@ def main() -> int:
                  or ("quality" in steps and "exllamav3" in plan["quality"]["kernels"])
                  or ("switch" in steps and "exllamav3" in plan["quality"]["switch-kernels"]))
     if wants_exl:
+        log(f"ExLlamaV3's prebuilt extension: {exl_prebuilt.install(EXL_STAGED, EXL_PREBUILT, exl_versions())}")
         exl_build = start_exl_build()
     chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
     needed = [e.get("pack") or e["like"] for e in chosen] if {"serve", "packs"} & set(steps) else []
@@ -668,6 +706,7 @@ def main() -> int:
             r = subprocess.run([sys.executable, str(HERE / "exlgen.py"), str(pack_dir("qwen3-30b-a3b-4b"))],
                                capture_output=True, text=True, env=exl_env(), cwd=ROOT, timeout=max(10, left() - 15))
             save("exlgen.json", {"rc": r.returncode, "stdout": r.stdout[-4000:], "stderr": r.stderr[-4000:]})
+    export_exl_build()
     for job in (exl_build, writer):  # a build or a writer still running is left for the next call on this machine
         if job is not None and job.running():
             log(f"left running for the next call: {job.name}")
