@@ -34,19 +34,13 @@ if has quick; then
   timeout 120 python3 bench/moe.py --quick --layers $LAYERS --out "$OUT/moe-quick.json" > "$OUT/moe-quick.log" 2>&1
   echo "moe quick rc=$?:"; grep -E "^(qwen3|glm)" "$OUT/moe-quick.log"
 fi
-if has variants; then
+if has variants; then  # each NAME:FLAGS rebuilt here, then measured as bench/gpu/variants.sh measures a library
   for v in ${VARIANTS:-}; do
     name=${v%%:*} flags=${v#*:}
     OUT=/tmp/our-build-$name EXTRA_NVCC="${flags//,/ }" MAX_JOBS=${MAX_JOBS:-14} bash bench/device_run.sh none \
       > "$OUT/build-$name.log" 2>&1
-    echo "variant $name (${flags//,/ }): $(grep -E "build.*rc=" "$OUT/build-$name.log" | tail -1)"
-    VLLM_EXL3_REQUIRE_NATIVE=1 timeout 240 python3 -m pytest -m gpu tests/kernels/gpu/test_moe.py -q -p no:cacheprovider \
-      --timeout 200 > "$OUT/tests_moe_$name.log" 2>&1
-    echo "  MoE tests rc=$?: $(tail -1 "$OUT/tests_moe_$name.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests_moe_$name.log" | head -10
-    timeout 120 python3 bench/moe.py --quick --layers $LAYERS --out "$OUT/moe-quick-$name.json" \
-      > "$OUT/moe-quick-$name.log" 2>&1
-    echo "  moe quick rc=$?:"; grep -E "^(qwen3|glm)" "$OUT/moe-quick-$name.log"
+    echo "variant $name: $(grep -E "build.*rc=" "$OUT/build-$name.log" | tail -1)"
+    OUT=$OUT LAYERS=$LAYERS bash bench/gpu/variants.sh measure "$name" "${flags//,/ }"
   done
   [ -n "${VARIANTS:-}" ] && OUT=/tmp/our-build MAX_JOBS=${MAX_JOBS:-14} bash bench/device_run.sh none > /dev/null 2>&1
 fi

@@ -31,18 +31,6 @@ constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilo
 #ifndef EXL3_MOE_WIDE_STAGES  // the same for 64-row chunks
 #define EXL3_MOE_WIDE_STAGES 2
 #endif
-// Tuning, not yet measured: blocks per SM the register budget must leave room for, 8-row chunks (0: no bound; 6
-// caps them at 40 registers: the 2-, 3- and 4-bit instantiations compile without stack use, wider ones spill).
-// At 8 tokens the gate/up grid is 768 blocks and 5 fit an SM (48 registers; 660 on the H200), so a second, partial
-// wave ran ~17 % of the time with SMs idle (bench/NOTES.md "Fourth run"); 6 would hold the whole grid at once.
-#ifndef EXL3_MOE_MIN_BLOCKS
-#define EXL3_MOE_MIN_BLOCKS 0
-#endif
-#if EXL3_MOE_MIN_BLOCKS > 0
-#define EXL3_MOE_BOUNDS(rows) __launch_bounds__(kMoeThreads, (rows) <= 8 ? EXL3_MOE_MIN_BLOCKS : 1)
-#else
-#define EXL3_MOE_BOUNDS(rows) __launch_bounds__(kMoeThreads)
-#endif
 
 template <int kBits2, int kRows>
 struct MoeGemmTraits {
@@ -74,7 +62,7 @@ struct MoeGemmTraits {
 // halves: two MMAs per tile instead of the four rounding steps of the pairs, which the issue-bound decode cannot
 // afford. (mul1 codewords would need an affine epilogue with row sums; they take the rounded pairs.)
 template <int kBits2, bool kMul1, int kRows>
-__global__ void EXL3_MOE_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs a) {
+__global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
   constexpr bool kDup = !kMul1 && kRows <= 16;
   // The rounded-pair form takes its activation fragments through ldmatrix, four 32-bit fragments per instruction
   // instead of one: Nsight Compute found 64-row chunks waiting on these shared-memory loads, and ldmatrix took the
