@@ -31,6 +31,14 @@ constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilo
 #ifndef EXL3_MOE_WIDE_STAGES  // the same for 64-row chunks
 #define EXL3_MOE_WIDE_STAGES 2
 #endif
+// Tuning (bench VARIANTS): the blocks per SM that 8-row chunks' register budget must allow. The 8-token gate/up
+// grid of the Qwen3 shape is 768 blocks: at 5 per SM (48 registers) that is 1.16 waves, at 6 one. Unset, the
+// compiler's own budget (bench/NOTES.md "Sixth run" has the measurement).
+#ifdef EXL3_MOE_MIN_BLOCKS
+#define EXL3_MOE_LAUNCH_BOUNDS(rows) __launch_bounds__(kMoeThreads, (rows) == 8 ? EXL3_MOE_MIN_BLOCKS : 1)
+#else
+#define EXL3_MOE_LAUNCH_BOUNDS(rows) __launch_bounds__(kMoeThreads)
+#endif
 
 template <int kBits2, int kRows>
 struct MoeGemmTraits {
@@ -62,7 +70,7 @@ struct MoeGemmTraits {
 // halves: two MMAs per tile instead of the four rounding steps of the pairs, which the issue-bound decode cannot
 // afford. (mul1 codewords would need an affine epilogue with row sums; they take the rounded pairs.)
 template <int kBits2, bool kMul1, int kRows>
-__global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
+__global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs a) {
   constexpr bool kDup = !kMul1 && kRows <= 16;
   // The rounded-pair form takes its activation fragments through ldmatrix, four 32-bit fragments per instruction
   // instead of one: Nsight Compute found 64-row chunks waiting on these shared-memory loads, and ldmatrix took the

@@ -14,6 +14,8 @@ lent GPU machine, in as few device calls as its time allows. What it runs is ben
   serve    each [[serve]] of the plan: `vllm serve` on a full-size pack (or vLLM's own GPTQ / fp16 on the same
            shape with dummy weights), then `vllm-exl3 bench` against it
   exlgen   ExLlamaV3's own generator on the 4-bit pack: decode speed at batch 1 and 8
+  exlbuild only start ExLlamaV3's build (in the background, for a later call on this machine; the steps that
+           need ExLlamaV3 start it themselves)
 
     source /tmp/vgpu/device.sh env && python3 bench/gpu/run.py --steps setup,quality --budget 560
 
@@ -339,6 +341,8 @@ class Server:
         self.boot_s: float | None = None
 
     def wait(self, timeout: float) -> bool:
+        if self.boot_s is not None:  # healthy once already: boot_s keeps that first time
+            return self.proc.poll() is None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -634,6 +638,11 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
         started = [start_server(plan, e) for e in group]
         deadline = time.monotonic() + float(plan["server"]["boot-timeout-s"])
         try:
+            # No bench while another server of the group is still booting (its torch.compile and graph capture take
+            # cores and the GPU): each is measured beside idle servers only.
+            for s, _ in started:
+                if s is not None:
+                    s.wait(min(deadline, time.monotonic() + left() - 75) - time.monotonic())
             for i, (s, row) in enumerate(started):
                 if s is not None:
                     others = [o.label for o, _ in started[i + 1:] if o is not None and o.proc.poll() is None]
@@ -654,6 +663,8 @@ def main() -> int:
     ap.add_argument("--steps", default="setup,packs,quality,switch,serve")
     ap.add_argument("--serve", default=None, help="comma-separated [[serve]] labels (default all, in order)")
     ap.add_argument("--budget", type=float, default=BUDGET, help="seconds this call may use")
+    ap.add_argument("--packs", default=None,
+                    help="comma-separated [[pack]] names to write (default: those the chosen [[serve]]s need)")
     ap.add_argument("--kernels", default=None,
                     help="comma-separated: only these kernel profiles (the quality and kernels steps)")
     ap.add_argument("--write-packs", metavar="NAMES", help=argparse.SUPPRESS)
@@ -682,14 +693,17 @@ def main() -> int:
             log("vllm serve cannot start here: " + r.stderr.strip().splitlines()[-1])
         save("native.json", setup_native())
         log(f"native: {json.loads((RESULTS / 'native.json').read_text()).get('check')}")
-    wants_exl = ("kernels" in steps or "exlgen" in steps
+    chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
+    wants_exl = ("kernels" in steps or "exlgen" in steps or "exlbuild" in steps
+                 or ("serve" in steps and any(e.get("env", {}).get("VLLM_EXL3_KERNEL") == "exllamav3" for e in chosen))
                  or ("quality" in steps and "exllamav3" in plan["quality"]["kernels"])
                  or ("switch" in steps and "exllamav3" in plan["quality"]["switch-kernels"]))
     if wants_exl:
         log(f"ExLlamaV3's prebuilt extension: {exl_prebuilt.install(EXL_STAGED, EXL_PREBUILT, exl_versions())}")
         exl_build = start_exl_build()
-    chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
     needed = [e.get("pack") or e["like"] for e in chosen] if {"serve", "packs"} & set(steps) else []
+    if a.packs and "packs" in steps:
+        needed = a.packs.split(",")
     needed = list(dict.fromkeys(needed + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else [])))
     if needed and not all((pack_dir(n) / "done.json").exists() for n in needed):
         writer = start_pack_writer(needed)
