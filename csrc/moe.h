@@ -13,6 +13,9 @@
 // the GPU; the splits' partial sums go to their own fp32 slots, never through float atomics.
 // Every grid is sized from shapes alone (worst case), blocks past the device-side counts exit: no host sync, so
 // the whole sequence captures into a CUDA graph.
+//
+// EXL3_MOE_FUSED_REDUCE=1 (experiment, off by default): step 6 runs inside the down GEMM instead of as its own kernel
+// (MoeFusedReduce), with the same sums in the same order: y is bitwise the same.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +24,10 @@
 #include <cuda_runtime.h>
 
 #include "exl3_kernels.h"
+
+#ifndef EXL3_MOE_FUSED_REDUCE
+#define EXL3_MOE_FUSED_REDUCE 0
+#endif
 
 namespace exl3 {
 
@@ -43,6 +50,9 @@ struct MoeWorkspace {
   size_t gu;     // fp32 [pairs][splits][2][I]    (step 3, read by step 4)
   size_t xh2;    // fp16 [pairs][I]               (step 4, read by step 5): aliases xh13, dead by then
   size_t slots;  // fp32 [pairs][splits][H]       (step 5, read by step 6): aliases xh13 after xh2
+#if EXL3_MOE_FUSED_REDUCE
+  size_t counters;  // int32 [tokens][H / 128]    (cleared by step 2, counted by step 5)
+#endif
   size_t total;
 };
 // pairs = tokens * top_k; chunk_bound = most row chunks any routing of `pairs` pairs over `experts` experts can make.
@@ -55,6 +65,22 @@ MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden
 constexpr int kMoeMaxSplits = 4;
 constexpr int kMoeSplitMaxPairs = 256;
 int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
+
+#if EXL3_MOE_FUSED_REDUCE
+// Step 6 fused into the down GEMM's epilogue (moe_gemm.cuh). counters[token][group] counts the (pair, split) slots of
+// that token's 128 output columns written so far; the block whose slots complete the count (local pairs x splits)
+// sums them as the reduce kernel would and writes y. The gather transform (step 2), which every later step waits
+// for, clears the counters of the chunk's tokens and writes the zero rows of tokens with no local pair, which no
+// GEMM block touches.
+struct MoeFusedReduce {
+  int* counters;           // [tokens][H / 128]
+  const int* pair_expert;  // [pairs]
+  int top_k, hidden;
+  void* y;  // [tokens][hidden], act dtype, row stride y_stride
+  int y_dtype;
+  long long y_stride;
+};
+#endif
 
 // The router's choice: which expert each (token, k) pair goes to, and which experts are this rank's.
 struct MoeIds {
@@ -89,6 +115,9 @@ struct MoeGatherArgs {
   const void* suh;             // fp16 [experts][2][H]
   const float* pair_weight;    // [pairs] or null
   void* xh;                    // fp16 [pairs][2][H]
+#if EXL3_MOE_FUSED_REDUCE
+  MoeFusedReduce fused;
+#endif
 };
 cudaError_t launch_moe_gather_transform(const MoeGatherArgs& a, bool pdl, cudaStream_t stream);
 
@@ -134,6 +163,9 @@ struct MoeGemmArgs {
   float* y;
   long long y_row_stride, y_split_stride;
   const float* pair_weight;  // router weight per pair, or null (1: gate/up, or applied on the input)
+#if EXL3_MOE_FUSED_REDUCE
+  MoeFusedReduce fused;  // the down GEMM's launches only (y = the slots); null counters: no reduction
+#endif
 };
 // The row-chunk size for `pairs` pairs over `experts` experts; the caller routes with the size it launches with.
 int moe_rows_per_chunk(int pairs, int experts);
@@ -141,7 +173,7 @@ int moe_rows_per_chunk(int pairs, int experts);
 cudaError_t moe_prepare(int bits2, int codebook);
 cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, cudaStream_t stream);
 
-// Step 6.
+// Step 6 (not launched with EXL3_MOE_FUSED_REDUCE).
 struct MoeReduceArgs {
   const float* slots;  // [pairs][splits][H]
   int splits;
