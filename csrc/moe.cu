@@ -116,6 +116,36 @@ __device__ __forceinline__ void prepare_fused_reduce(const MoeGatherArgs& a, int
 }
 #endif
 
+#if EXL3_MOE_XDUP
+// store_scaled_fp16 for a kDup GEMM's input (moe.h moe_xdup): the same fp16 values, each in both halves of a word,
+// in the order of the B operands the GEMM's two MMAs per k-tile take (moe_gemm.cuh): per k-tile of 16 and lane
+// quad position c4, x0 = x[2 c4, 2 c4 + 1] and x1 = x[8 + 2 c4, 9 + 2 c4] become {dup(lo x0), dup(lo x1),
+// dup(hi x0), dup(hi x1)}, 16 bytes. Lanes 2t and 2t + 1 of the half-warp hold k-tile t (x[0..7] and x[8..15]):
+// each gives its partner half of its values and writes two of the four groups, 32 bytes at twice the plain
+// offset (`dst`: the plain address of v[0] with the offset doubled). Every lane shuffles; the inactive ones store
+// nothing.
+__device__ __forceinline__ void store_scaled_fp16_dup(const float (&v)[8], __half* dst, int lane, bool active) {
+  uint32_t h[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const __half2 p = __floats2half2_rn(v[2 * e] * kHadScale, v[2 * e + 1] * kHadScale);
+    h[e] = *reinterpret_cast<const uint32_t*>(&p);
+  }
+  const bool upper = lane & 1;  // holds x[8..15]: writes c4 = 2, 3 (the lower lane c4 = 0, 1)
+  uint32_t o[8];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t got = __shfl_xor_sync(0xFFFFFFFFu, upper ? h[j] : h[2 + j], 1);
+    const uint32_t x0 = upper ? got : h[j], x1 = upper ? h[2 + j] : got;
+    o[4 * j] = __byte_perm(x0, 0u, 0x1010), o[4 * j + 1] = __byte_perm(x1, 0u, 0x1010);
+    o[4 * j + 2] = __byte_perm(x0, 0u, 0x3232), o[4 * j + 3] = __byte_perm(x1, 0u, 0x3232);
+  }
+  if (!active) return;
+  reinterpret_cast<uint4*>(dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  reinterpret_cast<uint4*>(dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+#endif
+
 // Reads only what the router wrote before the routing kernel started (x, topk ids): it runs beside the routing
 // kernel (launched behind it with PDL) instead of after it, and one block waits for it at the end so that the
 // GEMM behind this grid sees the routing table too.
@@ -148,6 +178,12 @@ __global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherA
     mul_half8(v, static_cast<const __half*>(a.suh) + (static_cast<long long>(expert) * 2 + proj) * a.hidden_padded + k);
   }
   fwht128_halfwarp(v, lane);
+#if EXL3_MOE_XDUP
+  if (a.dup) {
+    store_scaled_fp16_dup(v, static_cast<__half*>(a.xh) + 2 * ((static_cast<long long>(pair) * 2 + proj) * a.hidden_padded + k), lane, active);
+    return;
+  }
+#endif
   if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + (static_cast<long long>(pair) * 2 + proj) * a.hidden_padded + k);
 }
 
@@ -190,6 +226,12 @@ __global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a)
     mul_half8(v, static_cast<const __half*>(a.suh) + static_cast<long long>(expert) * a.inter_padded + k);
   }
   fwht128_halfwarp(v, lane);
+#if EXL3_MOE_XDUP
+  if (a.dup) {
+    store_scaled_fp16_dup(v, static_cast<__half*>(a.xh) + 2 * (static_cast<long long>(pair) * a.inter_padded + k), lane, active);
+    return;
+  }
+#endif
   if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + static_cast<long long>(pair) * a.inter_padded + k);
 }
 
@@ -285,6 +327,16 @@ MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden
   w.xh2 = big;
   w.slots = big + xh2;
   w.total = big + std::max(xh13, xh2 + slots);
+#if EXL3_MOE_XDUP
+  // The kDup GEMMs' copies in duplicated order (moe_xdup's row sizes), each after its plain copy: a layer of one
+  // codebook writes one of the two, a layer mixing mul1 with 3inst/mcg both.
+  if (rows_per_chunk <= 16) {
+    w.xh13_dup = big + xh13;
+    w.xh2_dup = big + xh2;
+    w.slots = big + 3 * xh2;
+    w.total = big + std::max(3 * xh13, 3 * xh2 + slots);
+  }
+#endif
   return w;
 }
 
@@ -303,6 +355,9 @@ int moe_rows_per_chunk(int pairs, int experts) {
 }
 
 cudaError_t moe_prepare(int bits2, int codebook) {
+#if EXL3_MOE_XDUP
+  moe_xdup_host();  // a reference the library cannot load without (moe.h)
+#endif
   for (int rows : {8, 16, 64}) {
     const MoeGemmKernel k = pick_gemm(bits2, codebook, rows);
     if (!k.fn) return cudaErrorInvalidValue;

@@ -29,6 +29,15 @@
 #define EXL3_MOE_FUSED_REDUCE 0
 #endif
 
+// Experiment, off by default: the activations of the kDup GEMM form (moe_gemm.cuh) in duplicated fragment order.
+// Unlike the kernel-only tuning defines it changes the arg structs and the host sequence (moe_bindings.cpp), so the
+// C++ compiler must see it as well as nvcc: the variant builds pass their flags to nvcc alone (bench/gpu/vgpu ext,
+// bench/device_run.sh EXTRA_NVCC), but both tools/build-kernels and torch's JIT build take the C++ compiler from
+// $CXX, e.g. a wrapper that adds -DEXL3_MOE_XDUP=1. moe_xdup_host below refuses a library built without it.
+#ifndef EXL3_MOE_XDUP
+#define EXL3_MOE_XDUP 0
+#endif
+
 namespace exl3 {
 
 constexpr int kMoeMaxExperts = 1024;  // local experts per layer: the routing kernel keeps one counter per expert
@@ -52,6 +61,10 @@ struct MoeWorkspace {
   size_t slots;  // fp32 [pairs][splits][H]       (step 5, read by step 6): aliases xh13 after xh2
 #if EXL3_MOE_FUSED_REDUCE
   size_t counters;  // int32 [tokens][H / 128]    (cleared by step 2, counted by step 5)
+#endif
+
+#if EXL3_MOE_XDUP
+  size_t xh13_dup, xh2_dup;  // the kDup GEMMs' copies of xh13 and xh2 (2x bytes), each after its plain copy
 #endif
   size_t total;
 };
@@ -80,6 +93,18 @@ struct MoeFusedReduce {
   int y_dtype;
   long long y_stride;
 };
+#endif
+
+#if EXL3_MOE_XDUP
+// The GEMMs that run the kDup form (3inst/mcg codebooks, 8/16-row chunks): their input, written by the transforms
+// with `dup` set, holds each activation row in duplicated fragment order, twice the bytes of the plain row
+// (moe_gemm.cuh says why). The plain layout stays for the others; a layer that mixes mul1 with 3inst/mcg experts
+// gets both copies (MoeWorkspace xh13_dup, xh2_dup).
+constexpr bool moe_xdup(int codebook, int rows) { return codebook != kCbMul1 && rows <= 16; }
+// Defined by moe_bindings.cpp when it is compiled with EXL3_MOE_XDUP, called by moe.cu's moe_prepare: a build whose
+// define reached only the .cu files would pass arg structs of the wrong size; this way its library fails to load
+// (undefined symbol exl3::moe_xdup_host) instead.
+void moe_xdup_host();
 #endif
 
 // The router's choice: which expert each (token, k) pair goes to, and which experts are this rank's.
@@ -118,6 +143,10 @@ struct MoeGatherArgs {
 #if EXL3_MOE_FUSED_REDUCE
   MoeFusedReduce fused;
 #endif
+
+#if EXL3_MOE_XDUP
+  bool dup;  // xh in duplicated fragment order ([pairs][2][2H]) for a kDup GEMM (moe_xdup)
+#endif
 };
 cudaError_t launch_moe_gather_transform(const MoeGatherArgs& a, bool pdl, cudaStream_t stream);
 
@@ -132,6 +161,9 @@ struct MoeActArgs {
   const int* pair_expert;
   const void* suh;  // fp16 [experts][I]
   void* xh;         // fp16 [pairs][I]
+#if EXL3_MOE_XDUP
+  bool dup;  // xh in duplicated fragment order ([pairs][2I]) for a kDup GEMM (moe_xdup)
+#endif
 };
 cudaError_t launch_moe_act_transform(const MoeActArgs& a, bool pdl, cudaStream_t stream);
 

@@ -130,6 +130,19 @@ std::set<Key> distinct_keys(const std::vector<int>& words, const std::vector<int
   return out;
 }
 
+#if EXL3_MOE_XDUP
+// Which layouts of a GEMM's input its keys read: plain, and/or duplicated fragment order (moe.h moe_xdup). Both
+// only where one projection mixes mul1 with 3inst/mcg weights.
+struct XDupInputs {
+  bool plain = false, dup = false;
+};
+XDupInputs xdup_inputs(const std::set<Key>& keys, int rows) {
+  XDupInputs in;
+  for (const Key& key : keys) (exl3::moe_xdup(key.codebook, rows) ? in.dup : in.plain) = true;
+  return in;
+}
+#endif
+
 at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                       const at::Tensor& expert_map, const at::Tensor& w13_trellis, const at::Tensor& w13_suh,
                       const at::Tensor& w13_svh, const at::Tensor& w2_trellis, const at::Tensor& w2_suh,
@@ -257,7 +270,17 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
 #if EXL3_MOE_FUSED_REDUCE
     ga.fused = fused;
 #endif
+#if EXL3_MOE_XDUP
+    const XDupInputs in13 = xdup_inputs(keys13, rows);
+    if (in13.plain) check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
+    if (in13.dup) {
+      ga.xh = at_(L.xh13_dup);
+      ga.dup = true;
+      check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
+    }
+#else
     check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
+#endif
 
     auto gemm = [&](const Slices& s, const std::set<Key>& keys, const at::Tensor& key_tensor, int projs,
                     const at::Tensor& svh, int n, const void* xh, long long xh_row, long long xh_proj, int k,
@@ -279,6 +302,13 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
         a.xh = xh;
         a.xh_row_stride = xh_row;
         a.xh_proj_stride = xh_proj;
+#if EXL3_MOE_XDUP
+        if (exl3::moe_xdup(key.codebook, rows)) {  // the copy in duplicated order: rows twice as wide
+          a.xh = at_(projs == 2 ? L.xh13_dup : L.xh2_dup);
+          a.xh_row_stride *= 2;
+          a.xh_proj_stride *= 2;
+        }
+#endif
         a.kb_count = k / static_cast<int>(kHad);
         a.groups = n / static_cast<int>(kHad);
         a.chunk_expert = chunk_expert;
@@ -314,7 +344,17 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     aa.pair_expert = pair_expert;
     aa.suh = w2_suh.data_ptr();
     aa.xh = at_(L.xh2);
+#if EXL3_MOE_XDUP
+    const XDupInputs in2 = xdup_inputs(keys2, rows);
+    if (in2.plain) check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
+    if (in2.dup) {
+      aa.xh = at_(L.xh2_dup);
+      aa.dup = true;
+      check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
+    }
+#else
     check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
+#endif
 
     float* slots = reinterpret_cast<float*>(at_(L.slots));
     gemm(s2, keys2, w2_keys, 1, w2_svh, static_cast<int>(hp), at_(L.xh2), ip, 0, static_cast<int>(ip), splits2, slots,
@@ -339,6 +379,10 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
 }
 
 }  // namespace
+
+#if EXL3_MOE_XDUP
+void exl3::moe_xdup_host() {}  // moe.h: this file was compiled with the define too
+#endif
 
 TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("native_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor expert_map, Tensor w13_trellis, "

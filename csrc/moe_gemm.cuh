@@ -39,12 +39,30 @@ constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilo
 #else
 #define EXL3_MOE_LAUNCH_BOUNDS(rows) __launch_bounds__(kMoeThreads)
 #endif
+#if EXL3_MOE_XDUP
+// A row in duplicated fragment order (moe.h moe_xdup) is 512 bytes a stage. Lane group g8 reads row g8 of a row group
+// with one 16-byte load, 64 bytes per k-tile for its quad: a pitch of 64 mod 128 bytes puts rows 2i and 2i+1 on
+// complementary halves of the 32 banks, so the 8 rows take the 4 wavefronts a warp's 512 bytes need at least.
+constexpr int kMoeXDupRowBytes = kHadBlock * 4 + 64;
 
+template <int kBits2, int kRows, bool kXDup = false>
+#else
 template <int kBits2, int kRows>
+#endif
 struct MoeGemmTraits {
   using TB = TileBits<kBits2>;
   static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
-  static constexpr int kXBytes = kRows * kMoeXRowBytes;
+#if EXL3_MOE_XDUP
+  // kXDup (the kDup instantiations): the stage's activation rows are twice as wide, so fewer stages fit. At 4 bits
+  // this may cost a resident block per SM (sm_90 by shared memory: 8-row chunks 5 -> 4, 16-row 4 -> 3), which
+  // EXL3_MOE_MAX_STAGES=3 beside it keeps (5 and 4): the measurement runs both.
+  static constexpr int kXRowBytes = kXDup ? kMoeXDupRowBytes : kMoeXRowBytes;  // pitch of an activation row
+  static constexpr int kXRowHalves = (kXDup ? 2 : 1) * kHadBlock;              // fp16 of a row per stage
+#else
+  static constexpr int kXRowBytes = kMoeXRowBytes;
+  static constexpr int kXRowHalves = kHadBlock;
+#endif
+  static constexpr int kXBytes = kRows * kXRowBytes;
   static constexpr int kStageBytes = kTileBytes + kXBytes;
   // Up to kMaxStages stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two. 64-row chunks
   // (prefill) keep two: at 25 KB a stage, a third cost a block per SM (2 -> 3 resident: 747 -> 629 µs per Qwen3
@@ -59,7 +77,8 @@ struct MoeGemmTraits {
   static constexpr int kSmemBytes = (kRingBytes > kZBytes ? kRingBytes : kZBytes) + kRows * 4;
   static constexpr int kTileChunks = kTilesPerHad * kTilesPerHad * TB::kChunks16;
   static constexpr int kTileCopies = (kTileChunks + kMoeThreads - 1) / kMoeThreads;
-  static constexpr int kXChunks = kRows * (kHadBlock * 2 / 16);
+  static constexpr int kXRowChunks = kXRowHalves * 2 / 16;
+  static constexpr int kXChunks = kRows * kXRowChunks;
   static constexpr int kXCopies = (kXChunks + kMoeThreads - 1) / kMoeThreads;
   static_assert(kRows % 8 == 0, "rows come in MMA groups of 8");
   static_assert(kSmemBytes <= 99 * 1024, "shared memory per block (sm_12x)");
@@ -104,6 +123,20 @@ __device__ __forceinline__ void moe_fused_reduce4(const MoeGemmArgs& a, int toke
 // cores as they are, two fp16 halves summing exactly to the weight, against activations duplicated into both
 // halves: two MMAs per tile instead of the four rounding steps of the pairs, which the issue-bound decode cannot
 // afford. (mul1 codewords would need an affine epilogue with row sums; they take the rounded pairs.)
+// EXL3_MOE_XDUP (moe.h): the duplication moves into the transforms, which write the kDup GEMMs' activation rows
+// in the order of the four B operands a lane's two MMAs take per k-tile; the decode is bound by ALU-pipe issue, and
+// this takes four byte permutes and a load per tile and row group off it. The same fp16 values: bit-identical.
+#if EXL3_MOE_XDUP
+// lds32 for 16 bytes (`smem` 16-byte aligned).
+__device__ __forceinline__ uint4 lds128(const void* smem) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
+  return v;
+}
+#endif
+
 template <int kBits2, bool kMul1, int kRows>
 __global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs a) {
   constexpr bool kDup = !kMul1 && kRows <= 16;
@@ -111,7 +144,12 @@ __global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs 
   // instead of one: Nsight Compute found 64-row chunks waiting on these shared-memory loads, and ldmatrix took the
   // Qwen3 layer at 1024 tokens from 625 to 579 µs on the H200 (bench/NOTES.md "Fifth run").
   constexpr bool kLdmatrix = !kDup && kRows % 16 == 0;
+#if EXL3_MOE_XDUP
+  static_assert(kDup == moe_xdup(kMul1 ? kCbMul1 : kCb3Inst, kRows), "the host writes duplicated rows for these");
+  using T = MoeGemmTraits<kBits2, kRows, kDup>;
+#else
   using T = MoeGemmTraits<kBits2, kRows>;
+#endif
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
   int* row_pair = reinterpret_cast<int*>(smem + (T::kRingBytes > T::kZBytes ? T::kRingBytes : T::kZBytes));
@@ -153,10 +191,10 @@ __global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs 
 #pragma unroll
   for (int i = 0; i < T::kXCopies; ++i) {
     const int c = threadIdx.x + i * kMoeThreads;
-    const int row = c / 16, part = c % 16;
+    const int row = c / T::kXRowChunks, part = c % T::kXRowChunks;
     const int pair = c < T::kXChunks ? row_pair[row] : -1;
     x_src[i] = pair >= 0 ? static_cast<const __half*>(a.xh) + pair * a.xh_row_stride + proj * a.xh_proj_stride + part * 8 : nullptr;
-    x_dst[i] = ring + T::kTileBytes + row * kMoeXRowBytes + part * 16;
+    x_dst[i] = ring + T::kTileBytes + row * T::kXRowBytes + part * 16;
   }
   auto issue_tiles = [&](int kb, int slot) {
     if (kb < kb_end) {
@@ -172,7 +210,7 @@ __global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs 
     if (kb < kb_end) {
 #pragma unroll
       for (int i = 0; i < T::kXCopies; ++i)
-        if (x_src[i]) cp_async16(x_dst[i] + slot * T::kStageBytes, x_src[i] + kb * kHadBlock);
+        if (x_src[i]) cp_async16(x_dst[i] + slot * T::kStageBytes, x_src[i] + kb * T::kXRowHalves);
     }
   };
 
@@ -204,7 +242,11 @@ __global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs 
     issue_x(kb + T::kStages - 1, refill);
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
     const unsigned char* st = smem + slot * T::kStageBytes;
+#if EXL3_MOE_XDUP
+    const unsigned char* xs = st + T::kTileBytes + g8 * T::kXRowBytes + (kDup ? 16 : 4) * c4;
+#else
     const unsigned char* xs = st + T::kTileBytes + g8 * kMoeXRowBytes + 4 * c4;
+#endif
 #pragma unroll
     for (int kt = 0; kt < kTilesPerHad; ++kt) {
       const unsigned char* tile = st + (kt * kTilesPerHad + warp) * TB::kBytes;
@@ -219,10 +261,18 @@ __global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs 
       if constexpr (kDup) {
 #pragma unroll
         for (int rg = 0; rg < kRows / 8; ++rg) {
+#if EXL3_MOE_XDUP
+          // The transform stored both MMAs' B operands, already duplicated, side by side (moe.cu
+          // store_scaled_fp16_dup): one 16-byte load instead of two 4-byte loads and four byte permutes.
+          const uint4 b = lds128(xs + rg * 8 * T::kXRowBytes + kt * kTile * 4);
+          mma_16816(acc[rg], cw[0], cw[4], cw[2], cw[6], b.x, b.y);
+          mma_16816(acc[rg], cw[1], cw[5], cw[3], cw[7], b.z, b.w);
+#else
           const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
           const uint32_t x0 = lds32(xr), x1 = lds32(xr + 16);
           mma_16816(acc[rg], cw[0], cw[4], cw[2], cw[6], __byte_perm(x0, 0u, 0x1010), __byte_perm(x1, 0u, 0x1010));
           mma_16816(acc[rg], cw[1], cw[5], cw[3], cw[7], __byte_perm(x0, 0u, 0x3232), __byte_perm(x1, 0u, 0x3232));
+#endif
         }
       } else {
         const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
@@ -311,7 +361,12 @@ struct MoeGemmKernel {
 
 template <int kBits2, bool kMul1, int kRows>
 MoeGemmKernel moe_gemm_kernel_ref() {
+#if EXL3_MOE_XDUP
+  constexpr bool kXDup = moe_xdup(kMul1 ? kCbMul1 : kCb3Inst, kRows);
+  return {reinterpret_cast<const void*>(&moe_gemm_kernel<kBits2, kMul1, kRows>), MoeGemmTraits<kBits2, kRows, kXDup>::kSmemBytes};
+#else
   return {reinterpret_cast<const void*>(&moe_gemm_kernel<kBits2, kMul1, kRows>), MoeGemmTraits<kBits2, kRows>::kSmemBytes};
+#endif
 }
 
 // Per-family lookup (one definition per translation unit); {nullptr, 0} for widths or row sizes not built.
