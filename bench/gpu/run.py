@@ -539,21 +539,41 @@ def kernel_tests(exl_build, profiles: list[str] | None = None) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # full-size serving and the bench
 # ---------------------------------------------------------------------------------------------------------------
+def pack_entry(plan: dict, name: str) -> dict:
+    return next(p for p in plan["pack"] if p["name"] == name)
+
+
+def like_needs_pack(plan: dict, entry: dict) -> bool:
+    """A [[serve]] on vLLM's own weights needs the pack it is `like` written only when that pack's depth depends on
+    the disk (`max-disk-gb`): otherwise its config comes from the shape, with no 16 GB written for a config."""
+    return "like" in entry and "max-disk-gb" in pack_entry(plan, entry["like"])
+
+
 def model_dir(plan: dict, entry: dict) -> tuple[Path, str]:
-    """(the model folder, the load format) of a [[serve]]: a pack, or a config-only copy of one for vLLM's own
-    quantization (GPTQ) or plain weights, with dummy weights."""
+    """(the model folder, the load format) of a [[serve]]: a pack, or a config-only folder like one for vLLM's own
+    quantization (GPTQ) or plain weights, with dummy weights (the written pack's config if it is there, so the
+    depth matches, else the shape's)."""
     if "pack" in entry:
         return pack_dir(entry["pack"]), "exl3_parallel"
     src = pack_dir(entry["like"])
     dst = WORK / "configs" / entry["label"]
     dst.mkdir(parents=True, exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
+    if (src / "done.json").exists():
+        config = json.loads((src / "config.json").read_text())
+        files = {name: (src / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")}
+    else:
+        import packs
+
+        p = pack_entry(plan, entry["like"])
+        shape = packs.SHAPES[p["shape"]]
+        config = packs.config_json(shape, shape.layers, p["bits"], p.get("codebook", "mcg"))
+        files = packs.tokenizer_files(shape.vocab)
     config.pop("quantization_config", None)
     if entry["quantization"] != "none":
         config["quantization_config"] = entry["quantization"]
     (dst / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, dst / name)
+    for name, text in files.items():
+        (dst / name).write_text(text)
     return dst, "dummy"
 
 
@@ -561,7 +581,8 @@ def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
     """Boot one [[serve]] (not waiting for it): its server, and its result row so far."""
     label = entry["label"]
     pack = entry.get("pack") or entry["like"]
-    if not (pack_dir(pack) / "done.json").exists():
+    written = (pack_dir(pack) / "done.json").exists()
+    if not written and ("pack" in entry or like_needs_pack(plan, entry)):
         return None, {"label": label, "ok": False, "error": f"pack {pack} not written (see packs.log)"}
     model, load_format = model_dir(plan, entry)
     srv = plan["server"]
@@ -572,7 +593,8 @@ def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
     env = {**srv.get("env", {}), **entry.get("env", {})}  # the plan's server-wide settings, then the row's own
     s = Server(label, str(model), flags, env, WORK / "cache-serve" / label)
     return s, {"label": label, "model": str(model), "load_format": load_format, "env": env, "argv": s.argv[3:],
-               "pack": json.loads((pack_dir(pack) / "done.json").read_text())}
+               "pack": json.loads((pack_dir(pack) / "done.json").read_text()) if written
+               else {"config_only": True, **pack_entry(plan, pack)}}
 
 
 def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others: list[str]) -> dict:
@@ -630,7 +652,7 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
             continue
         # No boot before this group's packs are written: the writer takes cores and the disk (seen: a boot twice as
         # long). A writer still busy with another group's pack is left to run.
-        packs_needed = {e.get("pack") or e["like"] for e in group}
+        packs_needed = {e.get("pack") or e["like"] for e in group if "pack" in e or like_needs_pack(plan, e)}
         while (writer is not None and writer.running() and left() > 200
                and not all((pack_dir(n) / "done.json").exists() for n in packs_needed)):
             time.sleep(2)
@@ -701,7 +723,8 @@ def main() -> int:
     if wants_exl:
         log(f"ExLlamaV3's prebuilt extension: {exl_prebuilt.install(EXL_STAGED, EXL_PREBUILT, exl_versions())}")
         exl_build = start_exl_build()
-    needed = [e.get("pack") or e["like"] for e in chosen] if {"serve", "packs"} & set(steps) else []
+    needed = ([e.get("pack") or e["like"] for e in chosen if "pack" in e or like_needs_pack(plan, e)]
+              if {"serve", "packs"} & set(steps) else [])
     if a.packs and "packs" in steps:
         needed = a.packs.split(",")
     needed = list(dict.fromkeys(needed + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else [])))
