@@ -91,30 +91,6 @@ __device__ __forceinline__ void store_scaled_fp16(const float (&v)[8], __half* d
   *reinterpret_cast<uint4*>(dst) = o;
 }
 
-#if EXL3_MOE_FUSED_REDUCE
-// The token's part of step 6 that no down-GEMM block can do (moe.h MoeFusedReduce), by the blocks of its first pair:
-// the half-warp of 128-block kb (proj 0's blocks are the down GEMM's column groups) clears the counter of group kb
-// and, when none of the token's pairs is local, writes the group's zeros (the reduce kernel's empty sums, +0).
-// The previous call's counts are complete (the routing kernel, launched without PDL, starts after them) and nothing
-// reads these before this call's down GEMM, which runs after this grid has completed.
-__device__ __forceinline__ void prepare_fused_reduce(const MoeGatherArgs& a, int pair, int expert) {
-  const int kbs = a.hidden_padded / kHadBlock;
-  const int kb = blockIdx.y * kXfBlocks + threadIdx.x / 16, sub = threadIdx.x % 16;
-  if (kb >= kbs) return;
-  const MoeFusedReduce& f = a.fused;
-  const int token = pair / a.top_k;
-  if (sub == 0) f.counters[token * kbs + kb] = 0;
-  bool any = expert >= 0;
-  for (int k = 1; k < a.top_k && !any; ++k) any = local_expert(a.ids, pair + k) >= 0;
-  if (any) return;
-  const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int h = kb * kHadBlock + 8 * sub; h < min(kb * kHadBlock + 8 * sub + 8, a.hidden); h += 4) {
-    const long long i = static_cast<long long>(token) * f.y_stride + h;
-    const bool aligned = ((reinterpret_cast<uintptr_t>(f.y) + i * 2) & 7) == 0;
-    store_act4(f.y, i, zero, f.y_dtype, aligned, 0, min(4, a.hidden - h));
-  }
-}
-#endif
 
 #if EXL3_MOE_XDUP
 // store_scaled_fp16 for a kDup GEMM's input (moe.h moe_xdup): the same fp16 values, each in both halves of a word,
@@ -154,9 +130,6 @@ __global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherA
   const int pair = blockIdx.x;
   const int expert = local_expert(a.ids, pair);
   if (blockIdx.x == 0 && blockIdx.y == 0) griddep_wait();
-#if EXL3_MOE_FUSED_REDUCE
-  if (pair % a.top_k == 0) prepare_fused_reduce(a, pair, expert);
-#endif
   if (expert < 0) return;
   const int lane = threadIdx.x % kWarp, sub = lane % 16;
   const int kbs = a.hidden_padded / kHadBlock;
@@ -314,9 +287,6 @@ MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden
   w.chunk_start = take(chunks * 4);
   w.chunk_count = take(chunks * 4);
   w.num_chunks = take(4);
-#if EXL3_MOE_FUSED_REDUCE
-  w.counters = take(static_cast<size_t>(tokens) * (hidden_padded / kHadBlock) * 4);  // aliases nothing
-#endif
   w.gu = take(pairs * splits13 * 2 * inter_padded * 4);
   // xh13 is dead once the gate/up GEMM has run: xh2 and the slots reuse its bytes (they must not overlap each
   // other: the down GEMM reads one and writes the other).

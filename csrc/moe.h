@@ -13,9 +13,6 @@
 // the GPU; the splits' partial sums go to their own fp32 slots, never through float atomics.
 // Every grid is sized from shapes alone (worst case), blocks past the device-side counts exit: no host sync, so
 // the whole sequence captures into a CUDA graph.
-//
-// EXL3_MOE_FUSED_REDUCE=1 (experiment, off by default): step 6 runs inside the down GEMM instead of as its own kernel
-// (MoeFusedReduce), with the same sums in the same order: y is bitwise the same.
 #pragma once
 
 #include <cstddef>
@@ -25,17 +22,15 @@
 
 #include "exl3_kernels.h"
 
-#ifndef EXL3_MOE_FUSED_REDUCE
-#define EXL3_MOE_FUSED_REDUCE 0
-#endif
 
-// Experiment, off by default: the activations of the kDup GEMM form (moe_gemm.cuh) in duplicated fragment order.
-// Unlike the kernel-only tuning defines it changes the arg structs and the host sequence (moe_bindings.cpp), so the
-// C++ compiler must see it as well as nvcc: the variant builds pass their flags to nvcc alone (bench/gpu/vgpu ext,
-// bench/device_run.sh EXTRA_NVCC), but both tools/build-kernels and torch's JIT build take the C++ compiler from
-// $CXX, e.g. a wrapper that adds -DEXL3_MOE_XDUP=1. moe_xdup_host below refuses a library built without it.
+// The activations of the kDup GEMM form (moe_gemm.cuh) in duplicated fragment order: on by default since it took
+// the Qwen3-30B-A3B layer from 91 to 83 µs at 8 tokens and 196 to 178 at 64 on the H200 (bench/NOTES.md "Sixth
+// run"); 0 builds the earlier form, for A/B runs. Unlike the kernel-only tuning defines it changes the arg structs
+// and the host sequence (moe_bindings.cpp), so the C++ compiler must see it as well as nvcc (bench/gpu/vgpu ext and
+// bench/device_run.sh pass a variant's -D flags to both); moe_xdup_host below refuses a library whose two sides
+// disagree.
 #ifndef EXL3_MOE_XDUP
-#define EXL3_MOE_XDUP 0
+#define EXL3_MOE_XDUP 1
 #endif
 
 namespace exl3 {
@@ -59,9 +54,6 @@ struct MoeWorkspace {
   size_t gu;     // fp32 [pairs][splits][2][I]    (step 3, read by step 4)
   size_t xh2;    // fp16 [pairs][I]               (step 4, read by step 5): aliases xh13, dead by then
   size_t slots;  // fp32 [pairs][splits][H]       (step 5, read by step 6): aliases xh13 after xh2
-#if EXL3_MOE_FUSED_REDUCE
-  size_t counters;  // int32 [tokens][H / 128]    (cleared by step 2, counted by step 5)
-#endif
 
 #if EXL3_MOE_XDUP
   size_t xh13_dup, xh2_dup;  // the kDup GEMMs' copies of xh13 and xh2 (2x bytes), each after its plain copy
@@ -79,21 +71,6 @@ constexpr int kMoeMaxSplits = 4;
 constexpr int kMoeSplitMaxPairs = 256;
 int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 
-#if EXL3_MOE_FUSED_REDUCE
-// Step 6 fused into the down GEMM's epilogue (moe_gemm.cuh). counters[token][group] counts the (pair, split) slots of
-// that token's 128 output columns written so far; the block whose slots complete the count (local pairs x splits)
-// sums them as the reduce kernel would and writes y. The gather transform (step 2), which every later step waits
-// for, clears the counters of the chunk's tokens and writes the zero rows of tokens with no local pair, which no
-// GEMM block touches.
-struct MoeFusedReduce {
-  int* counters;           // [tokens][H / 128]
-  const int* pair_expert;  // [pairs]
-  int top_k, hidden;
-  void* y;  // [tokens][hidden], act dtype, row stride y_stride
-  int y_dtype;
-  long long y_stride;
-};
-#endif
 
 #if EXL3_MOE_XDUP
 // The GEMMs that run the kDup form (3inst/mcg codebooks, 8/16-row chunks): their input, written by the transforms
@@ -140,9 +117,6 @@ struct MoeGatherArgs {
   const void* suh;             // fp16 [experts][2][H]
   const float* pair_weight;    // [pairs] or null
   void* xh;                    // fp16 [pairs][2][H]
-#if EXL3_MOE_FUSED_REDUCE
-  MoeFusedReduce fused;
-#endif
 
 #if EXL3_MOE_XDUP
   bool dup;  // xh in duplicated fragment order ([pairs][2][2H]) for a kDup GEMM (moe_xdup)
@@ -195,9 +169,6 @@ struct MoeGemmArgs {
   float* y;
   long long y_row_stride, y_split_stride;
   const float* pair_weight;  // router weight per pair, or null (1: gate/up, or applied on the input)
-#if EXL3_MOE_FUSED_REDUCE
-  MoeFusedReduce fused;  // the down GEMM's launches only (y = the slots); null counters: no reduction
-#endif
 };
 // The row-chunk size for `pairs` pairs over `experts` experts; the caller routes with the size it launches with.
 int moe_rows_per_chunk(int pairs, int experts);
@@ -205,7 +176,7 @@ int moe_rows_per_chunk(int pairs, int experts);
 cudaError_t moe_prepare(int bits2, int codebook);
 cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, cudaStream_t stream);
 
-// Step 6 (not launched with EXL3_MOE_FUSED_REDUCE).
+// Step 6.
 struct MoeReduceArgs {
   const float* slots;  // [pairs][splits][H]
   int splits;

@@ -234,10 +234,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     int* num_chunks = reinterpret_cast<int*>(at_(L.num_chunks));
     const float* pair_w = weights.data_ptr<float>() + t0 * top_k;
     void* y_chunk = static_cast<char*>(y.data_ptr()) + t0 * y.stride(0) * y.element_size();
-#if EXL3_MOE_FUSED_REDUCE
-    const exl3::MoeFusedReduce fused{reinterpret_cast<int*>(at_(L.counters)), pair_expert, static_cast<int>(top_k),
-                                     static_cast<int>(hidden), y_chunk, xdt, y.stride(0)};
-#endif
 
     exl3::MoeRouteArgs ra{};
     ra.ids.topk_ids = static_cast<const char*>(ids.data_ptr()) + t0 * top_k * ids.element_size();
@@ -267,9 +263,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     ga.suh = w13_suh.data_ptr();
     ga.pair_weight = router_weight_on_input ? pair_w : nullptr;
     ga.xh = at_(L.xh13);
-#if EXL3_MOE_FUSED_REDUCE
-    ga.fused = fused;
-#endif
 #if EXL3_MOE_XDUP
     const XDupInputs in13 = xdup_inputs(keys13, rows);
     if (in13.plain) check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
@@ -323,9 +316,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
         a.y_row_stride = out_row;
         a.y_split_stride = out_split;
         a.pair_weight = out_w;
-#if EXL3_MOE_FUSED_REDUCE
-        if (projs == 1) a.fused = fused;  // the down GEMM reduces; gate/up outputs are read by the act transform
-#endif
         check_cuda(exl3::launch_moe_gemm(a, rows, pdl, stream), what);
       }
     };
@@ -360,7 +350,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     gemm(s2, keys2, w2_keys, 1, w2_svh, static_cast<int>(hp), at_(L.xh2), ip, 0, static_cast<int>(ip), splits2, slots,
          splits2 * hp, hp, router_weight_on_input ? nullptr : pair_w, pdl, "MoE down GEMM");
 
-#if !EXL3_MOE_FUSED_REDUCE
     exl3::MoeReduceArgs rd{};
     rd.slots = slots;
     rd.splits = splits2;
@@ -373,7 +362,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     rd.y_dtype = xdt;
     rd.y_stride = y.stride(0);
     check_cuda(exl3::launch_moe_reduce(rd, pdl, stream), "MoE top-k reduction");
-#endif
   }
   return y;
 }

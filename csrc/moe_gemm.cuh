@@ -31,13 +31,8 @@ constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilo
 #ifndef EXL3_MOE_WIDE_STAGES  // the same for 64-row chunks
 #define EXL3_MOE_WIDE_STAGES 2
 #endif
-// Tuning (bench VARIANTS): the blocks per SM that 8-row chunks' register budget must allow. The 8-token gate/up
-// grid of the Qwen3 shape is 768 blocks: at 5 per SM (48 registers) that is 1.16 waves, at 6 one. Unset, the
-// compiler's own budget (bench/NOTES.md "Sixth run" has the measurement).
-#ifdef EXL3_MOE_MIN_BLOCKS
-#define EXL3_MOE_LAUNCH_BOUNDS(rows) __launch_bounds__(kMoeThreads, (rows) == 8 ? EXL3_MOE_MIN_BLOCKS : 1)
-#else
-#define EXL3_MOE_LAUNCH_BOUNDS(rows) __launch_bounds__(kMoeThreads)
+#ifndef EXL3_MOE_XDUP_STAGES  // the same for the chunks that read duplicated activations (EXL3_MOE_XDUP)
+#define EXL3_MOE_XDUP_STAGES 3
 #endif
 #if EXL3_MOE_XDUP
 // A row in duplicated fragment order (moe.h moe_xdup) is 512 bytes a stage. Lane group g8 reads row g8 of a row group
@@ -53,9 +48,9 @@ struct MoeGemmTraits {
   using TB = TileBits<kBits2>;
   static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
 #if EXL3_MOE_XDUP
-  // kXDup (the kDup instantiations): the stage's activation rows are twice as wide, so fewer stages fit. At 4 bits
-  // this may cost a resident block per SM (sm_90 by shared memory: 8-row chunks 5 -> 4, 16-row 4 -> 3), which
-  // EXL3_MOE_MAX_STAGES=3 beside it keeps (5 and 4): the measurement runs both.
+  // kXDup (the kDup instantiations): the stage's activation rows are twice as wide. With four stages that costs a
+  // resident block per SM at 4 bits (sm_90, by shared memory: 8-row chunks 5 -> 4, 16-row 4 -> 3); three keep
+  // main's counts, and that is the form measured and adopted (bench/NOTES.md "Sixth run").
   static constexpr int kXRowBytes = kXDup ? kMoeXDupRowBytes : kMoeXRowBytes;  // pitch of an activation row
   static constexpr int kXRowHalves = (kXDup ? 2 : 1) * kHadBlock;              // fp16 of a row per stage
 #else
@@ -69,7 +64,12 @@ struct MoeGemmTraits {
   // layer at 1024 tokens on the H200, bench/NOTES.md); decode chunks keep up to four (no gain from fewer). On sm_12x
   // (100 KB of shared memory per SM) one 64-row block fits either way, so there this only shortens the ring: not
   // measured (no GB10 lent).
+#if EXL3_MOE_XDUP
+  static constexpr int kMaxStages =
+      kRows >= 64 ? EXL3_MOE_WIDE_STAGES : kXDup ? EXL3_MOE_XDUP_STAGES : EXL3_MOE_MAX_STAGES;
+#else
   static constexpr int kMaxStages = kRows >= 64 ? EXL3_MOE_WIDE_STAGES : EXL3_MOE_MAX_STAGES;
+#endif
   static constexpr int kStagesFit = 96 * 1024 / kStageBytes;
   static constexpr int kStages = kStagesFit > kMaxStages ? kMaxStages : kStagesFit < 2 ? 2 : kStagesFit;
   static constexpr int kRingBytes = kStages * kStageBytes;
@@ -84,40 +84,6 @@ struct MoeGemmTraits {
   static_assert(kSmemBytes <= 99 * 1024, "shared memory per block (sm_12x)");
 };
 
-#if EXL3_MOE_FUSED_REDUCE
-// y[token] at columns col..col+3 from the token's slots: moe_reduce_kernel's loop, the same adds in the same order
-// (k, then split, zeros for other ranks' pairs and unused splits), kK pairs' loads in flight at once. Small chunks
-// (decode: the last block's sum is the layer's tail) take the reduce kernel's four; 64-row chunks one, as their
-// 16 float4 took the kernel from 80 to ~100 registers (ptxas, sm_90a: 3 -> 2 blocks per SM). __ldcg: the slots
-// come from other blocks, through L2.
-template <int kK>
-__device__ __forceinline__ void moe_fused_reduce4(const MoeGemmArgs& a, int token, int col) {
-  const MoeFusedReduce& f = a.fused;
-  if (col >= f.hidden) return;
-  float v[4] = {0.f, 0.f, 0.f, 0.f};
-  const float* row = a.y + static_cast<long long>(token) * f.top_k * a.y_row_stride + col;
-  for (int k0 = 0; k0 < f.top_k; k0 += kK) {
-    float4 q[kK][kMoeMaxSplits];
-#pragma unroll
-    for (int kk = 0; kk < kK; ++kk) {
-      const int k = k0 + kk;
-      const bool local = k < f.top_k && f.pair_expert[token * f.top_k + k] >= 0;
-#pragma unroll
-      for (int s = 0; s < kMoeMaxSplits; ++s)
-        q[kk][s] = local && s < a.splits
-                       ? __ldcg(reinterpret_cast<const float4*>(row + k * a.y_row_stride + s * a.y_split_stride))
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-      for (int s = 0; s < kMoeMaxSplits; ++s) v[0] += q[kk][s].x, v[1] += q[kk][s].y, v[2] += q[kk][s].z, v[3] += q[kk][s].w;
-  }
-  const long long i = static_cast<long long>(token) * f.y_stride + col;
-  const bool aligned = ((reinterpret_cast<uintptr_t>(f.y) + i * 2) & 7) == 0;
-  store_act4(f.y, i, v, f.y_dtype, aligned, 0, min(4, f.hidden - col));
-}
-#endif
 
 // kDup (3inst/mcg at decode sizes, as the dense skinny kernel does): a tile's codeword registers go to the tensor
 // cores as they are, two fp16 halves summing exactly to the weight, against activations duplicated into both
@@ -138,7 +104,7 @@ __device__ __forceinline__ uint4 lds128(const void* smem) {
 #endif
 
 template <int kBits2, bool kMul1, int kRows>
-__global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs a) {
+__global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
   constexpr bool kDup = !kMul1 && kRows <= 16;
   // The rounded-pair form takes its activation fragments through ldmatrix, four 32-bit fragments per instruction
   // instead of one: Nsight Compute found 64-row chunks waiting on these shared-memory loads, and ldmatrix took the
@@ -330,28 +296,6 @@ __global__ void EXL3_MOE_LAUNCH_BOUNDS(kRows) moe_gemm_kernel(const MoeGemmArgs 
                                static_cast<long long>(proj) * a.n_padded + col) =
         make_float4(v[0] * w, v[1] * w, v[2] * w, v[3] * w);
   }
-#if EXL3_MOE_FUSED_REDUCE
-  if (a.fused.counters) {
-    // One count per row written. Each add is a release (the barrier before it orders the whole block's slot stores
-    // under it) and an acquire (with the barrier after it, the block that completes a count reads every block's
-    // slots of that token and group): the semaphore pattern of stream_k.cuh's split-K hand-over. The block that
-    // completes the count sums the token's columns of this group; row_pair[r] becomes that token, or -1.
-    __syncthreads();
-    if (threadIdx.x < count) {
-      const MoeFusedReduce& f = a.fused;
-      const int token = row_pair[threadIdx.x] / f.top_k;
-      int local = 0;
-      for (int k = 0; k < f.top_k; ++k) local += f.pair_expert[token * f.top_k + k] >= 0;
-      int* counter = f.counters + token * a.groups + group;
-      int old;
-      asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-      row_pair[threadIdx.x] = old + 1 == local * a.splits ? token : -1;
-    }
-    __syncthreads();
-    for (int r = warp; r < count; r += kMoeWarps)
-      if (row_pair[r] >= 0) moe_fused_reduce4<kRows >= 64 ? 1 : 4>(a, row_pair[r], col);
-  }
-#endif
 }
 
 struct MoeGemmKernel {

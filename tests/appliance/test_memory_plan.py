@@ -177,17 +177,18 @@ def test_model_max_len_as_vllm_derives_it():
 
 
 def test_moe_workspace_counts_the_native_backends_shared_buffer():
-    """Qwen3-30B-A3B on one node at the full 1024-token step: 8192 (token, k) pairs, I = 768, H = 2048."""
+    """Qwen3-30B-A3B on one node at the full 1024-token step: 8192 (token, k) pairs, I = 768, H = 2048; each fp16
+    input three times (plain + duplicated fragment order, csrc/moe_workspace_layout)."""
     shape = ModelShape.from_config({"num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
                                     "head_dim": 128, "hidden_size": 2048, "vocab_size": 151936,
                                     "moe_intermediate_size": 768, "num_experts_per_tok": 8}, weight_bytes=1)
     pairs = 8192
-    expected = pairs * 2 * 768 * 4 + max(pairs * 2 * 2048 * 2, pairs * 768 * 2 + pairs * 2048 * 4)
+    expected = pairs * 2 * 768 * 4 + max(3 * pairs * 2 * 2048 * 2, 3 * pairs * 768 * 2 + pairs * 2048 * 4)
     assert shape.moe_workspace_bytes(1, 4096) == expected  # capped at the op's 1024-token chunk
     assert shape.moe_workspace_bytes(1, 512) == expected // 2
     # TP 2 halves the intermediate slice (384, already a multiple of 128); dense models hold none
-    assert shape.moe_workspace_bytes(2, 1024) == pairs * 2 * 384 * 4 + max(pairs * 2 * 2048 * 2,
-                                                                           pairs * 384 * 2 + pairs * 2048 * 4)
+    assert shape.moe_workspace_bytes(2, 1024) == pairs * 2 * 384 * 4 + max(3 * pairs * 2 * 2048 * 2,
+                                                                           3 * pairs * 384 * 2 + pairs * 2048 * 4)
     dense = ModelShape.from_config({"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4}, 1)
     assert dense.moe_workspace_bytes(1, 1024) == 0
 

@@ -172,14 +172,18 @@ class ModelShape:
     def moe_workspace_bytes(self, tp: int, max_num_batched_tokens: int) -> int:
         """The native MoE backend's one workspace per GPU, shared by every MoE layer (csrc/moe.cu,
         moe_workspace_layout): for up to MOE_CHUNK_TOKENS tokens per step, fp32 gate/up outputs, then the larger of
-        the fp16 gate/up inputs and the fp16 down inputs plus fp32 per-(token, k) slots. The experts themselves stay
-        packed: the backend keeps no 16-bit copy."""
+        the fp16 gate/up inputs and the fp16 down inputs plus fp32 per-(token, k) slots. Each fp16 input is held
+        three times over: the plain copy and, for the decode-size GEMMs, a copy in duplicated fragment order at
+        twice the bytes (csrc/moe.h EXL3_MOE_XDUP; a layer mixing codebooks writes both). The experts themselves
+        stay packed: the backend keeps no 16-bit copy."""
         if not (self.moe_intermediate and self.experts_per_token):
             return 0
         pairs = min(max_num_batched_tokens, MOE_CHUNK_TOKENS) * self.experts_per_token
         inter = ceil_to(-(-self.moe_intermediate // tp))
         hidden = ceil_to(self.hidden_size)
-        return pairs * 2 * inter * 4 + max(pairs * 2 * hidden * 2, pairs * inter * 2 + pairs * hidden * 4)
+        copies = 3
+        gate_up_inputs, down_inputs = copies * pairs * 2 * hidden * 2, copies * pairs * inter * 2
+        return pairs * 2 * inter * 4 + max(gate_up_inputs, down_inputs + pairs * hidden * 4)
 
     def activation_bytes(self, tp: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Peak activation estimate of one engine step at the full token budget (vLLM's profiling run)."""
