@@ -1,4 +1,4 @@
-"""ExLlamaV3's extension, built once on a GPU machine, carried to the next sessions' machines.
+"""ExLlamaV3's extension, built once on a GPU machine, carried to later machines from the same working tree.
 
 ExLlamaV3 compiles its extension when it is first imported (529-679 s on the H200 machine's 16 cores beside the
 harness's other work, bench/NOTES.md "Fifth run"), and every lent machine starts bare, so each session paid that
@@ -10,6 +10,9 @@ again before any row that needs ExLlamaV3 could run. Now:
    keeps them in /tmp/vgpu/exl);
 3. on that machine run.py installs the library where ExLlamaV3's own import looks first (a precompiled
    `exllamav3_ext` on the Python path), only if the staged torch and ExLlamaV3 are the versions it was built for.
+
+The parts live in `.vgpu/exl`, which git ignores (they are tens of MB, and every device call carries the tree): a
+fresh clone has none and pays the build once.
 """
 
 from __future__ import annotations

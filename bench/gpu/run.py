@@ -207,7 +207,7 @@ def exl_built() -> bool:
 
 def export_exl_build() -> None:
     """The first build on this machine goes back in $OUT (exl_prebuilt.export), once: `bench/gpu/vgpu exl` then
-    carries it to the next session's machine."""
+    carries it to a later machine from this working tree (exl_prebuilt.py)."""
     library, marker = exl_jit_library(), WORK / "exl-exported"
     if library is None or marker.exists() or (EXL_PREBUILT / f"{exl_prebuilt.NAME}.so").exists():
         return
@@ -218,7 +218,7 @@ def export_exl_build() -> None:
         marker.write_text(str(e))
         return
     marker.write_text("\n".join(map(str, files)))
-    log(f"ExLlamaV3's extension exported for the next session: {', '.join(f.name for f in files)}")
+    log(f"ExLlamaV3's extension exported for a later machine: {', '.join(f.name for f in files)}")
 
 
 def start_exl_build() -> Background | None:
