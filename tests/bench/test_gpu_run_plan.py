@@ -1,0 +1,83 @@
+"""bench/gpu/run.py reads bench/gpu/plan.toml: the bars on vLLM's own weights get their config from the shape (no
+16 GB pack written for a config) unless the pack's depth depends on the disk, and a boot group keeps plan order."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "bench" / "gpu"
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    monkeypatch.setenv("VGPU_RUN_DIR", str(tmp_path / "work"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.syspath_prepend(str(GPU))
+    spec = importlib.util.spec_from_file_location("gpu_run", GPU / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("packs", None)
+
+
+@pytest.fixture
+def plan():
+    return tomllib.loads((GPU / "plan.toml").read_text())
+
+
+def serve_row(plan, label):
+    return next(e for e in plan["serve"] if e["label"] == label)
+
+
+def test_a_fixed_depth_bar_needs_no_pack_written(run, plan):
+    assert not run.like_needs_pack(plan, serve_row(plan, "fp16-vllm"))
+    assert not run.like_needs_pack(plan, serve_row(plan, "gptq-4b-vllm"))
+    # GLM's pack holds as many layers as the disk allows: its GPTQ bar must have the same depth
+    assert run.like_needs_pack(plan, serve_row(plan, "glm-gptq-4b-vllm"))
+    assert not run.like_needs_pack(plan, serve_row(plan, "exl3-4b-native"))  # a pack row, not a bar
+
+
+def test_config_from_the_shape(run, plan):
+    import packs
+
+    folder, load_format = run.model_dir(plan, serve_row(plan, "fp16-vllm"))
+    config = json.loads((folder / "config.json").read_text())
+    shape = packs.SHAPES["qwen3-30b-a3b"]
+    assert load_format == "dummy"
+    assert config["num_hidden_layers"] == shape.layers == 48
+    assert config["hidden_size"] == shape.hidden and config["num_experts"] == shape.experts
+    assert "quantization_config" not in config  # fp16: vLLM's own unquantized MoE
+    assert json.loads((folder / "tokenizer.json").read_text())["model"]["type"] == "WordLevel"
+
+    folder, _ = run.model_dir(plan, serve_row(plan, "gptq-4b-vllm"))
+    gptq = json.loads((folder / "config.json").read_text())
+    assert gptq["quantization_config"] == {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                                           "desc_act": False}
+    assert {k: v for k, v in gptq.items() if k != "quantization_config"} == \
+        {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+def test_a_written_pack_gives_its_own_config(run, plan):
+    """When the pack is there its config wins (a pack of fewer layers than the shape keeps the bar at its depth)."""
+    pack = run.pack_dir("qwen3-30b-a3b-4b")
+    pack.mkdir(parents=True)
+    (pack / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "quantization_config": {"x": 1}}))
+    (pack / "tokenizer.json").write_text("{}")
+    (pack / "tokenizer_config.json").write_text("{}")
+    (pack / "done.json").write_text("{}")
+    folder, _ = run.model_dir(plan, serve_row(plan, "fp16-vllm"))
+    assert json.loads((folder / "config.json").read_text()) == {"num_hidden_layers": 3}
+
+
+def test_boot_groups_keep_plan_order(run, plan):
+    groups = run.boot_groups([serve_row(plan, label) for label in
+                              ("exl3-4b-native", "gptq-4b-vllm", "exl3-2b-exllamav3", "exl3-2b-native")])
+    assert [[e["label"] for e in g] for g in groups] == [["exl3-4b-native", "gptq-4b-vllm", "exl3-2b-native"],
+                                                         ["exl3-2b-exllamav3"]]
