@@ -77,7 +77,7 @@ int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 // with `dup` set, holds each activation row in duplicated fragment order, twice the bytes of the plain row
 // (moe_gemm.cuh says why). The plain layout stays for the others; a layer that mixes mul1 with 3inst/mcg experts
 // gets both copies (MoeWorkspace xh13_dup, xh2_dup).
-constexpr bool moe_xdup(int codebook, int rows) { return codebook != kCbMul1 && rows <= 16; }
+__host__ __device__ constexpr bool moe_xdup(int codebook, int rows) { return codebook != kCbMul1 && rows <= 16; }
 // Defined by moe_bindings.cpp when it is compiled with EXL3_MOE_XDUP, called by moe.cu's moe_prepare: a build whose
 // define reached only the .cu files would pass arg structs of the wrong size; this way its library fails to load
 // (undefined symbol exl3::moe_xdup_host) instead.
