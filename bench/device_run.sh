@@ -50,11 +50,8 @@ from torch.utils.cpp_extension import load
 a = setup.extension_args(os.environ["TORCH_CUDA_ARCH_LIST"])
 d = os.environ["BUILD_DIR"]
 os.makedirs(d, exist_ok=True)
-extra = os.environ["EXTRA_NVCC"].split()
-# a variant's defines reach the C++ side too (some change the host sequence and its arg structs, csrc/moe.h)
-load(name="_C", sources=a["sources"], extra_include_paths=a["include_dirs"],
-     extra_cflags=a["cxx"] + [f for f in extra if f.startswith("-D")],
-     extra_cuda_cflags=a["nvcc"] + extra, extra_ldflags=["-lcublas"], build_directory=d,
+load(name="_C", sources=a["sources"], extra_include_paths=a["include_dirs"], extra_cflags=a["cxx"],
+     extra_cuda_cflags=a["nvcc"] + os.environ["EXTRA_NVCC"].split(), extra_ldflags=["-lcublas"], build_directory=d,
      is_python_module=True, verbose=True)
 shutil.copy(os.path.join(d, "_C.so"), "plugin/vllm_exl3/kernels/_C" + sysconfig.get_config_var("EXT_SUFFIX"))
 PY

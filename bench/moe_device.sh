@@ -6,7 +6,7 @@
 #   quick     bench/moe.py --quick on the Qwen3 and GLM-4.5-Air shapes, 4-bit (the build's table)
 #   variants  for each NAME:FLAGS of VARIANTS (FLAGS: nvcc defines, comma-separated), the library rebuilt with
 #             them, the MoE GPU tests and the same quick table: each variant against the default, in one call
-#             (e.g. VARIANTS="xdup:-DEXL3_MOE_XDUP=1"); the default library is put back at the end
+#             (e.g. VARIANTS="stages4:-DEXL3_MOE_XDUP_STAGES=4"); the default library is put back at the end
 #   ncu       Nsight Compute on the grouped GEMM at each of NCU_TOKENS (occupancy, issue, stalls)
 # STEPS (default tests,profile,quick,ncu); JSON results under $OUT, every log in $OUT/logs.tgz (the device tool
 # returns at most 8 files). EXTRA_NVCC builds a variant for all of it (bench/device_run.sh).

@@ -91,8 +91,6 @@ __device__ __forceinline__ void store_scaled_fp16(const float (&v)[8], __half* d
   *reinterpret_cast<uint4*>(dst) = o;
 }
 
-
-#if EXL3_MOE_XDUP
 // store_scaled_fp16 for a kDup GEMM's input (moe.h moe_xdup): the same fp16 values, each in both halves of a word,
 // in the order of the B operands the GEMM's two MMAs per k-tile take (moe_gemm.cuh): per k-tile of 16 and lane
 // quad position c4, x0 = x[2 c4, 2 c4 + 1] and x1 = x[8 + 2 c4, 9 + 2 c4] become {dup(lo x0), dup(lo x1),
@@ -120,7 +118,6 @@ __device__ __forceinline__ void store_scaled_fp16_dup(const float (&v)[8], __hal
   reinterpret_cast<uint4*>(dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
   reinterpret_cast<uint4*>(dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
-#endif
 
 // Reads only what the router wrote before the routing kernel started (x, topk ids): it runs beside the routing
 // kernel (launched behind it with PDL) instead of after it, and one block waits for it at the end so that the
@@ -151,12 +148,10 @@ __global__ void __launch_bounds__(kXfThreads) moe_gather_kernel(const MoeGatherA
     mul_half8(v, static_cast<const __half*>(a.suh) + (static_cast<long long>(expert) * 2 + proj) * a.hidden_padded + k);
   }
   fwht128_halfwarp(v, lane);
-#if EXL3_MOE_XDUP
   if (a.dup) {
     store_scaled_fp16_dup(v, static_cast<__half*>(a.xh) + 2 * ((static_cast<long long>(pair) * 2 + proj) * a.hidden_padded + k), lane, active);
     return;
   }
-#endif
   if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + (static_cast<long long>(pair) * 2 + proj) * a.hidden_padded + k);
 }
 
@@ -199,12 +194,10 @@ __global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a)
     mul_half8(v, static_cast<const __half*>(a.suh) + static_cast<long long>(expert) * a.inter_padded + k);
   }
   fwht128_halfwarp(v, lane);
-#if EXL3_MOE_XDUP
   if (a.dup) {
     store_scaled_fp16_dup(v, static_cast<__half*>(a.xh) + 2 * (static_cast<long long>(pair) * a.inter_padded + k), lane, active);
     return;
   }
-#endif
   if (active) store_scaled_fp16(v, static_cast<__half*>(a.xh) + static_cast<long long>(pair) * a.inter_padded + k);
 }
 
@@ -297,7 +290,6 @@ MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden
   w.xh2 = big;
   w.slots = big + xh2;
   w.total = big + std::max(xh13, xh2 + slots);
-#if EXL3_MOE_XDUP
   // The kDup GEMMs' copies in duplicated order (moe_xdup's row sizes), each after its plain copy: a layer of one
   // codebook writes one of the two, a layer mixing mul1 with 3inst/mcg both.
   if (rows_per_chunk <= 16) {
@@ -306,7 +298,6 @@ MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden
     w.slots = big + 3 * xh2;
     w.total = big + std::max(3 * xh13, 3 * xh2 + slots);
   }
-#endif
   return w;
 }
 
@@ -325,9 +316,6 @@ int moe_rows_per_chunk(int pairs, int experts) {
 }
 
 cudaError_t moe_prepare(int bits2, int codebook) {
-#if EXL3_MOE_XDUP
-  moe_xdup_host();  // a reference the library cannot load without (moe.h)
-#endif
   for (int rows : {8, 16, 64}) {
     const MoeGemmKernel k = pick_gemm(bits2, codebook, rows);
     if (!k.fn) return cudaErrorInvalidValue;

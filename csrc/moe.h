@@ -22,17 +22,6 @@
 
 #include "exl3_kernels.h"
 
-
-// The activations of the kDup GEMM form (moe_gemm.cuh) in duplicated fragment order: on by default since it took
-// the Qwen3-30B-A3B layer from 91 to 83 µs at 8 tokens and 196 to 178 at 64 on the H200 (bench/NOTES.md "Sixth
-// run"); 0 builds the earlier form, for A/B runs. Unlike the kernel-only tuning defines it changes the arg structs
-// and the host sequence (moe_bindings.cpp), so the C++ compiler must see it as well as nvcc (bench/gpu/vgpu ext and
-// bench/device_run.sh pass a variant's -D flags to both); moe_xdup_host below refuses a library whose two sides
-// disagree.
-#ifndef EXL3_MOE_XDUP
-#define EXL3_MOE_XDUP 1
-#endif
-
 namespace exl3 {
 
 constexpr int kMoeMaxExperts = 1024;  // local experts per layer: the routing kernel keeps one counter per expert
@@ -54,10 +43,7 @@ struct MoeWorkspace {
   size_t gu;     // fp32 [pairs][splits][2][I]    (step 3, read by step 4)
   size_t xh2;    // fp16 [pairs][I]               (step 4, read by step 5): aliases xh13, dead by then
   size_t slots;  // fp32 [pairs][splits][H]       (step 5, read by step 6): aliases xh13 after xh2
-
-#if EXL3_MOE_XDUP
   size_t xh13_dup, xh2_dup;  // the kDup GEMMs' copies of xh13 and xh2 (2x bytes), each after its plain copy
-#endif
   size_t total;
 };
 // pairs = tokens * top_k; chunk_bound = most row chunks any routing of `pairs` pairs over `experts` experts can make.
@@ -71,18 +57,12 @@ constexpr int kMoeMaxSplits = 4;
 constexpr int kMoeSplitMaxPairs = 256;
 int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 
-
-#if EXL3_MOE_XDUP
 // The GEMMs that run the kDup form (3inst/mcg codebooks, 8/16-row chunks): their input, written by the transforms
 // with `dup` set, holds each activation row in duplicated fragment order, twice the bytes of the plain row
-// (moe_gemm.cuh says why). The plain layout stays for the others; a layer that mixes mul1 with 3inst/mcg experts
-// gets both copies (MoeWorkspace xh13_dup, xh2_dup).
+// (moe_gemm.cuh says why; it took the Qwen3-30B-A3B layer from 91 to 83 µs at 8 tokens and 196 to 178 at 64 on the
+// H200, bench/NOTES.md "Sixth run"). The plain layout stays for the others; a layer that mixes mul1 with 3inst/mcg
+// experts gets both copies (MoeWorkspace xh13_dup, xh2_dup).
 __host__ __device__ constexpr bool moe_xdup(int codebook, int rows) { return codebook != kCbMul1 && rows <= 16; }
-// Defined by moe_bindings.cpp when it is compiled with EXL3_MOE_XDUP, called by moe.cu's moe_prepare: a build whose
-// define reached only the .cu files would pass arg structs of the wrong size; this way its library fails to load
-// (undefined symbol exl3::moe_xdup_host) instead.
-void moe_xdup_host();
-#endif
 
 // The router's choice: which expert each (token, k) pair goes to, and which experts are this rank's.
 struct MoeIds {
@@ -117,10 +97,7 @@ struct MoeGatherArgs {
   const void* suh;             // fp16 [experts][2][H]
   const float* pair_weight;    // [pairs] or null
   void* xh;                    // fp16 [pairs][2][H]
-
-#if EXL3_MOE_XDUP
   bool dup;  // xh in duplicated fragment order ([pairs][2][2H]) for a kDup GEMM (moe_xdup)
-#endif
 };
 cudaError_t launch_moe_gather_transform(const MoeGatherArgs& a, bool pdl, cudaStream_t stream);
 
@@ -135,9 +112,7 @@ struct MoeActArgs {
   const int* pair_expert;
   const void* suh;  // fp16 [experts][I]
   void* xh;         // fp16 [pairs][I]
-#if EXL3_MOE_XDUP
   bool dup;  // xh in duplicated fragment order ([pairs][2I]) for a kDup GEMM (moe_xdup)
-#endif
 };
 cudaError_t launch_moe_act_transform(const MoeActArgs& a, bool pdl, cudaStream_t stream);
 

@@ -130,18 +130,20 @@ std::set<Key> distinct_keys(const std::vector<int>& words, const std::vector<int
   return out;
 }
 
-#if EXL3_MOE_XDUP
-// Which layouts of a GEMM's input its keys read: plain, and/or duplicated fragment order (moe.h moe_xdup). Both
-// only where one projection mixes mul1 with 3inst/mcg weights.
-struct XDupInputs {
+// An input transform, once per layout its projection's GEMMs read (moe.h moe_xdup): plain into args.xh, duplicated
+// fragment order into dup_xh; both only where one projection mixes mul1 with 3inst/mcg weights.
+template <typename Args, typename Launch>
+void transform_inputs(Args args, Launch launch, void* dup_xh, const std::set<Key>& keys, int rows, bool pdl,
+                      cudaStream_t stream, const char* what) {
   bool plain = false, dup = false;
-};
-XDupInputs xdup_inputs(const std::set<Key>& keys, int rows) {
-  XDupInputs in;
-  for (const Key& key : keys) (exl3::moe_xdup(key.codebook, rows) ? in.dup : in.plain) = true;
-  return in;
+  for (const Key& key : keys) (exl3::moe_xdup(key.codebook, rows) ? dup : plain) = true;
+  if (plain) check_cuda(launch(args, pdl, stream), what);
+  if (dup) {
+    args.xh = dup_xh;
+    args.dup = true;
+    check_cuda(launch(args, pdl, stream), what);
+  }
 }
-#endif
 
 at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                       const at::Tensor& expert_map, const at::Tensor& w13_trellis, const at::Tensor& w13_suh,
@@ -233,7 +235,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     int* chunk_count = reinterpret_cast<int*>(at_(L.chunk_count));
     int* num_chunks = reinterpret_cast<int*>(at_(L.num_chunks));
     const float* pair_w = weights.data_ptr<float>() + t0 * top_k;
-    void* y_chunk = static_cast<char*>(y.data_ptr()) + t0 * y.stride(0) * y.element_size();
 
     exl3::MoeRouteArgs ra{};
     ra.ids.topk_ids = static_cast<const char*>(ids.data_ptr()) + t0 * top_k * ids.element_size();
@@ -263,17 +264,8 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     ga.suh = w13_suh.data_ptr();
     ga.pair_weight = router_weight_on_input ? pair_w : nullptr;
     ga.xh = at_(L.xh13);
-#if EXL3_MOE_XDUP
-    const XDupInputs in13 = xdup_inputs(keys13, rows);
-    if (in13.plain) check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
-    if (in13.dup) {
-      ga.xh = at_(L.xh13_dup);
-      ga.dup = true;
-      check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
-    }
-#else
-    check_cuda(exl3::launch_moe_gather_transform(ga, pdl, stream), "MoE gate/up input transform");
-#endif
+    transform_inputs(ga, exl3::launch_moe_gather_transform, at_(L.xh13_dup), keys13, rows, pdl, stream,
+                     "MoE gate/up input transform");
 
     auto gemm = [&](const Slices& s, const std::set<Key>& keys, const at::Tensor& key_tensor, int projs,
                     const at::Tensor& svh, int n, const void* xh, long long xh_row, long long xh_proj, int k,
@@ -295,13 +287,11 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
         a.xh = xh;
         a.xh_row_stride = xh_row;
         a.xh_proj_stride = xh_proj;
-#if EXL3_MOE_XDUP
         if (exl3::moe_xdup(key.codebook, rows)) {  // the copy in duplicated order: rows twice as wide
           a.xh = at_(projs == 2 ? L.xh13_dup : L.xh2_dup);
           a.xh_row_stride *= 2;
           a.xh_proj_stride *= 2;
         }
-#endif
         a.kb_count = k / static_cast<int>(kHad);
         a.groups = n / static_cast<int>(kHad);
         a.chunk_expert = chunk_expert;
@@ -334,17 +324,8 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     aa.pair_expert = pair_expert;
     aa.suh = w2_suh.data_ptr();
     aa.xh = at_(L.xh2);
-#if EXL3_MOE_XDUP
-    const XDupInputs in2 = xdup_inputs(keys2, rows);
-    if (in2.plain) check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
-    if (in2.dup) {
-      aa.xh = at_(L.xh2_dup);
-      aa.dup = true;
-      check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
-    }
-#else
-    check_cuda(exl3::launch_moe_act_transform(aa, pdl, stream), "MoE down input transform");
-#endif
+    transform_inputs(aa, exl3::launch_moe_act_transform, at_(L.xh2_dup), keys2, rows, pdl, stream,
+                     "MoE down input transform");
 
     float* slots = reinterpret_cast<float*>(at_(L.slots));
     gemm(s2, keys2, w2_keys, 1, w2_svh, static_cast<int>(hp), at_(L.xh2), ip, 0, static_cast<int>(ip), splits2, slots,
@@ -358,7 +339,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     rd.tokens = tc;
     rd.top_k = static_cast<int>(top_k);
     rd.pair_expert = pair_expert;
-    rd.y = y_chunk;
+    rd.y = static_cast<char*>(y.data_ptr()) + t0 * y.stride(0) * y.element_size();
     rd.y_dtype = xdt;
     rd.y_stride = y.stride(0);
     check_cuda(exl3::launch_moe_reduce(rd, pdl, stream), "MoE top-k reduction");
@@ -367,10 +348,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
 }
 
 }  // namespace
-
-#if EXL3_MOE_XDUP
-void exl3::moe_xdup_host() {}  // moe.h: this file was compiled with the define too
-#endif
 
 TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("native_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor expert_map, Tensor w13_trellis, "

@@ -31,32 +31,23 @@ constexpr int kMoeZStride = kHadBlock + 4;        // floats per row of the epilo
 #ifndef EXL3_MOE_WIDE_STAGES  // the same for 64-row chunks
 #define EXL3_MOE_WIDE_STAGES 2
 #endif
-#ifndef EXL3_MOE_XDUP_STAGES  // the same for the chunks that read duplicated activations (EXL3_MOE_XDUP)
+#ifndef EXL3_MOE_XDUP_STAGES  // the same for the chunks that read duplicated activations (moe.h moe_xdup)
 #define EXL3_MOE_XDUP_STAGES 3
 #endif
-#if EXL3_MOE_XDUP
 // A row in duplicated fragment order (moe.h moe_xdup) is 512 bytes a stage. Lane group g8 reads row g8 of a row group
 // with one 16-byte load, 64 bytes per k-tile for its quad: a pitch of 64 mod 128 bytes puts rows 2i and 2i+1 on
 // complementary halves of the 32 banks, so the 8 rows take the 4 wavefronts a warp's 512 bytes need at least.
 constexpr int kMoeXDupRowBytes = kHadBlock * 4 + 64;
 
 template <int kBits2, int kRows, bool kXDup = false>
-#else
-template <int kBits2, int kRows>
-#endif
 struct MoeGemmTraits {
   using TB = TileBits<kBits2>;
   static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
-#if EXL3_MOE_XDUP
   // kXDup (the kDup instantiations): the stage's activation rows are twice as wide. With four stages that costs a
   // resident block per SM at 4 bits (sm_90, by shared memory: 8-row chunks 5 -> 4, 16-row 4 -> 3); three keep
   // main's counts, and that is the form measured and adopted (bench/NOTES.md "Sixth run").
   static constexpr int kXRowBytes = kXDup ? kMoeXDupRowBytes : kMoeXRowBytes;  // pitch of an activation row
   static constexpr int kXRowHalves = (kXDup ? 2 : 1) * kHadBlock;              // fp16 of a row per stage
-#else
-  static constexpr int kXRowBytes = kMoeXRowBytes;
-  static constexpr int kXRowHalves = kHadBlock;
-#endif
   static constexpr int kXBytes = kRows * kXRowBytes;
   static constexpr int kStageBytes = kTileBytes + kXBytes;
   // Up to kMaxStages stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two. 64-row chunks
@@ -64,12 +55,8 @@ struct MoeGemmTraits {
   // layer at 1024 tokens on the H200, bench/NOTES.md); decode chunks keep up to four (no gain from fewer). On sm_12x
   // (100 KB of shared memory per SM) one 64-row block fits either way, so there this only shortens the ring: not
   // measured (no GB10 lent).
-#if EXL3_MOE_XDUP
   static constexpr int kMaxStages =
       kRows >= 64 ? EXL3_MOE_WIDE_STAGES : kXDup ? EXL3_MOE_XDUP_STAGES : EXL3_MOE_MAX_STAGES;
-#else
-  static constexpr int kMaxStages = kRows >= 64 ? EXL3_MOE_WIDE_STAGES : EXL3_MOE_MAX_STAGES;
-#endif
   static constexpr int kStagesFit = 96 * 1024 / kStageBytes;
   static constexpr int kStages = kStagesFit > kMaxStages ? kMaxStages : kStagesFit < 2 ? 2 : kStagesFit;
   static constexpr int kRingBytes = kStages * kStageBytes;
@@ -84,15 +71,13 @@ struct MoeGemmTraits {
   static_assert(kSmemBytes <= 99 * 1024, "shared memory per block (sm_12x)");
 };
 
-
 // kDup (3inst/mcg at decode sizes, as the dense skinny kernel does): a tile's codeword registers go to the tensor
 // cores as they are, two fp16 halves summing exactly to the weight, against activations duplicated into both
 // halves: two MMAs per tile instead of the four rounding steps of the pairs, which the issue-bound decode cannot
 // afford. (mul1 codewords would need an affine epilogue with row sums; they take the rounded pairs.)
-// EXL3_MOE_XDUP (moe.h): the duplication moves into the transforms, which write the kDup GEMMs' activation rows
+// The duplication is done by the transforms (moe.h moe_xdup), which write the kDup GEMMs' activation rows
 // in the order of the four B operands a lane's two MMAs take per k-tile; the decode is bound by ALU-pipe issue, and
 // this takes four byte permutes and a load per tile and row group off it. The same fp16 values: bit-identical.
-#if EXL3_MOE_XDUP
 // lds32 for 16 bytes (`smem` 16-byte aligned).
 __device__ __forceinline__ uint4 lds128(const void* smem) {
   uint4 v;
@@ -101,7 +86,6 @@ __device__ __forceinline__ uint4 lds128(const void* smem) {
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
   return v;
 }
-#endif
 
 template <int kBits2, bool kMul1, int kRows>
 __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs a) {
@@ -110,12 +94,8 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
   // instead of one: Nsight Compute found 64-row chunks waiting on these shared-memory loads, and ldmatrix took the
   // Qwen3 layer at 1024 tokens from 625 to 579 µs on the H200 (bench/NOTES.md "Fifth run").
   constexpr bool kLdmatrix = !kDup && kRows % 16 == 0;
-#if EXL3_MOE_XDUP
   static_assert(kDup == moe_xdup(kMul1 ? kCbMul1 : kCb3Inst, kRows), "the host writes duplicated rows for these");
   using T = MoeGemmTraits<kBits2, kRows, kDup>;
-#else
-  using T = MoeGemmTraits<kBits2, kRows>;
-#endif
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
   int* row_pair = reinterpret_cast<int*>(smem + (T::kRingBytes > T::kZBytes ? T::kRingBytes : T::kZBytes));
@@ -208,11 +188,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
     issue_x(kb + T::kStages - 1, refill);
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
     const unsigned char* st = smem + slot * T::kStageBytes;
-#if EXL3_MOE_XDUP
     const unsigned char* xs = st + T::kTileBytes + g8 * T::kXRowBytes + (kDup ? 16 : 4) * c4;
-#else
-    const unsigned char* xs = st + T::kTileBytes + g8 * kMoeXRowBytes + 4 * c4;
-#endif
 #pragma unroll
     for (int kt = 0; kt < kTilesPerHad; ++kt) {
       const unsigned char* tile = st + (kt * kTilesPerHad + warp) * TB::kBytes;
@@ -227,18 +203,11 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
       if constexpr (kDup) {
 #pragma unroll
         for (int rg = 0; rg < kRows / 8; ++rg) {
-#if EXL3_MOE_XDUP
           // The transform stored both MMAs' B operands, already duplicated, side by side (moe.cu
           // store_scaled_fp16_dup): one 16-byte load instead of two 4-byte loads and four byte permutes.
           const uint4 b = lds128(xs + rg * 8 * T::kXRowBytes + kt * kTile * 4);
           mma_16816(acc[rg], cw[0], cw[4], cw[2], cw[6], b.x, b.y);
           mma_16816(acc[rg], cw[1], cw[5], cw[3], cw[7], b.z, b.w);
-#else
-          const unsigned char* xr = xs + rg * 8 * kMoeXRowBytes + kt * kTile * 2;
-          const uint32_t x0 = lds32(xr), x1 = lds32(xr + 16);
-          mma_16816(acc[rg], cw[0], cw[4], cw[2], cw[6], __byte_perm(x0, 0u, 0x1010), __byte_perm(x1, 0u, 0x1010));
-          mma_16816(acc[rg], cw[1], cw[5], cw[3], cw[7], __byte_perm(x0, 0u, 0x3232), __byte_perm(x1, 0u, 0x3232));
-#endif
         }
       } else {
         const uint32_t a0 = rounded_pair<kMul1>(cw[0], cw[1]), a1 = rounded_pair<kMul1>(cw[4], cw[5]);
@@ -305,12 +274,8 @@ struct MoeGemmKernel {
 
 template <int kBits2, bool kMul1, int kRows>
 MoeGemmKernel moe_gemm_kernel_ref() {
-#if EXL3_MOE_XDUP
   constexpr bool kXDup = moe_xdup(kMul1 ? kCbMul1 : kCb3Inst, kRows);
   return {reinterpret_cast<const void*>(&moe_gemm_kernel<kBits2, kMul1, kRows>), MoeGemmTraits<kBits2, kRows, kXDup>::kSmemBytes};
-#else
-  return {reinterpret_cast<const void*>(&moe_gemm_kernel<kBits2, kMul1, kRows>), MoeGemmTraits<kBits2, kRows>::kSmemBytes};
-#endif
 }
 
 // Per-family lookup (one definition per translation unit); {nullptr, 0} for widths or row sizes not built.

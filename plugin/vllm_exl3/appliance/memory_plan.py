@@ -174,7 +174,7 @@ class ModelShape:
         moe_workspace_layout): for up to MOE_CHUNK_TOKENS tokens per step, fp32 gate/up outputs, then the larger of
         the fp16 gate/up inputs and the fp16 down inputs plus fp32 per-(token, k) slots. Each fp16 input is held
         three times over: the plain copy and, for the decode-size GEMMs, a copy in duplicated fragment order at
-        twice the bytes (csrc/moe.h EXL3_MOE_XDUP; a layer mixing codebooks writes both). The experts themselves
+        twice the bytes (csrc/moe.h moe_xdup; a layer mixing codebooks writes both). The experts themselves
         stay packed: the backend keeps no 16-bit copy."""
         if not (self.moe_intermediate and self.experts_per_token):
             return 0
