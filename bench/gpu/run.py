@@ -543,10 +543,13 @@ def pack_entry(plan: dict, name: str) -> dict:
     return next(p for p in plan["pack"] if p["name"] == name)
 
 
-def like_needs_pack(plan: dict, entry: dict) -> bool:
-    """A [[serve]] on vLLM's own weights needs the pack it is `like` written only when that pack's depth depends on
-    the disk (`max-disk-gb`): otherwise its config comes from the shape, with no 16 GB written for a config."""
-    return "like" in entry and "max-disk-gb" in pack_entry(plan, entry["like"])
+def pack_needed(plan: dict, entry: dict) -> str | None:
+    """The pack that must be written before a [[serve]] boots: its own, or, for one on vLLM's own weights, the pack
+    it is `like` only when that pack's depth depends on the disk (`max-disk-gb`); otherwise its config comes from
+    the shape, with no 16 GB written for a config."""
+    if "pack" in entry:
+        return entry["pack"]
+    return entry["like"] if "max-disk-gb" in pack_entry(plan, entry["like"]) else None
 
 
 def model_dir(plan: dict, entry: dict) -> tuple[Path, str]:
@@ -582,7 +585,7 @@ def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
     label = entry["label"]
     pack = entry.get("pack") or entry["like"]
     written = (pack_dir(pack) / "done.json").exists()
-    if not written and ("pack" in entry or like_needs_pack(plan, entry)):
+    if not written and pack_needed(plan, entry):
         return None, {"label": label, "ok": False, "error": f"pack {pack} not written (see packs.log)"}
     model, load_format = model_dir(plan, entry)
     srv = plan["server"]
@@ -597,19 +600,24 @@ def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
                else {"config_only": True, **pack_entry(plan, pack)}}
 
 
+def boot_wait_s(deadline: float) -> float:
+    """How long a boot may still take: until its deadline, and at most until 75 s before the call's end (the bench's
+    phases are short; its timeout bounds it)."""
+    return min(deadline, time.monotonic() + left() - 75) - time.monotonic()
+
+
 def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others: list[str]) -> dict:
     """Wait for a booted server, run `vllm-exl3 bench` against it, stop it. `others`: servers of its boot group
     still holding GPU memory, idle, while this one is measured (stated in the row)."""
     label = s.label
     try:
-        if left() < 90:
-            row.update(ok=False, error="skipped: not enough of the call left")
-            return row
-        # The boot may take until 75 s before the call's end (the bench's phases are short; its timeout bounds it).
-        if not s.wait(min(boot_deadline, time.monotonic() + left() - 75) - time.monotonic()):
+        if not s.wait(boot_wait_s(boot_deadline)):
             row.update(ok=False, error="not healthy" if s.proc.poll() is not None or left() > 80
                        else "not healthy before the call's end", log_tail=s.tail(),
                        memory=s.lines("Model loading took", "KV cache", "CUDA graph", "torch.compile", "Available"))
+            return row
+        if left() < 90:
+            row.update(ok=False, boot_s=s.boot_s, error="healthy, but not enough of the call left for the bench")
             return row
         row.update(boot_s=s.boot_s, idle_servers_beside=others, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "),
                    memory=s.lines("Model loading took", "KV cache", "CUDA graph", "torch.compile", "Available"))
@@ -652,7 +660,7 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
             continue
         # No boot before this group's packs are written: the writer takes cores and the disk (seen: a boot twice as
         # long). A writer still busy with another group's pack is left to run.
-        packs_needed = {e.get("pack") or e["like"] for e in group if "pack" in e or like_needs_pack(plan, e)}
+        packs_needed = {n for e in group if (n := pack_needed(plan, e))}
         while (writer is not None and writer.running() and left() > 200
                and not all((pack_dir(n) / "done.json").exists() for n in packs_needed)):
             time.sleep(2)
@@ -664,7 +672,7 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
             # cores and the GPU): each is measured beside idle servers only.
             for s, _ in started:
                 if s is not None:
-                    s.wait(min(deadline, time.monotonic() + left() - 75) - time.monotonic())
+                    s.wait(boot_wait_s(deadline))
             for i, (s, row) in enumerate(started):
                 if s is not None:
                     others = [o.label for o, _ in started[i + 1:] if o is not None and o.proc.poll() is None]
@@ -723,8 +731,7 @@ def main() -> int:
     if wants_exl:
         log(f"ExLlamaV3's prebuilt extension: {exl_prebuilt.install(EXL_STAGED, EXL_PREBUILT, exl_versions())}")
         exl_build = start_exl_build()
-    needed = ([e.get("pack") or e["like"] for e in chosen if "pack" in e or like_needs_pack(plan, e)]
-              if {"serve", "packs"} & set(steps) else [])
+    needed = [n for e in chosen if (n := pack_needed(plan, e))] if {"serve", "packs"} & set(steps) else []
     if a.packs and "packs" in steps:
         needed = a.packs.split(",")
     needed = list(dict.fromkeys(needed + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else [])))

@@ -37,11 +37,11 @@ def serve_row(plan, label):
 
 
 def test_a_fixed_depth_bar_needs_no_pack_written(run, plan):
-    assert not run.like_needs_pack(plan, serve_row(plan, "fp16-vllm"))
-    assert not run.like_needs_pack(plan, serve_row(plan, "gptq-4b-vllm"))
+    assert run.pack_needed(plan, serve_row(plan, "fp16-vllm")) is None
+    assert run.pack_needed(plan, serve_row(plan, "gptq-4b-vllm")) is None
     # GLM's pack holds as many layers as the disk allows: its GPTQ bar must have the same depth
-    assert run.like_needs_pack(plan, serve_row(plan, "glm-gptq-4b-vllm"))
-    assert not run.like_needs_pack(plan, serve_row(plan, "exl3-4b-native"))  # a pack row, not a bar
+    assert run.pack_needed(plan, serve_row(plan, "glm-gptq-4b-vllm")) == "glm-4.5-air-4b"
+    assert run.pack_needed(plan, serve_row(plan, "exl3-4b-native")) == "qwen3-30b-a3b-4b"  # its own pack
 
 
 def test_config_from_the_shape(run, plan):
