@@ -5,12 +5,12 @@ committed H200 result files it names.
 Per kernel class, time = fixed (launch/latency, µs, the same on both GPUs) + max(bytes / achievable bandwidth,
 work / issue rate), the issue rate scaling with SMs x schedulers x clock:
   exl3_moe    routed experts, one layer call: fixed 8 µs + max(distinct experts' bytes, decoded weights / (eff(T)
-              x issue ceiling)); eff(T) = the fraction of the ceiling the H200 reached at T tokens (h200-moe.json)
+              x issue ceiling)); eff(T) = the fraction of the ceiling the H200 reached at T tokens (moe_rows)
   exl3_dense  one dense call (q, k, v, o; a 6-bit head): a_B + max(bytes, W x s_B), a_B and s_B fitted per
               row count B on the dense 4-bit rows (h200-kernels-v4u-exllamav3.json)
-  marlin      vLLM's GPTQ layer (MoE + dense): a_m + bytes; a_m fitted on its end-to-end H200 steps minus the plain
-              and rest terms below. No issue term: those steps grow with batch as if Marlin took ~9.8 T weights/s
-              on the H200, ~9x what 235 GB/s carries on GB10 even at GB10's lower issue rate
+  marlin      vLLM's GPTQ layer (MoE + dense): a_m + max(bytes, W x s_m), a_m and s_m fitted on its end-to-end
+              H200 steps minus the plain and rest terms below (W: the weights the layer reads), s_m scaled by the
+              issue rate like every issue term
   plain       fp16 reads at the GEMV rate: the fp16 lm_head, the routers, the KV cache
   rest        one constant per step (norms, rope, attention and router launches, sampling, host): our measured
               steps minus the classes above, averaged over the three batches
@@ -81,7 +81,33 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-# --- H200 MoE rows: weights decoded per µs ----------------------------------------------------------------------
+# --- H200 MoE rows -----------------------------------------------------------------------------------------------
+def moe_rows(cal: dict) -> list[dict]:
+    """The MoE layer rows the model reads: the full token sweep of `moe_results`, brought to the kernels of
+    `moe_current` (a later run at fewer token counts) where that names a file. A row the later run measured is taken
+    as measured; one between two of its token counts keeps the sweep's shape, scaled by the later/earlier ratio
+    interpolated over log2(tokens) between those two (a plain interpolation of the later points alone misses the
+    sweep's own 4- and 32-token rows by 12 % and 7 %: bench/NOTES.md "Seventh run")."""
+    rows = json.loads((HERE / cal["moe_results"]).read_text())["rows"]
+    if not cal.get("moe_current"):
+        return rows
+    now = {(r["layer"], r["bits"], r["tokens"]): r for r in json.loads((HERE / cal["moe_current"]).read_text())["rows"]}
+    out = []
+    for r in rows:
+        key = (r["layer"], r["bits"], r["tokens"])
+        if key in now:
+            out.append({**now[key], "source": "current"})
+            continue
+        earlier = {e["tokens"]: e["native_graph_us"] for e in rows if (e["layer"], e["bits"]) == key[:2]}
+        ratios = sorted((t, now[(*key[:2], t)]["native_graph_us"] / us) for t, us in earlier.items()
+                        if (*key[:2], t) in now)
+        if len(ratios) < 2 or not ratios[0][0] < r["tokens"] < ratios[-1][0]:
+            continue  # outside what the later run covers: left out rather than extrapolated
+        out.append({**r, "native_graph_us": r["native_graph_us"] * _interp_log2(r["tokens"], ratios),
+                    "source": "scaled"})
+    return out
+
+
 def moe_row_rates(row: dict, cfg: dict) -> dict:
     shape = cfg["moe_layers"][row["layer"]]
     h, w, e, k = shape["hidden"], shape["width"], shape["experts"], shape["top_k"]
@@ -90,16 +116,16 @@ def moe_row_rates(row: dict, cfg: dict) -> dict:
     return {"layer": row["layer"], "bits": row["bits"], "tokens": row["tokens"], "us": row["native_graph_us"],
             "distinct_experts": row["routed_bytes"] / expert_bytes(h, w, row["bits"]),
             "decoded_M": decoded / 1e6, "weights_per_us": per_us,
-            "ceiling_fraction": per_us / issue_ceiling(cfg["devices"]["h200"], cfg)}
+            "ceiling_fraction": per_us / issue_ceiling(cfg["devices"]["h200"], cfg), "source": row.get("source", "")}
 
 
 class Model:
     def __init__(self, cfg: dict):
         self.cfg, self.m, cal = cfg, cfg["model"], cfg["calibration"]
         self.h200 = cfg["devices"]["h200"]
-        moe = json.loads((HERE / cal["moe_results"]).read_text())["rows"]
-        self.moe_rows = moe
-        self.moe_h200 = {(r["bits"], r["tokens"]): r["native_graph_us"] for r in moe if r["layer"] == "qwen3-30b-a3b"}
+        self.moe_rows = moe_rows(cal)
+        self.moe_h200 = {(r["bits"], r["tokens"]): r["native_graph_us"] for r in self.moe_rows
+                         if r["layer"] == "qwen3-30b-a3b"}
         dense = json.loads((HERE / cal["dense_results"]).read_text())["table"]
         self.dense_points: dict[int, list[tuple[float, float]]] = {}
         for r in dense:
@@ -107,15 +133,33 @@ class Model:
                 self.dense_points.setdefault(r["rows"], []).append((r["shape"][0] * r["shape"][1], r["ours_us"]))
         s = cfg["serving"]
         self.dense_fit = {b: linear_fit(*zip(*self.dense_points[b])) for b in s["batches"]}
-        self.rest_ms, self.marlin_fixed_us = 0.0, 0.0
-        ours = [self.step("exl3_4bit_fp16_head", "h200", b)["ms"] for b in s["batches"]]
+        self.rest_ms, self.marlin_fit = 0.0, (0.0, 0.0)
+        ours = [self.step(s["exl3_scheme"], "h200", b)["ms"] for b in s["batches"]]
         self.rest_ms = sum(e - o for e, o in zip(s["exl3_4bit_ms"], ours)) / len(ours)
+        # Marlin's layer on the H200: a fixed part plus the weights it reads at a fitted rate (its steps grow with
+        # the distinct experts' weights faster than the H200's bandwidth would make them grow).
         other = [self.step("gptq_4bit", "h200", b)["split_ms"] for b in s["batches"]]
-        per_layer = [(g - sum(o.values())) * 1e3 / self.m["layers"] for g, o in zip(s["gptq_4bit_ms"], other)]
-        self.marlin_fixed_us = sum(per_layer) / len(per_layer)
+        per_layer = [(g - sum(v for k, v in o.items() if k != "moe+dense")) * 1e3 / self.m["layers"]
+                     for g, o in zip(s["gptq_4bit_ms"], other)]
+        self.marlin_fit = linear_fit([self.gptq_layer(b)[0] for b in s["batches"]], per_layer)
 
     def dev(self, name: str) -> dict:
         return self.cfg["devices"][name]
+
+    def gptq_layer(self, batch: int, bits: float = 4.125) -> tuple[float, float]:
+        """(weights, bytes) one GPTQ layer reads at this batch: the distinct routed experts and the dense q/k/v/o."""
+        m = self.m
+        experts = distinct_experts(batch, m["experts"], m["top_k"])
+        weights = experts * 3 * m["hidden"] * m["expert_width"] + sum(k * n for k, n in dense_shapes(m))
+        return weights, experts * expert_bytes(m["hidden"], m["expert_width"], bits, "gptq") + sum(
+            k * n for k, n in dense_shapes(m)) * bits / 8
+
+    def marlin_us(self, dev: str, batch: int, bits: float) -> float:
+        """One GPTQ layer: fixed + max(bytes at the device's bandwidth, weights at the H200-fitted rate scaled by the
+        device's issue rate)."""
+        a, s = self.marlin_fit
+        weights, nbytes = self.gptq_layer(batch, bits)
+        return a + max(nbytes / (self.dev(dev)["gbps"] * 1e3), weights * s * self.speed(dev))
 
     def speed(self, name: str) -> float:  # issue-bound work: H200 time x this
         return issue_ceiling(self.h200, self.cfg) / issue_ceiling(self.dev(name), self.cfg)
@@ -148,10 +192,8 @@ class Model:
             us["dense"] = layers * sum(self.dense_us(dev, w, b, batch) for w, b in dense)
             nbytes["dense"] = layers * sum(b for _, b in dense)
         else:
-            nbytes["moe"] = layers * distinct_experts(batch, m["experts"], m["top_k"]) * expert_bytes(
-                m["hidden"], m["expert_width"], sc["bits"], "gptq")
-            nbytes["dense"] = layers * sum(k * n for k, n in dense_shapes(m)) * sc["bits"] / 8
-            us["moe+dense"] = layers * self.marlin_fixed_us + (nbytes["moe"] + nbytes["dense"]) / (d["gbps"] * 1e3)
+            nbytes["moe+dense"] = layers * self.gptq_layer(batch, sc["bits"])[1]
+            us["moe+dense"] = layers * self.marlin_us(dev, batch, sc["bits"])
         nbytes["head"] = head_w * sc["head_bits"] / 8
         us["head"] = (plain(nbytes["head"]) if sc["head_bits"] == 16 else
                       self.dense_us(dev, head_w, nbytes["head"] + (m["vocab"] + m["hidden"]) * 2, batch))
@@ -177,7 +219,7 @@ def _interp_log2(x: float, pts: list[tuple[int, float]]) -> float:
 def report(model: Model) -> dict:
     s = model.cfg["serving"]
     calib = [{"scheme": k, "batch": b, "measured_ms": meas, "model_ms": model.step(k, "h200", b)["ms"]}
-             for k, key in (("exl3_4bit_fp16_head", "exl3_4bit_ms"), ("gptq_4bit", "gptq_4bit_ms"))
+             for k, key in ((s["exl3_scheme"], "exl3_4bit_ms"), ("gptq_4bit", "gptq_4bit_ms"))
              for b, meas in zip(s["batches"], s[key])]
     dense_err = [abs(a + sl * w - t) / t for b, (a, sl) in model.dense_fit.items() for w, t in model.dense_points[b]]
     per_token_gb = {k: model.step(k, "gb10", 1)["weight_gb_per_step"] for k in model.cfg["schemes"]}
@@ -191,7 +233,8 @@ def report(model: Model) -> dict:
                           "dense_fit": {b: {"fixed_us": a, "weights_per_us": 1 / sl}
                                         for b, (a, sl) in model.dense_fit.items()},
                           "rest_ms": model.rest_ms, "weight_gb_per_token": per_token_gb,
-                          "marlin_fixed_us_per_layer": model.marlin_fixed_us},
+                          "marlin_fit": {"fixed_us": model.marlin_fit[0],
+                                         "weights_per_us": 1 / model.marlin_fit[1] if model.marlin_fit[1] else None}},
             "calibration": calib, "dense_fit_max_error": max(dense_err), "spark_steps": spark, "spark_moe": moe,
             "h200_moe_rates": [moe_row_rates(r, model.cfg) for r in model.moe_rows]}
 
@@ -207,7 +250,8 @@ def markdown(rep: dict, cfg: dict) -> str:
     out = [f"# The Spark, predicted ({rep['prediction']})", "",
            f"Issue ceiling: H200 {c['h200_ceiling_weights_per_us'] / 1e6:.2f} T weights/s, "
            f"GB10 {c['gb10_ceiling_weights_per_us'] / 1e6:.2f}. Fitted on the H200: rest {c['rest_ms']:.3f} ms/step; "
-           f"Marlin layer {c['marlin_fixed_us_per_layer']:.1f} µs + bytes; dense call (1 row) "
+           f"Marlin layer {c['marlin_fit']['fixed_us']:.1f} µs + max(bytes, weights / "
+           f"{(c['marlin_fit']['weights_per_us'] or 0) / 1e6:.2f} T/s on the H200); dense call (1 row) "
            f"{c['dense_fit'][1]['fixed_us']:.1f} µs + weights / {c['dense_fit'][1]['weights_per_us'] / 1e6:.2f} T/s, "
            f"largest error of the dense fits (4 layers at each of 1/8/32 rows) {rep['dense_fit_max_error']:.1%}. "
            "Weights per token (GB, heads included): " +
@@ -224,11 +268,12 @@ def markdown(rep: dict, cfg: dict) -> str:
     out += _table("GB10 MoE layer (predicted)", ["bits", "tokens", "µs", "GB/s", "bytes µs", "issue µs", "bound"],
                   [[r["bits"], r["tokens"], f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{r['byte_us']:.1f}",
                     f"{r['issue_us']:.1f}", r["bound"]] for r in rep["spark_moe"]])
-    out += _table("H200 MoE rows (h200-moe.json): weights decoded per µs",
+    out += _table("H200 MoE rows (measured, or scaled between measured token counts): weights decoded per µs",
                   ["layer", "bits", "tokens", "µs", "distinct experts", "M weights decoded", "M weights/µs",
-                   "of issue ceiling"],
+                   "of issue ceiling", "µs from"],
                   [[r["layer"], r["bits"], r["tokens"], f"{r['us']:.1f}", f"{r['distinct_experts']:.1f}",
-                    f"{r['decoded_M']:.0f}", f"{r['weights_per_us'] / 1e6:.2f}", f"{r['ceiling_fraction']:.0%}"]
+                    f"{r['decoded_M']:.0f}", f"{r['weights_per_us'] / 1e6:.2f}", f"{r['ceiling_fraction']:.0%}",
+                    r["source"] or "moe_results"]
                    for r in rep["h200_moe_rates"]])
     return "\n".join(out)
 

@@ -25,7 +25,7 @@ def model():
 
 def test_end_to_end_calibration_points_are_reproduced(model):
     s = model.cfg["serving"]
-    for scheme, key in (("exl3_4bit_fp16_head", "exl3_4bit_ms"), ("gptq_4bit", "gptq_4bit_ms")):
+    for scheme, key in ((s["exl3_scheme"], "exl3_4bit_ms"), ("gptq_4bit", "gptq_4bit_ms")):
         for batch, measured in zip(s["batches"], s[key]):
             predicted = model.step(scheme, "h200", batch)["ms"]
             assert abs(predicted / measured - 1) < 0.06, (scheme, batch, predicted, measured)
@@ -42,7 +42,7 @@ def test_moe_and_dense_calibration_rows(model):
         assert a > 0 and slope > 0
         for weights, us in model.dense_points[rows]:
             assert abs(a + slope * weights - us) / us < 0.15, (rows, weights, us)
-    assert model.rest_ms > 0 and model.marlin_fixed_us > 0
+    assert model.rest_ms > 0 and model.marlin_fit[0] > 0 and model.marlin_fit[1] > 0
 
 
 def test_two_bit_reads_half_the_expert_bytes_of_four_bit(model):
