@@ -13,7 +13,7 @@ lent GPU machine, in as few device calls as its time allows. What it runs is ben
            boot rides along with the quality round when both steps run)
   serve    each [[serve]] of the plan: `vllm serve` on a full-size pack (or vLLM's own GPTQ / fp16 on the same
            shape with dummy weights), then `vllm-exl3 bench` against it
-  exlgen   ExLlamaV3's own generator on the 4-bit pack: decode speed at batch 1 and 8
+  exlgen   ExLlamaV3's own generator on each [exlgen] pack: decode speed at batch 1 and 8
   exlbuild only start ExLlamaV3's build (in the background, for a later call on this machine; the steps that
            need ExLlamaV3 start it themselves)
 
@@ -686,6 +686,24 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
                     s.stop()
 
 
+def exlgen(plan: dict, exl_build) -> None:
+    """ExLlamaV3's own generator on each [exlgen] pack (written by this call or an earlier one on this machine)."""
+    for name in plan["exlgen"]["packs"]:
+        if left() < 120 or not exl_ready(exl_build, left() - 100):
+            save(f"exlgen-{name}.json", {"pack": name, "error": "not run: ExLlamaV3's extension or the call's time"})
+            continue
+        if not (pack_dir(name) / "done.json").exists():
+            save(f"exlgen-{name}.json", {"pack": name, "error": "pack not written (see packs.log)"})
+            continue
+        try:
+            r = subprocess.run([sys.executable, str(HERE / "exlgen.py"), str(pack_dir(name))], capture_output=True,
+                               text=True, env=exl_env(), cwd=ROOT, timeout=max(10, left() - 15))
+            save(f"exlgen-{name}.json", {"pack": name, "rc": r.returncode, "stdout": r.stdout[-4000:],
+                                          "stderr": r.stderr[-4000:]})
+        except subprocess.TimeoutExpired:
+            save(f"exlgen-{name}.json", {"pack": name, "error": "cut off by the call's budget"})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 def main() -> int:
     global BUDGET
@@ -734,7 +752,7 @@ def main() -> int:
     needed = [n for e in chosen if (n := pack_needed(plan, e))] if {"serve", "packs"} & set(steps) else []
     if a.packs and "packs" in steps:
         needed = a.packs.split(",")
-    needed = list(dict.fromkeys(needed + (["qwen3-30b-a3b-4b"] if "exlgen" in steps else [])))
+    needed = list(dict.fromkeys(needed + (plan["exlgen"]["packs"] if "exlgen" in steps else [])))
     if needed and not all((pack_dir(n) / "done.json").exists() for n in needed):
         writer = start_pack_writer(needed)
     if "kernels" in steps:
@@ -745,11 +763,8 @@ def main() -> int:
         switch(plan, exl_build, first_done="quality" in steps)
     if "serve" in steps:
         serve(plan, a.serve.split(",") if a.serve else None, writer)
-    if "exlgen" in steps and left() > 120:
-        if exl_ready(exl_build, left() - 100) and (pack_dir("qwen3-30b-a3b-4b") / "done.json").exists():
-            r = subprocess.run([sys.executable, str(HERE / "exlgen.py"), str(pack_dir("qwen3-30b-a3b-4b"))],
-                               capture_output=True, text=True, env=exl_env(), cwd=ROOT, timeout=max(10, left() - 15))
-            save("exlgen.json", {"rc": r.returncode, "stdout": r.stdout[-4000:], "stderr": r.stderr[-4000:]})
+    if "exlgen" in steps:
+        exlgen(plan, exl_build)
     export_exl_build()
     for job in (exl_build, writer):  # a build or a writer still running is left for the next call on this machine
         if job is not None and job.running():

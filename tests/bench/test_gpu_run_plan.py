@@ -81,3 +81,13 @@ def test_boot_groups_keep_plan_order(run, plan):
                               ("exl3-4b-native", "exl3-2b-exllamav3", "gptq-4b-vllm", "exl3-2b-native")])
     assert [[e["label"] for e in g] for g in groups] == [["exl3-4b-native", "gptq-4b-vllm"],
                                                          ["exl3-2b-exllamav3", "exl3-2b-native"]]
+
+
+def test_exlgen_reports_each_plan_pack_it_could_not_run(run, plan, monkeypatch):
+    """Every [exlgen] pack gets a result row; one whose pack was never written says so instead of being skipped."""
+    run.RESULTS.mkdir(parents=True)
+    monkeypatch.setattr(run, "exl_ready", lambda build, wait_s=0: True)
+    run.exlgen(plan, None)
+    rows = {p: json.loads((run.RESULTS / f"exlgen-{p}.json").read_text()) for p in plan["exlgen"]["packs"]}
+    assert set(rows) == {"qwen3-30b-a3b-4b", "qwen3-30b-a3b-2b"}
+    assert all(r["error"] == "pack not written (see packs.log)" for r in rows.values())
