@@ -13,6 +13,8 @@ lent GPU machine, in as few device calls as its time allows. What it runs is ben
            boot rides along with the quality round when both steps run)
   serve    each [[serve]] of the plan: `vllm serve` on a full-size pack (or vLLM's own GPTQ / fp16 on the same
            shape with dummy weights), then `vllm-exl3 bench` against it
+  profile  with serve: each server started with vLLM's torch profiler, and after its bench one profiled window per
+           [profile] concurrency: device time per engine step by kernel and kernel class (stepprofile.py)
   exlgen   ExLlamaV3's own generator on each [exlgen] pack: decode speed at batch 1 and 8
   exlbuild only start ExLlamaV3's build (in the background, for a later call on this machine; the steps that
            need ExLlamaV3 start it themselves)
@@ -47,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "plugin"))
 sys.path.insert(0, str(HERE))
 import exl_prebuilt  # noqa: E402  (beside this file)
+import stepprofile  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/vgpu-out"))
 WORK = Path(os.environ.get("VGPU_RUN_DIR", "/tmp/vgpu-run"))
@@ -580,8 +583,13 @@ def model_dir(plan: dict, entry: dict) -> tuple[Path, str]:
     return dst, "dummy"
 
 
-def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
-    """Boot one [[serve]] (not waiting for it): its server, and its result row so far."""
+def trace_dir(label: str) -> Path:
+    return WORK / "traces" / label
+
+
+def start_server(plan: dict, entry: dict, profiled: bool = False) -> tuple[Server | None, dict]:
+    """Boot one [[serve]] (not waiting for it): its server, and its result row so far. `profiled`: with vLLM's torch
+    profiler enabled (inactive until the profile step starts it, after the bench)."""
     label = entry["label"]
     pack = entry.get("pack") or entry["like"]
     written = (pack_dir(pack) / "done.json").exists()
@@ -593,6 +601,8 @@ def start_server(plan: dict, entry: dict) -> tuple[Server | None, dict]:
                                "kv-cache-memory-bytes": srv["kv-cache-memory-bytes"],
                                "gpu-memory-utilization": srv["gpu-memory-utilization"], "load-format": load_format,
                                "served-model-name": label})
+    if profiled:
+        flags += stepprofile.profiler_flags(trace_dir(label))
     env = {**srv.get("env", {}), **entry.get("env", {})}  # the plan's server-wide settings, then the row's own
     s = Server(label, str(model), flags, env, WORK / "cache-serve" / label)
     return s, {"label": label, "model": str(model), "load_format": load_format, "env": env, "argv": s.argv[3:],
@@ -606,9 +616,9 @@ def boot_wait_s(deadline: float) -> float:
     return min(deadline, time.monotonic() + left() - 75) - time.monotonic()
 
 
-def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others: list[str]) -> dict:
-    """Wait for a booted server, run `vllm-exl3 bench` against it, stop it. `others`: servers of its boot group
-    still holding GPU memory, idle, while this one is measured (stated in the row)."""
+def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others: list[str], profiled: bool) -> dict:
+    """Wait for a booted server, run `vllm-exl3 bench` against it, then (`profiled`) the step profile, stop it.
+    `others`: servers of its boot group still holding GPU memory, idle, while this one is measured (in the row)."""
     label = s.label
     try:
         if not s.wait(boot_wait_s(boot_deadline)):
@@ -633,6 +643,12 @@ def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others:
         row.update(bench_rc=r.returncode, bench_s=round(time.monotonic() - t, 1), bench_tail=r.stderr[-1500:],
                    ok=r.returncode == 0)
         (out / "stdout.md").write_text(r.stdout)
+        if profiled and left() > 120:
+            p = plan["profile"]
+            t = time.monotonic()
+            windows = stepprofile.profile(s.url, label, trace_dir(label), p["concurrency"], p["tokens"])
+            save(f"profile-{label}.json", {"label": label, "idle_servers_beside": others, "windows": windows})
+            row["profile_s"] = round(time.monotonic() - t, 1)
     except subprocess.TimeoutExpired:
         row.update(ok=False, error="bench cut off by the call's budget")
     finally:
@@ -650,7 +666,7 @@ def boot_groups(entries: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> None:
+def serve(plan: dict, labels: list[str] | None, writer: Background | None, profiled: bool = False) -> None:
     chosen = [e for e in plan["serve"] if not labels or e["label"] in labels]
     for group in boot_groups(chosen):
         names = [e["label"] for e in group]
@@ -665,7 +681,7 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
                and not all((pack_dir(n) / "done.json").exists() for n in packs_needed)):
             time.sleep(2)
         log(f"serve: booting {', '.join(names)}")
-        started = [start_server(plan, e) for e in group]
+        started = [start_server(plan, e, profiled) for e in group]
         deadline = time.monotonic() + float(plan["server"]["boot-timeout-s"])
         try:
             # No bench while another server of the group is still booting (its torch.compile and graph capture take
@@ -676,7 +692,7 @@ def serve(plan: dict, labels: list[str] | None, writer: Background | None) -> No
             for i, (s, row) in enumerate(started):
                 if s is not None:
                     others = [o.label for o, _ in started[i + 1:] if o is not None and o.proc.poll() is None]
-                    row = bench_server(plan, s, row, deadline, others)
+                    row = bench_server(plan, s, row, deadline, others, profiled)
                 log(f"serve {row['label']}: ok={row.get('ok')} boot={row.get('boot_s')} bench={row.get('bench_s')} "
                     f"{row.get('error', '')}")
                 save(f"serve-{row['label']}.json", row)
@@ -762,7 +778,7 @@ def main() -> int:
     if "switch" in steps:
         switch(plan, exl_build, first_done="quality" in steps)
     if "serve" in steps:
-        serve(plan, a.serve.split(",") if a.serve else None, writer)
+        serve(plan, a.serve.split(",") if a.serve else None, writer, profiled="profile" in steps)
     if "exlgen" in steps:
         exlgen(plan, exl_build)
     export_exl_build()
