@@ -112,3 +112,18 @@ def test_cli_prints_markdown_and_writes_json(tmp_path):
     assert {"calibration", "spark_steps", "spark_moe", "h200_moe_rates"} <= rep.keys()
     assert all(m["gbps"] <= 208 + 1e-9 for m in rep["spark_moe"])
     assert all(math.isfinite(s["ms"]) for s in rep["spark_steps"])
+
+
+def test_moe_rows_scale_the_sweep_between_the_later_run_s_token_counts(tmp_path):
+    """Measured rows of the later run replace the sweep's; between two of them the sweep's row is scaled by the
+    ratio interpolated over log2(tokens); outside them a row is left out, not extrapolated."""
+    def rows(points):
+        return {"rows": [{"layer": "qwen3-30b-a3b", "bits": 4, "tokens": t, "native_graph_us": us}
+                         for t, us in points]}
+    (tmp_path / "sweep.json").write_text(json.dumps(rows([(1, 10.0), (2, 20.0), (8, 40.0), (64, 80.0)])))
+    (tmp_path / "now.json").write_text(json.dumps(rows([(1, 5.0), (8, 30.0)])))
+    out = sm.moe_rows({"moe_results": str(tmp_path / "sweep.json"), "moe_current": str(tmp_path / "now.json")})
+    got = {r["tokens"]: (r["native_graph_us"], r["source"]) for r in out}
+    ratio_2 = 0.5 + (0.75 - 0.5) * (1 / 3)  # log2(2) is a third of the way from log2(1) to log2(8)
+    assert got == {1: (5.0, "current"), 2: (pytest.approx(20.0 * ratio_2), "scaled"), 8: (30.0, "current")}
+    assert sm.moe_rows({"moe_results": str(tmp_path / "sweep.json")})[3]["native_graph_us"] == 80.0
