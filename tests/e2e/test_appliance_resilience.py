@@ -42,7 +42,10 @@ def box(tmp_path_factory):
     env = appliance_env("single", tmp / "run", VLLM_EXL3_PORT=str(port), VLLM_API_KEY=KEY,
                         VLLM_EXL3_HOST="",  # with a key and no host: every interface; the guard covers every path
                         VLLM_EXL3_HTTP_IDLE_TIMEOUT=str(IDLE_TIMEOUT_S), VLLM_EXL3_MEMINFO=str(meminfo),
-                        VLLM_EXL3_MEM_STOP_GRACE="90")  # above the preset's --shutdown-timeout: a whole drain
+                        VLLM_EXL3_MEM_STOP_GRACE="90",  # above the preset's --shutdown-timeout: a whole drain
+                        # the drain test must see the watchdog act while its 1000-token stream still runs: on a
+                        # loaded 2-core machine, a 1 s reading plus a 1 s log poll once outlasted the stream
+                        VLLM_EXL3_WATCHDOG_INTERVAL="0.2")
     with supervised(env, tmp / "supervisord.log") as b:
         b.wait_healthy()
         b.port = port
@@ -259,7 +262,7 @@ def test_a_memory_watchdog_stop_drains_and_new_requests_get_503(box):
         # Ask only once the watchdog has acted: a request sent before it is served (200) and, on a loaded machine,
         # can outlast the stream, leaving nothing asked during the drain.
         wait_until("the watchdog's stop", lambda: f"stopping vLLM (pid {pid})" in box.log.read_text(), 60, box.proc,
-                   box.log)
+                   box.log, poll=0.1)
         assert t.is_alive(), "the stream ended before the watchdog stopped vLLM: nothing was drained"
         while t.is_alive():
             try:

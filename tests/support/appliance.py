@@ -75,15 +75,16 @@ def appliance_env(role: str, run_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def wait_until(what: str, predicate: Callable[[], bool], timeout: float, proc: subprocess.Popen | None = None,
-               log: Path | None = None) -> float:
-    """Seconds until predicate() held; fails with the log's tail on timeout or if proc exits."""
+               log: Path | None = None, poll: float = 1.0) -> float:
+    """Seconds until predicate() held (checked every `poll` s); fails with the log's tail on timeout or if proc
+    exits."""
     start = time.monotonic()
     while not predicate():
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"exited ({proc.returncode}) while waiting for {what}:\n{tail(log)}")
         if time.monotonic() - start > timeout:
             raise AssertionError(f"no {what} after {timeout:.0f}s:\n{tail(log)}")
-        time.sleep(1)
+        time.sleep(poll)
     return time.monotonic() - start
 
 
