@@ -107,6 +107,24 @@ def bench_native(case: Case, rows: int, iters: int, path: int = NativePath.AUTO,
                 os.environ[k] = v
 
 
+def bench_group(spec: str, rows_list: list[int], iters: int) -> None:
+    """--group K,N1/N2/..,BITS,CB: one native_linear_group call (csrc/bindings.cpp: two launches for all shards up to
+    8 rows) against one native_linear per shard and torch.cat (what integration/linear.py does now), same weights
+    rotated over L2_DEFEAT_BYTES of copies; prints one JSON line per row count."""
+    k, ns, bits, cb = spec.split(",")
+    k, outs, bits = int(k), [int(v) for v in ns.split("/")], float(bits)
+    group_bytes = sum(k * n * bits / 8 + 2 * (k + n) for n in outs)
+    copies = max(2, math.ceil(L2_DEFEAT_BYTES / group_bytes))
+    groups = [[random_linear(k, n, bits, cb, seed=10 * c + i) for i, n in enumerate(outs)] for c in range(copies)]
+    for rows in rows_list:
+        x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
+        grouped = time_calls([lambda ws=ws: native.linear_group(x, ws) for ws in groups], iters)
+        separate = time_calls([lambda ws=ws: torch.cat([native.linear(x, w, 0, 0, w.out_padded) for w in ws], 1)
+                               for ws in groups], iters)
+        print(json.dumps({"group": [k, outs], "bits": bits, "codebook": cb, "rows": rows, "grouped_us": grouped,
+                          "separate_us": separate}), flush=True)
+
+
 def bench_exllamav3(case: Case, rows: int, iters: int, layers) -> float:
     x = torch.randn(rows, case.k, device=DEV, dtype=torch.float16)
     return time_calls([lambda layer=layer: layer.forward(x, {}) for layer in layers], iters)
@@ -222,9 +240,15 @@ def main() -> int:
                     help="per-warp timeline of one skinny launch (repeatable), e.g. 4096,14336,4,mul1,1")
     ap.add_argument("--ncu-target", metavar="K,N,BITS,CB,ROWS",
                     help="only run a few calls of one case (for Nsight Compute), e.g. 4096,14336,4,mul1,1")
+    ap.add_argument("--group", metavar="K,N1/N2/..,BITS,CB",
+                    help="only time native_linear_group against one native_linear per shard (q/k/v), e.g. "
+                         "2048,4096/512/512,4,mcg (rows: --rows, default 1,4,8,16)")
     args = ap.parse_args()
     if err := native.unavailable_reason():
         raise SystemExit(f"native kernels unavailable: {err}")
+    if args.group:
+        bench_group(args.group, [int(r) for r in (args.rows or "1,4,8,16").split(",")], args.iters)
+        return 0
     if args.ncu_target:
         k, n, bits, cb, rows = args.ncu_target.split(",")
         case = Case(int(k), int(n), float(bits), cb)

@@ -4,6 +4,8 @@
 // Ops (fake implementations live in plugin/vllm_exl3/kernels/backends/native.py):
 //   native_linear(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path) -> y
 //       path: exl3::Path (planner.h); 0 auto asks plan_linear_path, the others force one path
+//   native_linear_group(x, trellis[], suh[], svh[], codebook, path) -> y: 2..4 whole linears of one input (q, k, v)
+//       side by side, two launches on the skinny path up to 8 rows (native_linear_group below)
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
 //   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
@@ -13,7 +15,9 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <climits>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -214,6 +218,142 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   return y;
 }
 
+// y [rows, sum N_s] = the shards' native_linear outputs side by side, for 2..kMaxGroupShards whole linears that share
+// x (width K), K, the codebook and the bit width, each with its own trellis, suh and svh (attention q, k, v). Up to 8
+// rows on the skinny path (path auto when the planner gives the skinny kernel to one linear of the total width, or a
+// skinny path forced; duplicated-activation codewords): two launches for all shards, the input transform of each
+// shard (gridDim.z) and one skinny GEMM whose stream-K work spans every shard's column groups. Otherwise (more rows:
+// skinny.cuh says why not 9-16 yet; another path; VLLM_EXL3_SKINNY_DUP=0) one native_linear per shard.
+at::Tensor native_linear_group(const at::Tensor& x_in, at::TensorList trellis, at::TensorList suh,
+                               at::TensorList svh, int64_t codebook, int64_t path) {
+  const int64_t shards = static_cast<int64_t>(trellis.size());
+  TORCH_CHECK(shards >= 2 && shards <= exl3::kMaxGroupShards, "native_linear_group takes 2..",
+              exl3::kMaxGroupShards, " shards, got ", shards);
+  TORCH_CHECK(static_cast<int64_t>(suh.size()) == shards && static_cast<int64_t>(svh.size()) == shards,
+              "one suh and one svh per trellis");
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a 2-D CUDA tensor");
+  const int64_t k_in = trellis[0].size(0) * kTile;
+  std::vector<exl3::TrellisView> views;
+  std::vector<int64_t> n_out;
+  int64_t n_total = 0;
+  for (int64_t s = 0; s < shards; ++s) {
+    views.push_back(trellis_view(trellis[s], codebook));
+    n_out.push_back(trellis[s].size(1) * kTile);
+    n_total += n_out.back();
+    TORCH_CHECK(trellis[s].size(0) * kTile == k_in, "every shard must have the same input width");
+    TORCH_CHECK(views[s].bits2 == views[0].bits2 && views[s].tile_stride == views[0].tile_stride,
+                "every shard must have the same bit width and tile stride");
+    TORCH_CHECK(trellis[s].device() == x_in.device(), "shards must be on x's device");
+    TORCH_CHECK(views[s].row_stride * exl3::kGemmWarps < INT_MAX, "trellis row stride too large for the grouped kernel");
+    TORCH_CHECK(suh[s].scalar_type() == at::kHalf && suh[s].is_contiguous() && suh[s].numel() == k_in,
+                "suh must be fp16 [K]");
+    TORCH_CHECK(svh[s].scalar_type() == at::kHalf && svh[s].is_contiguous() && svh[s].numel() == n_out[s],
+                "svh must be fp16 [N]");
+  }
+  TORCH_CHECK(k_in % kHad == 0, "EXL3 linears are padded to 128 on both sides");
+  TORCH_CHECK(x_in.size(1) == k_in, "x must be [rows, K] (the shards' whole input width)");
+  const int64_t rows = x_in.size(0);
+  TORCH_CHECK(rows < (1LL << 31), "too many rows");
+  const int64_t kb_count = k_in / kHad, groups = n_total / kHad;
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const bool skinny_path = path == kAuto || path == kSkinny || path == kSkinnySplit || path == kSkinnyDirect;
+  bool grouped = rows > 0 && rows <= 8 && skinny_path && exl3::env::skinny_dup() &&
+                 exl3::gemm_group_fits_device(static_cast<int>(codebook), views[0].bits2, static_cast<int>(rows));
+  if (grouped && path == kAuto) {
+    const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+    const exl3::LinearShape shape{rows, k_in * n_total * 2, n_total, prop->major, prop->l2CacheSize};
+    const int r = static_cast<int>(rows);
+    const Path planned = exl3::plan_linear_path(
+        shape, [&](bool panel) { return exl3::gemm_fits_device(views[0].codebook, views[0].bits2, r, panel); });
+    grouped = planned == kSkinny;
+  }
+  if (!grouped) {
+    std::vector<at::Tensor> outs;
+    for (int64_t s = 0; s < shards; ++s)
+      outs.push_back(native_linear(x_in, trellis[s], suh[s], svh[s], codebook, 0, 0, n_out[s], path));
+    return at::cat(outs, 1);
+  }
+
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int xdt = act_dtype(x);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor y = at::empty({rows, n_total}, x.options());
+
+  exl3::GemmArgs sa{};
+  sa.w = views[0];  // codebook, bits2 and tile stride (common); the trellises themselves come from the shard table
+  sa.y = y.data_ptr();
+  sa.y_dtype = xdt;
+  sa.y_stride = y.stride(0);
+  sa.out_offset = 0;
+  sa.out_features = static_cast<int>(n_total);
+  sa.rows = static_cast<int>(rows);
+  sa.kb0 = 0;
+  sa.kb_count = static_cast<int>(kb_count);
+  sa.g0 = 0;
+  sa.groups = static_cast<int>(groups);
+  const exl3::GemmPlan plan =
+      exl3::plan_gemm_group(sa, path == kSkinnySplit ? 1 : path == kSkinnyDirect ? 0 : -1);
+  const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
+  const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
+  const bool rowsums = views[0].codebook == exl3::kCbMul1;  // mul1's affine epilogue (dup codewords)
+  const size_t xh_bytes = align256(shards * xh_rows * k_in * 2);
+  const size_t rs_bytes = rowsums ? align256(shards * rows * parts * 4) : 0;
+  const size_t part_bytes = align256(plan.partial_bytes), cnt_bytes = align256(plan.counter_bytes);
+  at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + part_bytes + cnt_bytes)},
+                            x.options().dtype(at::kByte));
+  char* base = static_cast<char*>(ws.data_ptr());
+
+  exl3::InputTransformArgs it{};
+  it.x = x.data_ptr();
+  it.x_dtype = xdt;
+  it.x_stride = x.stride(0);
+  it.rows = static_cast<int>(rows);
+  it.xh_rows = static_cast<int>(xh_rows);
+  it.in_width = static_cast<int>(k_in);
+  it.in_offset = 0;
+  it.kb0 = 0;
+  it.kb_count = static_cast<int>(kb_count);
+  it.xh = base;
+  it.xh_dtype = exl3::kActF16;
+  it.scale = exl3::kHadScale;
+  it.rowsum_parts = rowsums ? reinterpret_cast<float*>(base + xh_bytes) : nullptr;
+  if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
+    sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
+    sa.max_slots = plan.max_slots;
+    sa.counters = reinterpret_cast<int*>(base + xh_bytes + rs_bytes + part_bytes);
+    it.zero = sa.counters;
+    it.zero_bytes = cnt_bytes;
+  }
+  sa.xh = it.xh;
+  sa.rowsum_parts = it.rowsum_parts;
+  sa.parts = parts;
+
+  exl3::GemmShards sh{};
+  const void* suh_ptrs[exl3::kMaxGroupShards] = {};
+  int end = 0;
+  for (int s = 0; s < exl3::kMaxGroupShards; ++s) {
+    if (s < shards) {
+      end += static_cast<int>(n_out[s] / kHad);
+      sh.group_end[s] = end;
+      sh.data[s] = views[s].data;
+      sh.row_stride[s] = views[s].row_stride;
+      sh.svh[s] = svh[s].data_ptr();
+      suh_ptrs[s] = suh[s].data_ptr();
+    } else {  // past the last shard: no column group reaches these
+      sh.group_end[s] = INT_MAX;
+      sh.data[s] = views[0].data;
+      sh.row_stride[s] = views[0].row_stride;
+      sh.svh[s] = svh[0].data_ptr();
+    }
+  }
+  sh.xh_shard = xh_rows * k_in;
+  sh.rowsum_shard = static_cast<int>(rows * parts);
+  check_cuda(exl3::launch_input_transform_group(it, suh_ptrs, static_cast<int>(shards), false, stream),
+             "input transform (grouped)");
+  check_cuda(exl3::launch_gemm_group(sa, sh, plan, use_pdl(), stream), "skinny GEMM (grouped)");
+  return y;
+}
+
 at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::optional<at::Tensor>& suh,
                        const std::optional<at::Tensor>& svh, bool bf16) {
   const exl3::TrellisView w = trellis_view(trellis, codebook);
@@ -263,6 +403,8 @@ std::string device_check() {
 TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("native_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int in_offset, "
         "int out_offset, int out_features, int path=0) -> Tensor");
+  m.def("native_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, int path=0) "
+        "-> Tensor");
   m.def("reconstruct(Tensor trellis, int codebook, Tensor? suh=None, Tensor? svh=None, bool bf16=False) -> Tensor");
   m.def("build_info() -> str", &build_info);
   m.def("device_check() -> str", &device_check);
@@ -271,6 +413,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
 
 TORCH_LIBRARY_IMPL(vllm_exl3, CUDA, m) {
   m.impl("native_linear", &native_linear);
+  m.impl("native_linear_group", &native_linear_group);
   m.impl("reconstruct", &reconstruct);
 }
 

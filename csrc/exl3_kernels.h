@@ -59,6 +59,11 @@ int input_transform_parts(int kb_count);
 // pdl: may start while the previous kernel in the stream runs (it must not read that kernel's results) and completes
 // only after it.
 cudaError_t launch_input_transform(const InputTransformArgs& a, bool pdl, cudaStream_t stream);
+// The same for `shards` linears of one input, one launch (gridDim.z = shard): shard s uses suh[s] and writes its xh
+// at a.xh + s * xh_rows * kb_count * 128 elements and its rowsum parts at a.rowsum_parts + s * rows *
+// input_transform_parts(kb_count); a.suh is ignored; a.zero is cleared once.
+cudaError_t launch_input_transform_group(const InputTransformArgs& a, const void* const* suh, int shards, bool pdl,
+                                         cudaStream_t stream);
 
 // Skinny GEMM (1..16 rows per row chunk, any number of chunks) and panel GEMM (64 rows per chunk): decode tiles in
 // registers and feed tensor cores; both take GemmArgs.
@@ -110,6 +115,19 @@ struct GemmArgs {
   // %globaltimer ns.
   unsigned long long* trace;
 };
+// Grouped skinny GEMM (launch_gemm_group): 2..kMaxGroupShards linears that share the input x, K, codebook and bit
+// width (attention q, k, v), each with its own trellis, suh, svh and N (a multiple of 128), in one launch whose
+// stream-K work spans all their column groups. y [rows, sum N] holds the shards side by side.
+constexpr int kMaxGroupShards = 4;
+struct GemmShards {
+  int group_end[kMaxGroupShards];         // cumulative column groups: shard s owns [group_end[s-1], group_end[s]);
+                                          // entries past the last shard INT_MAX
+  const int16_t* data[kMaxGroupShards];   // each shard's trellis (same tile stride, its own row stride)
+  long long row_stride[kMaxGroupShards];
+  const void* svh[kMaxGroupShards];       // fp16 [N_s]
+  long long xh_shard;  // elements between consecutive shards' xh (launch_input_transform_group's layout)
+  int rowsum_shard;    // floats between consecutive shards' rowsum_parts
+};
 struct GemmPlan {
   bool panel;          // the panel kernel (64-row chunks, each tile decoded once per chunk) instead of the skinny one
   int rows_per_chunk;  // 8 or 16 (skinny), 64 (panel)
@@ -124,6 +142,14 @@ struct GemmPlan {
 // force_split / force_dup < 0: automatic; 0/1 force (tests, bench; dup: skinny only).
 GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel);
 cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& plan, bool pdl, cudaStream_t stream);
+// Grouped skinny GEMM: a as for one linear of the total width (a.groups = sum of the shards' groups, a.kb0 = a.g0 =
+// 0, a.out_offset = 0, a.out_features = a.y_stride's width), a.w giving codebook, bits2 and tile stride; the shards'
+// own tensors in `shards`. Duplicated-activation codewords only (plan_gemm_group's plan.dup is always true); null
+// kernel (cudaErrorInvalidValue) for the panel or plain variants and for more than 8 rows (skinny.cuh).
+GemmPlan plan_gemm_group(const GemmArgs& a, int force_split);
+cudaError_t launch_gemm_group(const GemmArgs& a, const GemmShards& shards, const GemmPlan& plan, bool pdl,
+                              cudaStream_t stream);
+bool gemm_group_fits_device(int codebook, int bits2, int rows);
 // Whether the skinny (or panel) kernel for this codebook, width and row count fits the current device (its shared
 // memory: the widest skinny variants need more than the 99 KB per block of sm_12x parts); `auto` falls back to
 // reconstruct + cuBLAS.

@@ -25,7 +25,22 @@ constexpr int kItWarps = 4;
 constexpr int kItThreads = kItWarps * kWarp;
 constexpr int kItBlocks = 2 * kItWarps;  // 128-blocks per CUDA block (= per rowsum part)
 
-__global__ void __launch_bounds__(kItThreads) input_transform_kernel(const InputTransformArgs a) {
+// Grouped form (launch_input_transform_group): the suh of each shard; blockIdx.z is the shard.
+struct ItShards {
+  const void* suh[kMaxGroupShards];
+};
+template <typename S>
+__device__ __forceinline__ const S& it_shards(const S& s) {
+  return s;
+}
+
+// Shards: empty for one linear (the kernel as it always was: the grouped code is `if constexpr` and drops out), or
+// ItShards for several linears of one input (a variadic pack rather than a flag keeps the one-linear kernel's
+// parameters and code as they were).
+template <typename... Shards>
+__global__ void __launch_bounds__(kItThreads) input_transform_kernel(const InputTransformArgs a, const Shards... sh) {
+  static_assert(sizeof...(Shards) <= 1, "at most one shard table");
+  constexpr bool kGrouped = sizeof...(Shards) == 1;
   griddep_launch_dependents();  // the next kernel (GEMM or reconstruct) may start now; it waits for our results
   __shared__ float part[kItWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -33,6 +48,15 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
   const int row = blockIdx.x;
   const int kb = blockIdx.y * kItBlocks + 2 * warp + lane / 16;
 
+  if constexpr (kGrouped) {
+    if (a.zero && blockIdx.z == 0) {  // the shards share one workspace: cleared once
+      const size_t n = a.zero_bytes / sizeof(uint4);
+      const size_t stride = static_cast<size_t>(gridDim.x) * gridDim.y * kItThreads;
+      for (size_t i = (static_cast<size_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kItThreads + threadIdx.x; i < n;
+           i += stride)
+        static_cast<uint4*>(a.zero)[i] = make_uint4(0, 0, 0, 0);
+    }
+  } else
   if (a.zero) {  // the next kernel's split-K workspace
     const size_t n = a.zero_bytes / sizeof(uint4);
     const size_t stride = static_cast<size_t>(gridDim.x) * gridDim.y * kItThreads;
@@ -55,6 +79,14 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = xi + e >= 0 && xi + e < a.in_width ? load_act(a.x, i + e, a.x_dtype) : 0.f;
     }
+    if constexpr (kGrouped) {  // this shard's suh, by selects (a run-time index into the parameters: local memory)
+      const ItShards& tab = it_shards(sh...);
+      const void* suh = tab.suh[0];
+#pragma unroll
+      for (int i = 1; i < kMaxGroupShards; ++i)
+        if (blockIdx.z == i) suh = tab.suh[i];
+      mul_half8(v, static_cast<const __half*>(suh) + k);
+    } else
     mul_half8(v, static_cast<const __half*>(a.suh) + k);
   }
   fwht128_halfwarp(v, lane);
@@ -64,6 +96,13 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
     v[e] *= a.scale;
     if (a.rowsum_parts) sum += __half2float(__float2half_rn(v[e]));  // kernel-uniform; fp16 xh only
   }
+  if constexpr (kGrouped) {  // this shard's xh: launch_input_transform_group's layout
+    if (active)
+      *reinterpret_cast<uint4*>(static_cast<char*>(a.xh) +
+                                ((static_cast<long long>(blockIdx.z) * gridDim.x + row) * a.kb_count * kHadBlock +
+                                 kb * kHadBlock + 8 * sub) * 2) =
+          a.xh_dtype == kActBF16 ? pack8<__nv_bfloat16>(v) : pack8<__half>(v);
+  } else
   if (active)  // padding rows (row >= rows) were never loaded: zeros
     *reinterpret_cast<uint4*>(static_cast<char*>(a.xh) +
                               (static_cast<long long>(row) * a.kb_count * kHadBlock + kb * kHadBlock + 8 * sub) * 2) =
@@ -75,12 +114,18 @@ __global__ void __launch_bounds__(kItThreads) input_transform_kernel(const Input
     if (threadIdx.x == 0 && row < a.rows) {
       float s = 0.f;
       for (int w = 0; w < kItWarps; ++w) s += part[w];
+      if constexpr (kGrouped)  // this shard's parts
+        a.rowsum_parts[(static_cast<long long>(blockIdx.z) * a.rows + row) * gridDim.y + blockIdx.y] = s;
+      else
       a.rowsum_parts[static_cast<long long>(row) * gridDim.y + blockIdx.y] = s;
     }
   }
   // Launched behind the reconstruct (launch_input_transform with pdl), this grid must not complete before it: the
   // GEMM that follows in the stream reads both. One waiting block is enough to hold the grid open; the others leave
   // and free their SMs. (Launched first, there is nothing to wait for.)
+  if constexpr (kGrouped) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) griddep_wait();
+  } else
   if (blockIdx.x == 0 && blockIdx.y == 0) griddep_wait();
 }
 
@@ -89,8 +134,20 @@ int input_transform_parts(int kb_count) { return (kb_count + kItBlocks - 1) / kI
 cudaError_t launch_input_transform(const InputTransformArgs& a, bool pdl, cudaStream_t stream) {
   if (a.xh_rows <= 0 || a.kb_count <= 0) return cudaSuccess;
   void* args[] = {const_cast<InputTransformArgs*>(&a)};
-  return launch_kernel(reinterpret_cast<const void*>(&input_transform_kernel),
+  return launch_kernel(reinterpret_cast<const void*>(&input_transform_kernel<>),
                        dim3(a.xh_rows, input_transform_parts(a.kb_count)), dim3(kItThreads), 0, pdl, stream, args);
+}
+
+cudaError_t launch_input_transform_group(const InputTransformArgs& a, const void* const* suh, int shards, bool pdl,
+                                         cudaStream_t stream) {
+  if (shards < 1 || shards > kMaxGroupShards) return cudaErrorInvalidValue;
+  if (a.xh_rows <= 0 || a.kb_count <= 0) return cudaSuccess;
+  ItShards sh{};
+  for (int i = 0; i < kMaxGroupShards; ++i) sh.suh[i] = suh[i < shards ? i : 0];
+  void* args[] = {const_cast<InputTransformArgs*>(&a), &sh};
+  return launch_kernel(reinterpret_cast<const void*>(&input_transform_kernel<ItShards>),
+                       dim3(a.xh_rows, input_transform_parts(a.kb_count), shards), dim3(kItThreads), 0, pdl, stream,
+                       args);
 }
 
 }  // namespace exl3

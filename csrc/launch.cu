@@ -70,14 +70,18 @@ GemmKernel pick(const GemmArgs& a, bool panel, int mt, bool dup) {
   return a.w.codebook == kCbMul1 ? skinny_kernel_mul1(a.w.bits2, mt, dup) : skinny_kernel_3inst_mcg(a.w.bits2, mt, dup);
 }
 
-}  // namespace
+// The grouped skinny kernels (duplicated-activation codewords only).
+GemmKernel pick_group(const GemmArgs& a, int mt) {
+  return a.w.codebook == kCbMul1 ? skinny_group_kernel_mul1(a.w.bits2, mt)
+                                 : skinny_group_kernel_3inst_mcg(a.w.bits2, mt);
+}
 
-GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel) {
+// plan_gemm's grid and split-K choice for the kernels `pick(mt)` gives (mt: 8-row groups per row chunk).
+template <typename Pick>
+GemmPlan plan_with(const GemmArgs& a, int force_split, bool panel, bool dup, const Pick& pick_mt) {
   GemmPlan p{};
   p.panel = panel;
-  // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0); the panel
-  // kernel always rounds Ŵ pairs.
-  p.dup = !panel && (force_dup >= 0 ? force_dup != 0 : env::skinny_dup());
+  p.dup = dup;
   p.rows_per_chunk = panel ? kPanelRows : a.rows <= 8 ? 8 : 16;
   p.row_chunks = (a.rows + p.rows_per_chunk - 1) / p.rows_per_chunk;
   const long long items = static_cast<long long>(p.row_chunks) * a.groups;
@@ -86,10 +90,10 @@ GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel
   // Prepare both row-chunk variants now: a later call with another row count may come during CUDA-graph capture,
   // where attribute changes are best avoided.
   if (!panel) {
-    const GemmKernel other = pick(a, false, p.rows_per_chunk == 8 ? 2 : 1, p.dup);
+    const GemmKernel other = pick_mt(p.rows_per_chunk == 8 ? 2 : 1);
     if (other.fn) prepare_kernel(other, dev);
   }
-  const GemmKernel k = pick(a, panel, p.rows_per_chunk / 8, p.dup);
+  const GemmKernel k = pick_mt(p.rows_per_chunk / 8);
   const int per_sm = k.fn ? prepare_kernel(k, dev) : 0;
   const long long slots = static_cast<long long>(per_sm > 0 ? per_sm : 1) * sm_count(dev);
   p.split_k = force_split >= 0 ? force_split != 0 : items < kDirectWaves * slots;
@@ -109,6 +113,45 @@ GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel
     p.grid = static_cast<int>(items);  // one block per (row chunk, column group), whole k range
   }
   return p;
+}
+
+}  // namespace
+
+GemmPlan plan_gemm(const GemmArgs& a, int force_split, int force_dup, bool panel) {
+  // Duplicated-activation codewords unless told otherwise (VLLM_EXL3_SKINNY_DUP=0 or force_dup = 0); the panel
+  // kernel always rounds Ŵ pairs.
+  const bool dup = !panel && (force_dup >= 0 ? force_dup != 0 : env::skinny_dup());
+  return plan_with(a, force_split, panel, dup, [&](int mt) { return pick(a, panel, mt, dup); });
+}
+
+GemmPlan plan_gemm_group(const GemmArgs& a, int force_split) {
+  return plan_with(a, force_split, false, true, [&](int mt) { return pick_group(a, mt); });
+}
+
+bool gemm_group_fits_device(int codebook, int bits2, int rows) {
+  GemmArgs a{};
+  a.w.codebook = codebook;
+  a.w.bits2 = bits2;
+  const GemmKernel k = pick_group(a, rows <= 8 ? 1 : 2);
+  return k.fn && prepare_kernel(k, current_device()) > 0;
+}
+
+cudaError_t launch_gemm_group(const GemmArgs& a, const GemmShards& shards, const GemmPlan& p, bool pdl,
+                              cudaStream_t stream) {
+  if (p.panel || !p.dup || a.kb0 != 0 || a.g0 != 0) return cudaErrorInvalidValue;
+  const GemmKernel k = pick_group(a, p.rows_per_chunk / 8);
+  if (!k.fn) return cudaErrorInvalidValue;
+  if (prepare_kernel(k, current_device()) <= 0) return cudaErrorInvalidConfiguration;
+  const long long units = static_cast<long long>(p.row_chunks) * a.groups * a.kb_count * kTilesPerHad;
+  if (units <= 0) return cudaSuccess;
+  if (units >= (1LL << 31)) return cudaErrorInvalidValue;
+  int units32 = static_cast<int>(units);
+  GemmArgs args = a;
+  args.kta_div = make_fast_div(a.kb_count * kTilesPerHad);
+  args.groups_div = make_fast_div(a.groups);
+  GemmShards sh = shards;
+  void* kargs[] = {&args, &units32, &sh};
+  return launch_kernel(k.fn, dim3(p.grid), dim3(kGemmThreads), k.smem, pdl, stream, kargs);
 }
 
 bool gemm_fits_device(int codebook, int bits2, int rows, bool panel) {

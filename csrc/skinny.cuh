@@ -21,6 +21,7 @@
 #pragma once
 
 #include <climits>
+#include <type_traits>
 
 #include "exl3_decode.cuh"
 #include "exl3_device.cuh"
@@ -81,10 +82,38 @@ struct SkinnyTraits {
   static constexpr bool kAffineEpilogue = kMul1 && kDup;  // mul1 codewords carry 1024 + bytesum
 };
 
+// Shard of global column group gg (GemmShards::group_end, unused entries INT_MAX) and that shard's table entries,
+// chosen by selects: a run-time index into the kernel-parameter arrays could put them in local memory.
+struct ShardRef {
+  int s, group_begin;
+  const int16_t* data;
+  long long row_stride;
+  const void* svh;
+};
+__device__ __forceinline__ ShardRef shard_ref(const GemmShards& sh, int gg) {
+  ShardRef r{0, 0, sh.data[0], sh.row_stride[0], sh.svh[0]};
+#pragma unroll
+  for (int i = 1; i < kMaxGroupShards; ++i)
+    if (gg >= sh.group_end[i - 1]) r = {i, sh.group_end[i - 1], sh.data[i], sh.row_stride[i], sh.svh[i]};
+  return r;
+}
+template <typename S>
+__device__ __forceinline__ const S& shard_table(const S& s) {
+  return s;
+}
+
 // 1-8 rows: kSkinnyMinBlocks1 blocks per SM; 9-16 rows need the registers of two.
-template <int kBits2, bool kMul1, int kMT, bool kDup>
+// Shards: empty for one linear (the kernel as it always was: the grouped code below is `if constexpr` and drops
+// out), or GemmShards for the grouped form (launch_gemm_group): the column groups of 2..kMaxGroupShards linears that
+// share the input (attention q, k, v) in one stream-K space. Grouped, a.groups is their total, a.xh /
+// a.rowsum_parts the first shard's (the others follow at xh_shard / rowsum_shard), a.w only gives the codebook, width
+// and tile stride common to all shards, a.kb0 = a.g0 = 0, and y [rows, a.out_features] holds the shards side by
+// side. A variadic pack rather than a flag keeps the one-linear kernels' parameters and code as they were.
+template <int kBits2, bool kMul1, int kMT, bool kDup, typename... Shards>
 __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2)
-    skinny_kernel(const GemmArgs a, const int units) {
+    skinny_kernel(const GemmArgs a, const int units, const Shards... sh) {
+  static_assert(sizeof...(Shards) <= 1, "at most one shard table");
+  constexpr bool kGrouped = sizeof...(Shards) == 1;
   using T = SkinnyTraits<kBits2, kMul1, kMT, kDup>;
   using TB = typename T::TB;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -114,8 +143,13 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
     const int16_t* src;  // first tile of this item's k-tile row in the column group
     const __half* xsrc;  // first activation row of the row chunk at this k-tile
   };
+  struct ItemStep : Item {
+    int step;  // grouped: int16 elements to this warp's next k-tile row (its shard's row stride x 8; 32 bits: one
+               // register less in the main loop)
+  };
+  using It = std::conditional_t<kGrouped, ItemStep, Item>;
   const long long item_step = static_cast<long long>(kGemmWarps) * a.w.row_stride;
-  auto locate = [&](int s, Item& it) {  // first item of this warp at or after unit s
+  auto locate = [&](int s, It& it) {  // first item of this warp at or after unit s
     it.u = INT_MAX;
     while (s < u_end) {
       const int rg = fast_div(s, a.kta_div), e = min(u_end, (rg + 1) * kta);
@@ -123,6 +157,18 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
         const int kt = s + warp - rg * kta;
         it.u = s + warp;
         it.seg_end = e;
+        if constexpr (kGrouped) {
+          // Global column group -> its shard's trellis (own N tiles, row stride) and transformed input (own suh).
+          const GemmShards& tab = shard_table(sh...);
+          const int chunk = fast_div(rg, a.groups_div), gg = rg - chunk * a.groups;
+          const ShardRef r = shard_ref(tab, gg);
+          it.src = r.data + static_cast<long long>(kt) * r.row_stride +
+                   static_cast<long long>(gg - r.group_begin) * kTilesPerHad * a.w.tile_stride;
+          it.step = static_cast<int>(kGemmWarps * r.row_stride);
+          it.xlanes = 2 * min(T::kRows, a.rows - chunk * T::kRows);
+          it.xsrc = static_cast<const __half*>(a.xh) + r.s * tab.xh_shard + chunk * T::kRows * xh_stride + kt * kTile;
+          return;
+        }
         it.src = a.w.data + (static_cast<long long>(a.kb0) * kTilesPerHad + kt) * a.w.row_stride +
                  static_cast<long long>(a.g0 + fast_mod(rg, a.groups_div)) * kTilesPerHad * a.w.tile_stride;
         const int chunk = fast_div(rg, a.groups_div);
@@ -133,9 +179,10 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
       s = e;
     }
   };
-  auto advance = [&](Item& it) {
+  auto advance = [&](It& it) {
     it.u += kGemmWarps;
-    it.src += item_step;
+    if constexpr (kGrouped) it.src += it.step;
+    else it.src += item_step;
     it.xsrc += kGemmWarps * kTile;
     if (it.u >= it.seg_end) locate(it.seg_end, it);
   };
@@ -158,7 +205,7 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
   x_copy_src = pin(x_copy_src);
   ring_lane = pin(ring_lane);
   x_lane = pin(x_lane);
-  auto copy_tiles = [&](const Item& it, int slot) {
+  auto copy_tiles = [&](const It& it, int slot) {
     if (it.u == INT_MAX) return;
     const uint32_t dst = ring_lane + slot * T::kStageBytes;
 #pragma unroll
@@ -166,7 +213,7 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
       if ((T::kNT * TB::kChunks16) % kWarp == 0 || lane + i * kWarp < T::kNT * TB::kChunks16)
         cp_async16(dst + i * kWarp * 16, it.src + copy_src[i]);
   };
-  auto copy_x = [&](const Item& it, int slot) {
+  auto copy_x = [&](const It& it, int slot) {
     if (it.u != INT_MAX && lane < it.xlanes) cp_async16(x_lane + slot * T::kStageBytes, it.xsrc + x_copy_src);
   };
 
@@ -176,7 +223,7 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
 
   // Prologue: the weights do not depend on the previous kernel, so they stream before we wait for it; the
   // activations (written by the input-transform kernel) follow once it has finished.
-  Item pf;
+  It pf;
   locate(u_begin, pf);
   for (int s = 0; s < T::kStages - 1; ++s) {
     copy_tiles(pf, s);
@@ -185,7 +232,7 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
   }
   griddep_wait();  // xh, rowsum parts and the zeroed counters come from the input-transform kernel
   {
-    Item q;
+    It q;
     locate(u_begin, q);
     for (int s = 0; s < T::kStages - 1 && q.u != INT_MAX; ++s) {
       copy_x(q, s);
@@ -292,6 +339,21 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
       }
     }
     __syncthreads();  // buf complete
+    if constexpr (kGrouped) {
+      // The shard's svh and row sums, its columns at its offset in y: with g0 = -group_begin the epilogue reads svh
+      // at the shard's own column (group - group_begin) * 128 + ..., and with out_offset = -group_begin * 128 it
+      // writes y at the global column (a.out_features and a.y_stride are y's full width). Partials and counters
+      // stay indexed by the global (row chunk, group).
+      const GemmShards& tab = shard_table(sh...);
+      const ShardRef r = shard_ref(tab, group);
+      GemmArgs b = a;
+      b.svh = r.svh;
+      b.rowsum_parts = a.rowsum_parts ? a.rowsum_parts + r.s * tab.rowsum_shard : nullptr;
+      b.g0 = -r.group_begin;
+      b.out_offset = -r.group_begin * kHadBlock;
+      finish_segment<T::kRows, T::kBufStride, T::kAffineEpilogue>(b, units, buf, last_flag, seg, seg_end, rg_seg,
+                                                                  group, row0, valid_rows, kta, warp, lane);
+    } else
     finish_segment<T::kRows, T::kBufStride, T::kAffineEpilogue>(a, units, buf, last_flag, seg, seg_end, rg_seg, group,
                                                                  row0, valid_rows, kta, warp, lane);
     seg = seg_end;
@@ -305,8 +367,19 @@ GemmKernel skinny_kernel_ref() {
           SkinnyTraits<kBits2, kMul1, kMT, kDup>::kSmemBytes};
 }
 
+template <int kBits2, bool kMul1, int kMT, bool kDup>
+GemmKernel skinny_group_kernel_ref() {
+  return {reinterpret_cast<const void*>(&skinny_kernel<kBits2, kMul1, kMT, kDup, GemmShards>),
+          SkinnyTraits<kBits2, kMul1, kMT, kDup>::kSmemBytes};
+}
+
 // Per-family lookup (one definition per translation unit). dup: duplicated-activation codeword path.
 GemmKernel skinny_kernel_mul1(int bits2, int mt, bool dup);
 GemmKernel skinny_kernel_3inst_mcg(int bits2, int mt, bool dup);
+// The grouped kernels exist for the duplicated-activation path (the default; plain is a bench comparison) and 1-8
+// rows (mt 1) only: at 9-16 rows (mt 2) the one-linear kernels are at their 128-register limit and the grouped ones
+// spilled more (8-40 bytes of stack), so native_linear_group runs those row counts shard by shard.
+GemmKernel skinny_group_kernel_mul1(int bits2, int mt);
+GemmKernel skinny_group_kernel_3inst_mcg(int bits2, int mt);
 
 }  // namespace exl3

@@ -17,4 +17,16 @@ GemmKernel skinny_kernel_3inst_mcg(int bits2, int mt, bool dup) {
   return k;
 }
 
+GemmKernel skinny_group_kernel_3inst_mcg(int bits2, int mt) {
+  GemmKernel k{nullptr, 0};
+  auto pick = [&](auto b2) {
+    constexpr int kB = decltype(b2)::value;
+    if constexpr (kB % 2 == 0) {
+      if (mt == 1) k = skinny_group_kernel_ref<kB, false, 1, true>();
+    }
+  };
+  EXL3_DISPATCH_BITS2(bits2, pick)
+  return k;
+}
+
 }  // namespace exl3

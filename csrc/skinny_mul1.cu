@@ -14,4 +14,16 @@ GemmKernel skinny_kernel_mul1(int bits2, int mt, bool dup) {
   return k;
 }
 
+GemmKernel skinny_group_kernel_mul1(int bits2, int mt) {
+  GemmKernel k{nullptr, 0};
+  auto pick = [&](auto b2) {
+    constexpr int kB = decltype(b2)::value;
+    {
+      if (mt == 1) k = skinny_group_kernel_ref<kB, true, 1, true>();
+    }
+  };
+  EXL3_DISPATCH_BITS2(bits2, pick)
+  return k;
+}
+
 }  // namespace exl3

@@ -29,6 +29,8 @@ def fits(value, arg) -> bool:
     kind = str(arg.type)
     if kind == "Tensor":
         return isinstance(value, torch.Tensor)
+    if kind in ("Tensor[]", "List[Tensor]"):
+        return isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value)
     if kind in ("int[]", "List[int]"):
         return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     if kind == "int":
@@ -57,6 +59,15 @@ def test_a_native_linear_binding_fits_native_linear(monkeypatch):
     assert [a.name for a in s.arguments[:1]] == ["x"]
     assert_fits(bound.args, s, per_call=1)
     assert bound.args[0] is w.trellis and bound.handle is w.trellis
+
+
+def test_native_linear_group_arguments_fit_native_linear_group():
+    ws = [random_weights(256, n, 3, "mul1", seed=i) for i, n in enumerate((128, 256, 384))]
+    args = native.linear_group_args(ws, native.NativePath.AUTO)
+    s = schema("bindings.cpp", "native_linear_group")
+    assert [a.name for a in s.arguments[:1]] == ["x"]
+    assert_fits(args, s, per_call=1)
+    assert all(t is w.trellis for t, w in zip(args[0], ws)) and args[3] == 2
 
 
 def test_a_native_moe_binding_fits_native_moe(monkeypatch):

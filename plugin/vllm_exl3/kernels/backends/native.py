@@ -67,7 +67,11 @@ def _register_fakes() -> None:
         return trellis.new_empty((trellis.shape[0] * 16, trellis.shape[1] * 16),
                                  dtype=torch.bfloat16 if bf16 else torch.float16)
 
-    for name, fn in (("vllm_exl3::native_linear", linear_fake), ("vllm_exl3::reconstruct", reconstruct_fake)):
+    def linear_group_fake(x, trellis, suh, svh, codebook, path=NativePath.AUTO):
+        return x.new_empty((x.shape[0], sum(t.shape[1] * 16 for t in trellis)))
+
+    for name, fn in (("vllm_exl3::native_linear", linear_fake), ("vllm_exl3::reconstruct", reconstruct_fake),
+                     ("vllm_exl3::native_linear_group", linear_group_fake)):
         try:
             torch.library.register_fake(name)(fn)
         except RuntimeError as e:  # already registered (module reloaded)
@@ -116,6 +120,22 @@ def linear(x: torch.Tensor, w: Exl3Weights, in_offset: int = 0, out_offset: int 
            out_features: int | None = None, path: int = NativePath.AUTO) -> torch.Tensor:
     out_features = w.out_padded - out_offset if out_features is None else out_features
     return torch.ops.vllm_exl3.native_linear(x, *linear_args(w, in_offset, out_offset, out_features, path))
+
+
+def linear_group_args(ws: list[Exl3Weights], path: int) -> tuple:
+    """native_linear_group's arguments after x (csrc/bindings.cpp; tests/kernels/test_native_call_schema.py)."""
+    codebooks = {w.codebook for w in ws}
+    if len(codebooks) != 1:
+        raise ValueError(f"native_linear_group: the shards must share one codebook, got {sorted(codebooks)}")
+    return ([w.trellis for w in ws], [w.suh for w in ws], [w.svh for w in ws], codebook_index(ws[0].codebook),
+            int(path))
+
+
+def linear_group(x: torch.Tensor, ws: list[Exl3Weights], path: int = NativePath.AUTO) -> torch.Tensor:
+    """y [rows, sum of the shards' padded out] = the whole linears `ws` (2..4, one input: attention q, k, v) side by
+    side, x [rows, in_padded]. Up to 8 rows on the skinny path, two kernel launches for all shards; otherwise one
+    native_linear per shard (csrc/bindings.cpp, native_linear_group). Not used by the serving path yet."""
+    return torch.ops.vllm_exl3.native_linear_group(x, *linear_group_args(ws, path))
 
 
 class NativeBackend(Backend):
