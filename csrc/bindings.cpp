@@ -78,6 +78,31 @@ void cublas_gemm(const at::Tensor& a, const void* w, int64_t ldw, at::Tensor& y)
   TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "vllm_exl3: cublasGemmEx failed (status ", static_cast<int>(st), ")");
 }
 
+// The skinny path's workspace, one allocation: the transformed input (xh_bytes), mul1's row sums (rs_bytes, or 0),
+// the split-K partials and counters the plan needs; points the input transform and the GEMM at their parts.
+at::Tensor skinny_workspace(const at::Tensor& like, size_t xh_bytes, size_t rs_bytes, const exl3::GemmPlan& plan,
+                            int parts, exl3::InputTransformArgs& it, exl3::GemmArgs& sa) {
+  const size_t part_bytes = align256(plan.partial_bytes), cnt_bytes = align256(plan.counter_bytes);
+  at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + part_bytes + cnt_bytes)},
+                            like.options().dtype(at::kByte));
+  char* base = static_cast<char*>(ws.data_ptr());
+  it.xh = base;
+  it.xh_dtype = exl3::kActF16;
+  it.scale = exl3::kHadScale;
+  it.rowsum_parts = rs_bytes ? reinterpret_cast<float*>(base + xh_bytes) : nullptr;
+  if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
+    sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
+    sa.max_slots = plan.max_slots;
+    sa.counters = reinterpret_cast<int*>(base + xh_bytes + rs_bytes + part_bytes);
+    it.zero = sa.counters;
+    it.zero_bytes = cnt_bytes;
+  }
+  sa.xh = it.xh;
+  sa.rowsum_parts = it.rowsum_parts;
+  sa.parts = parts;
+  return ws;
+}
+
 at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
                          int64_t codebook, int64_t in_offset, int64_t out_offset, int64_t out_features, int64_t path) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a 2-D CUDA tensor");
@@ -189,26 +214,9 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
   // Per-row sums of xh: only the skinny kernel's mul1 codewords need them (their affine epilogue).
   const bool rowsums = !plan.panel && plan.dup && w.codebook == exl3::kCbMul1;
-  const size_t xh_bytes = align256(xh_rows * ka * 2), rs_bytes = rowsums ? align256(rows * parts * 4) : 0;
-  const size_t part_bytes = align256(plan.partial_bytes), cnt_bytes = align256(plan.counter_bytes);
-  at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + part_bytes + cnt_bytes)},
-                            x.options().dtype(at::kByte));
-  char* base = static_cast<char*>(ws.data_ptr());
   it.xh_rows = static_cast<int>(xh_rows);
-  it.xh = base;
-  it.xh_dtype = exl3::kActF16;
-  it.scale = exl3::kHadScale;
-  it.rowsum_parts = rowsums ? reinterpret_cast<float*>(base + xh_bytes) : nullptr;
-  if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
-    sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
-    sa.max_slots = plan.max_slots;
-    sa.counters = reinterpret_cast<int*>(base + xh_bytes + rs_bytes + part_bytes);
-    it.zero = sa.counters;
-    it.zero_bytes = cnt_bytes;
-  }
-  sa.xh = it.xh;
-  sa.rowsum_parts = it.rowsum_parts;
-  sa.parts = parts;
+  const at::Tensor ws = skinny_workspace(x, align256(xh_rows * ka * 2), rowsums ? align256(rows * parts * 4) : 0,
+                                         plan, parts, it, sa);
   if (exl3::env::skinny_trace() && !plan.panel) {
     last_skinny_trace() = at::zeros({plan.grid, exl3::kGemmWarps, 5}, x.options().dtype(at::kLong));
     sa.trace = reinterpret_cast<unsigned long long*>(last_skinny_trace().data_ptr());
@@ -296,13 +304,6 @@ at::Tensor native_linear_group(const at::Tensor& x_in, at::TensorList trellis, a
   const int64_t xh_rows = static_cast<int64_t>(plan.row_chunks) * plan.rows_per_chunk;
   const int parts = exl3::input_transform_parts(static_cast<int>(kb_count));
   const bool rowsums = views[0].codebook == exl3::kCbMul1;  // mul1's affine epilogue (dup codewords)
-  const size_t xh_bytes = align256(shards * xh_rows * k_in * 2);
-  const size_t rs_bytes = rowsums ? align256(shards * rows * parts * 4) : 0;
-  const size_t part_bytes = align256(plan.partial_bytes), cnt_bytes = align256(plan.counter_bytes);
-  at::Tensor ws = at::empty({static_cast<int64_t>(xh_bytes + rs_bytes + part_bytes + cnt_bytes)},
-                            x.options().dtype(at::kByte));
-  char* base = static_cast<char*>(ws.data_ptr());
-
   exl3::InputTransformArgs it{};
   it.x = x.data_ptr();
   it.x_dtype = xdt;
@@ -313,20 +314,8 @@ at::Tensor native_linear_group(const at::Tensor& x_in, at::TensorList trellis, a
   it.in_offset = 0;
   it.kb0 = 0;
   it.kb_count = static_cast<int>(kb_count);
-  it.xh = base;
-  it.xh_dtype = exl3::kActF16;
-  it.scale = exl3::kHadScale;
-  it.rowsum_parts = rowsums ? reinterpret_cast<float*>(base + xh_bytes) : nullptr;
-  if (plan.split_k) {  // only the counters need zeros; every partial slot is written before it is read
-    sa.partials = reinterpret_cast<float*>(base + xh_bytes + rs_bytes);
-    sa.max_slots = plan.max_slots;
-    sa.counters = reinterpret_cast<int*>(base + xh_bytes + rs_bytes + part_bytes);
-    it.zero = sa.counters;
-    it.zero_bytes = cnt_bytes;
-  }
-  sa.xh = it.xh;
-  sa.rowsum_parts = it.rowsum_parts;
-  sa.parts = parts;
+  const at::Tensor ws = skinny_workspace(x, align256(shards * xh_rows * k_in * 2),
+                                         rowsums ? align256(shards * rows * parts * 4) : 0, plan, parts, it, sa);
 
   exl3::GemmShards sh{};
   const void* suh_ptrs[exl3::kMaxGroupShards] = {};

@@ -136,10 +136,10 @@ bool gemm_group_fits_device(int codebook, int bits2, int rows) {
   return k.fn && prepare_kernel(k, current_device()) > 0;
 }
 
-cudaError_t launch_gemm_group(const GemmArgs& a, const GemmShards& shards, const GemmPlan& p, bool pdl,
-                              cudaStream_t stream) {
-  if (p.panel || !p.dup || a.kb0 != 0 || a.g0 != 0) return cudaErrorInvalidValue;
-  const GemmKernel k = pick_group(a, p.rows_per_chunk / 8);
+namespace {
+// One GEMM launch over the plan's stream-K units: the kernel's (GemmArgs, units[, shard table]) parameters.
+cudaError_t launch_units(const GemmKernel& k, const GemmArgs& a, const GemmPlan& p, GemmShards* shards, bool pdl,
+                         cudaStream_t stream) {
   if (!k.fn) return cudaErrorInvalidValue;
   if (prepare_kernel(k, current_device()) <= 0) return cudaErrorInvalidConfiguration;
   const long long units = static_cast<long long>(p.row_chunks) * a.groups * a.kb_count * kTilesPerHad;
@@ -149,9 +149,16 @@ cudaError_t launch_gemm_group(const GemmArgs& a, const GemmShards& shards, const
   GemmArgs args = a;
   args.kta_div = make_fast_div(a.kb_count * kTilesPerHad);
   args.groups_div = make_fast_div(a.groups);
-  GemmShards sh = shards;
-  void* kargs[] = {&args, &units32, &sh};
+  void* kargs[] = {&args, &units32, shards};
   return launch_kernel(k.fn, dim3(p.grid), dim3(kGemmThreads), k.smem, pdl, stream, kargs);
+}
+}  // namespace
+
+cudaError_t launch_gemm_group(const GemmArgs& a, const GemmShards& shards, const GemmPlan& p, bool pdl,
+                              cudaStream_t stream) {
+  if (p.panel || !p.dup || a.kb0 != 0 || a.g0 != 0) return cudaErrorInvalidValue;
+  GemmShards sh = shards;
+  return launch_units(pick_group(a, p.rows_per_chunk / 8), a, p, &sh, pdl, stream);
 }
 
 bool gemm_fits_device(int codebook, int bits2, int rows, bool panel) {
@@ -163,18 +170,7 @@ bool gemm_fits_device(int codebook, int bits2, int rows, bool panel) {
 }
 
 cudaError_t launch_gemm(const GemmArgs& a, const GemmPlan& p, bool pdl, cudaStream_t stream) {
-  const GemmKernel k = pick(a, p.panel, p.rows_per_chunk / 8, p.dup);
-  if (!k.fn) return cudaErrorInvalidValue;
-  if (prepare_kernel(k, current_device()) <= 0) return cudaErrorInvalidConfiguration;
-  const long long units = static_cast<long long>(p.row_chunks) * a.groups * a.kb_count * kTilesPerHad;
-  if (units <= 0) return cudaSuccess;
-  if (units >= (1LL << 31)) return cudaErrorInvalidValue;
-  int units32 = static_cast<int>(units);
-  GemmArgs args = a;
-  args.kta_div = make_fast_div(a.kb_count * kTilesPerHad);
-  args.groups_div = make_fast_div(a.groups);
-  void* kargs[] = {&args, &units32};
-  return launch_kernel(k.fn, dim3(p.grid), dim3(kGemmThreads), k.smem, pdl, stream, kargs);
+  return launch_units(pick(a, p.panel, p.rows_per_chunk / 8, p.dup), a, p, nullptr, pdl, stream);
 }
 
 const char* built_archs() {

@@ -32,21 +32,11 @@ from vllm_exl3.format.pack import Pack
 from vllm_exl3.format.tensors import load_weights
 from vllm_exl3.dev.cuda_graph import capture
 from vllm_exl3.dev.synthetic import random_weights
+from support.gpu import native_or_skip
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-
-from vllm_exl3.kernels.backend import get_backend  # noqa: E402
-
-get_backend("torch")  # load every backend module (the registry loads once, on first use)
-from vllm_exl3.kernels.backends import native  # noqa: E402
-
-if native.unavailable_reason():
-    if os.environ.get("VLLM_EXL3_REQUIRE_NATIVE") == "1":
-        raise RuntimeError(f"native backend unavailable: {native.unavailable_reason()}")
-    pytest.skip(f"native backend unavailable: {native.unavailable_reason()}", allow_module_level=True)
+native = native_or_skip()
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "exl3"
 DEV = "cuda"
