@@ -254,40 +254,45 @@ def test_a_memory_watchdog_stop_drains_and_new_requests_get_503(box):
     """Below the hard floor the memory watchdog stops vLLM as supervisord does: the running stream finishes
     (it was cut when the watchdog signalled the whole group), and new requests meanwhile get 503 (they got 500:
     vLLM had already shut the executors they need) until vLLM is gone; then it is restarted."""
-    pid, original = box.vllm_pid, box.meminfo.read_text()
-    t, result = long_stream(box.base)
-    box.meminfo.write_text(re.sub(r"^MemAvailable:.*$", "MemAvailable:      65536 kB", original, flags=re.M))
-    statuses: list[int] = []
-    try:
-        # Ask only once the watchdog has acted: a request sent before it is served (200) and, on a loaded machine,
-        # can outlast the stream, leaving nothing asked during the drain.
-        wait_until("the watchdog's stop", lambda: f"stopping vLLM (pid {pid})" in box.log.read_text(), 60, box.proc,
-                   box.log, poll=0.1)
-        assert t.is_alive(), "the stream ended before the watchdog stopped vLLM: nothing was drained"
-        while t.is_alive():
-            try:
-                r = requests.post(box.base + "/v1/completions", json=body(), headers=auth(), timeout=30)
-            except requests.ConnectionError:
-                break  # the drain is over: vLLM has closed its port
-            statuses.append(r.status_code)
-            if r.status_code == 503:
-                assert r.headers.get("retry-after") and "shutting down" in r.text
-                try:  # readiness goes red, unless the drain ended (port closed) between the two requests
-                    assert requests.get(box.base + "/health", timeout=10).status_code == 503
+    original = box.meminfo.read_text()
+    for attempt in range(3):
+        pid = box.vllm_pid
+        t, result = long_stream(box.base)
+        box.meminfo.write_text(re.sub(r"^MemAvailable:.*$", "MemAvailable:      65536 kB", original, flags=re.M))
+        statuses: list[int] = []
+        try:
+            # Ask only once the watchdog has acted: a request sent before it is served (200) and, on a loaded
+            # machine, can outlast the stream, leaving nothing asked during the drain.
+            wait_until("the watchdog's stop", lambda: f"stopping vLLM (pid {pid})" in box.log.read_text(), 60,
+                       box.proc, box.log, poll=0.1)
+            while t.is_alive():
+                try:
+                    r = requests.post(box.base + "/v1/completions", json=body(), headers=auth(), timeout=30)
                 except requests.ConnectionError:
-                    break
-            time.sleep(0.2)
-        t.join(180)
-    finally:
-        box.meminfo.write_text(original)
-    assert "error" not in result, (result, tail(box.log))
+                    break  # the drain is over: vLLM has closed its port
+                statuses.append(r.status_code)
+                if r.status_code == 503:
+                    assert r.headers.get("retry-after") and "shutting down" in r.text
+                    try:  # readiness goes red, unless the drain ended (port closed) between the two requests
+                        assert requests.get(box.base + "/health", timeout=10).status_code == 503
+                    except requests.ConnectionError:
+                        break
+                time.sleep(0.2)
+            t.join(180)
+        finally:
+            box.meminfo.write_text(original)
+        assert "error" not in result, (result, tail(box.log))
+        wait_until("a new vLLM", lambda: box.vllm_pid not in (None, pid), 120, box.proc, box.log)
+        box.wait_healthy()
+        if statuses:
+            break
+        # The whole stream ran before the watchdog's stop was seen (seen on the 2-core CI machine, not reproduced
+        # alone): nothing was asked during a drain, so the scenario runs again on the restarted vLLM.
     text, finish, chunks = result["out"]
     assert finish == "length" and chunks >= 900, (finish, chunks)  # every token, not a cut stream
-    assert 503 in statuses and set(statuses) <= {200, 503}, statuses
+    assert 503 in statuses and set(statuses) <= {200, 503}, (attempt, statuses)
     log = box.log.read_text()
     assert f"stopping vLLM (pid {pid})" in log and "did not finish" not in log, tail(box.log)
-    wait_until("a new vLLM", lambda: box.vllm_pid not in (None, pid), 120, box.proc, box.log)
-    box.wait_healthy()
 
 
 def test_a_stop_during_a_stream_lets_it_finish(box):
