@@ -158,6 +158,55 @@ def test_qkv_shards_keep_their_own_scales(tmp_path, rank, tp):
         assert rel(got, reference(x, ws[name], 256, n)) < 1e-5, name
 
 
+def _qkv_layer(tmp_path, rank, ws: dict[str, Exl3Weights], tp: int = 1, r: int = 0):
+    cfg, tensors = make_config(tmp_path, ws, packed={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    rank(r, tp)
+    layer = vllm_linear.QKVParallelLinear(256, 64, 4, 2, bias=False, quant_config=cfg, prefix="a.qkv_proj",
+                                          return_bias=False)
+    load(layer, tensors, {"a.q_proj": "q", "a.k_proj": "k", "a.v_proj": "v"})
+    return layer
+
+
+def _qkv_weights(bits=(3, 3, 3), codebooks=("mcg", "mcg", "mcg")) -> dict[str, Exl3Weights]:
+    return {f"a.{n}_proj": random_weights(256, out, b, cb, seed)
+            for n, out, b, cb, seed in zip("qkv", (256, 128, 128), bits, codebooks, (7, 8, 9))}
+
+
+def _outputs_are_the_shards(layer, ws, x) -> None:
+    for got, (name, w) in zip(layer(x).split([256, 128, 128], -1), ws.items()):
+        assert rel(got, reference(x, w, 256, w.out_padded)) < 1e-5, name
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_whole_alike_shards_run_as_one_grouped_call(tmp_path, rank, monkeypatch, setting):
+    """q/k/v of one codebook and width, unsliced: one `linear_group` call serves all three (the torch reference's
+    grouped binding here; the native one on a GPU) unless VLLM_EXL3_GROUP_LINEARS=0; the output is the same."""
+    from vllm_exl3.kernels import selection
+    if setting is not None:
+        monkeypatch.setenv(selection.GROUP_ENV, setting)
+    ws = _qkv_weights()
+    layer = _qkv_layer(tmp_path, rank, ws)
+    group = layer.quant_method.group
+    if setting == "0":
+        assert group is None and layer.exl3_group == 0
+    else:
+        assert layer.exl3_group == 512 and [w.trellis.data_ptr() for w in group.ws] == \
+            [layer.quant_method.bound[i].w.trellis.data_ptr() for i in range(3)]
+        assert ops.serving(layer.exl3_trellis_0, "linear_group") is group
+        assert ops.serving(layer.exl3_trellis_0) is layer.quant_method.bound[0]  # its own binding stays served
+    _outputs_are_the_shards(layer, ws, torch.randn(4, 256))
+
+
+@pytest.mark.parametrize("case", ["mixed widths", "mixed codebooks", "tensor parallel"])
+def test_shards_that_differ_or_are_sliced_are_called_one_by_one(tmp_path, rank, case):
+    ws = _qkv_weights(bits=(4, 3, 3)) if case == "mixed widths" else \
+        _qkv_weights(codebooks=("mcg", "mul1", "mcg")) if case == "mixed codebooks" else _qkv_weights()
+    layer = _qkv_layer(tmp_path, rank, ws, tp=2 if case == "tensor parallel" else 1)
+    assert layer.quant_method.group is None and layer.exl3_group == 0
+    if case != "tensor parallel":
+        _outputs_are_the_shards(layer, ws, torch.randn(3, 256))
+
+
 def test_mixed_layer_with_plain_shards(tmp_path, rank):
     """`non_routed_exl3` long form: gate in EXL3, up kept BF16 (bf16_shards [1])."""
     rank(0, 1)
@@ -330,6 +379,36 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy
         assert rel(layer(x), reference(x, w, 256, 384)) < 1e-5
         assert layer.quant_method.bound[0].backend == "torch"  # the backend the gate moved the layer to
         assert ops.serving(layer.exl3_trellis_0) is layer.quant_method.bound[0]  # and the op runs that binding
+    finally:
+        parity.reset()
+        binding.reset()
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_parity_gate_checks_the_grouped_call_on_its_own(tmp_path, rank, monkeypatch, policy):
+    """Right shards, a wrong grouped call (test-only backend): `fallback` keeps the shards on their backend and
+    calls them one by one (output exact), `strict` refuses to load naming the grouped layer."""
+    from vllm_exl3.integration import binding
+    from vllm_exl3.kernels import backend as kbackend, parity, selection
+    from support.backends import WrongGroupNative
+
+    kbackend.load_backends()
+    monkeypatch.setitem(kbackend.REGISTRY, "native", WrongGroupNative())
+    monkeypatch.setattr(selection, "_excluded", {})
+    monkeypatch.setenv(parity.PARITY_ENV, policy)
+    monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
+    parity.reset()
+    binding.reset()
+    ws = _qkv_weights()
+    try:
+        if policy == "strict":
+            with pytest.raises(parity.ParityError, match=r"layer a\.qkv_proj \(grouped\) .*native backend"):
+                _qkv_layer(tmp_path, rank, ws)
+            return
+        layer = _qkv_layer(tmp_path, rank, ws)
+        assert layer.quant_method.group is None and layer.exl3_group == 0
+        assert {b.backend for b in layer.quant_method.bound.values()} == {"native"}
+        _outputs_are_the_shards(layer, ws, torch.randn(4, 256))
     finally:
         parity.reset()
         binding.reset()

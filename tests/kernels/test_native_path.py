@@ -1,5 +1,6 @@
-"""The C++ path enum (csrc/planner.h `enum Path`) and its one Python mirror (kernels/backends/native.py NativePath)
-agree name for name and value for value. Reads the C++ source only: no build, no GPU."""
+"""The C++ path enum (csrc/planner.h `enum Path`) and the grouped kernel's shard limit agree with their Python
+mirrors (kernels/backends/native.py NativePath, MAX_GROUP_SHARDS) name for name and value for value. Reads the C++
+source only: no build, no GPU."""
 
 from __future__ import annotations
 
@@ -24,3 +25,10 @@ def test_python_path_enum_matches_cpp():
     cpp = cpp_paths()
     assert len(cpp) >= 8
     assert {p.name: p.value for p in NativePath} == cpp
+
+
+def test_group_shard_limit_matches_cpp():
+    from vllm_exl3.kernels.backends.native import MAX_GROUP_SHARDS
+
+    header = (PLANNER_H.parent / "exl3_kernels.h").read_text()
+    assert int(re.search(r"constexpr int kMaxGroupShards = (\d+);", header).group(1)) == MAX_GROUP_SHARDS

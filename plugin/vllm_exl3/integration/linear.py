@@ -1,8 +1,11 @@
 """Dense EXL3 linears in vLLM: column/row/merged/QKV/replicated layers and the LM head.
 
-A vLLM layer can fuse several checkpoint linears (q/k/v, gate/up). Each keeps its own suh/svh, so each is
-computed separately and the outputs are concatenated (there is no single fused GEMM across shards). A shard
-may also be a plain (BF16) weight in a mixed layer (`non_routed_exl3.bf16_shards`).
+A vLLM layer can fuse several checkpoint linears (q/k/v, gate/up). Each keeps its own suh/svh and is bound (and
+parity-gated) on its own. When every shard is a whole EXL3 linear (no tensor-parallel slice, dims multiples of 128)
+of one codebook and bit width, bound to a backend with a grouped kernel, the layer runs them as one call
+(`vllm_exl3::linear_group`, gated as its own layer type; `VLLM_EXL3_GROUP_LINEARS=0` turns it off); otherwise each
+shard is called and the outputs are concatenated. A shard may also be a plain (BF16) weight in a mixed layer
+(`non_routed_exl3.bf16_shards`).
 
 Storage per layer: one flat parameter per checkpoint suffix (`trellis`, `suh`, `svh`, …) holding every shard's
 block range back to back, so the names vLLM's loaders look up (`<module>.<suffix>`) always exist; each
@@ -25,8 +28,9 @@ from ..format.records import marker_value_problem
 from ..format.tensors import Exl3Weights, check_delivered, unpack_signs
 from ..format.geometry import Span, check_padding
 from ..kernels import ops, parity
-from ..kernels.interface import BoundLinear
-from ..kernels.selection import choose_linear_backend, linear_layer_type
+from ..kernels.interface import BoundLinear, BoundLinearGroup
+from ..kernels.selection import (choose_linear_backend, choose_linear_group_backend, linear_group_layer_type,
+                                 linear_layer_type)
 from ..kernels.specs import LinearSpec
 
 logger = logging.getLogger(__name__)
@@ -120,6 +124,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         self.names, self.shard_ids, self.metas, self.plain_shapes = names, shard_ids, metas, plain_shapes
         self.shards: list[Shard] = []
         self.bound: dict[int, BoundLinear] = {}  # shard index -> its binding (kernels/ops.py serves it)
+        self.group: BoundLinearGroup | None = None  # every shard in one call, when _regroup finds that possible
         self.last_block = False  # set by Exl3Config: this layer is in the model's last block (the parity gate)
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -226,19 +231,28 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                 layer.register_buffer(f"exl3_plain_{i}", w, persistent=False)
                 layer.exl3_shards.append(("plain", i, None))
                 continue
-            kt, nt, words = s.trellis_shape
-            t0, n = s.offsets["trellis"], kt * nt * words
-            w = Exl3Weights(layer.trellis.data[t0:t0 + n].view(kt, nt, words),
-                            layer.suh.data[s.offsets["suh"]:s.offsets["suh"] + s.rows.block_size],
-                            layer.svh.data[s.offsets["svh"]:s.offsets["svh"] + s.cols.block_size],
-                            s.meta.codebook, s.meta.bits)
+            w = self._weights(layer, s)
             layer.register_buffer(f"exl3_trellis_{i}", w.trellis, persistent=False)  # what the op is called with
             layer.exl3_shards.append(("exl3", i, s.cols.size))
-            self._bind(layer, i, s, w)
+        layer.exl3_group = 0  # the grouped call's output width, 0 while the shards are called one by one
+        self.bound.clear()
+        for i, s in enumerate(self.shards):
+            if s.meta is not None:
+                self._bind(layer, i, s, self._weights(layer, s))
         layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
                               if compat.is_lm_head(layer) else 0)
         compile_key.record()  # vLLM's compile cache key (integration/compile_key.py)
         telemetry.layer_bound()  # the metrics exporter's view of this worker, once per load (telemetry.py)
+
+    @staticmethod
+    def _weights(layer, s: Shard) -> Exl3Weights:
+        """Shard s's views into the layer's flat parameters."""
+        kt, nt, words = s.trellis_shape
+        t0, n = s.offsets["trellis"], kt * nt * words
+        return Exl3Weights(layer.trellis.data[t0:t0 + n].view(kt, nt, words),
+                           layer.suh.data[s.offsets["suh"]:s.offsets["suh"] + s.rows.block_size],
+                           layer.svh.data[s.offsets["svh"]:s.offsets["svh"] + s.cols.block_size],
+                           s.meta.codebook, s.meta.bits)
 
     def _bind(self, layer, i: int, s: Shard, w: Exl3Weights) -> None:
         """Choose shard i's backend and bind it, serve that binding (kernels/ops.py), then let the parity gate
@@ -252,6 +266,34 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         binding.bind_checked(s.name, linear_layer_type(spec), backend, layer.params_dtype,
                              lambda: parity.linear_error(bound, s.rows.size, layer.params_dtype),
                              lambda: self._bind(layer, i, s, w), self.last_block)
+        self._regroup(layer)  # after every (re)binding of a shard: the group follows the shards' backend
+
+    def _regroup(self, layer) -> None:
+        """Bind every shard of the layer as one grouped call when they allow it (see the module's docstring), else
+        call them one by one. Waits until every shard is bound; a shard bound again (a fallback) regroups."""
+        self.group, layer.exl3_group = None, 0
+        shards = [(i, s) for i, s in enumerate(self.shards) if s.meta is not None]
+        if len(shards) < 2 or len(shards) != len(self.shards) or len(self.bound) < len(shards):
+            return
+        first = shards[0][1].meta
+        whole = all(s.rows.offset == 0 and s.rows.size == s.rows.block_size == s.meta.in_padded and
+                    s.cols.offset == 0 and s.cols.size == s.cols.block_size == s.meta.out_padded for _, s in shards)
+        alike = all((s.meta.codebook, s.meta.bits, s.meta.in_padded) == (first.codebook, first.bits, first.in_padded)
+                    for _, s in shards)
+        backends = {self.bound[i].backend for i, _ in shards}
+        if not (whole and alike and len(backends) == 1):
+            return
+        spec = LinearSpec(first.codebook, first.bits, first.in_padded, sum(s.meta.out_padded for _, s in shards),
+                          layer.params_dtype, self.bound[shards[0][0]].w.trellis.device.type)
+        backend = choose_linear_group_backend(spec, len(shards), backends.pop())
+        if backend is None:
+            return
+        group = backend.bind_linear_group([self.bound[i].w for i, _ in shards])
+        ops.serve(group)
+        self.group, layer.exl3_group = group, group.out_features
+        binding.bind_checked(f"{self.prefix} (grouped)", linear_group_layer_type(spec), backend,
+                             layer.params_dtype, lambda: parity.linear_group_error(group, layer.params_dtype),
+                             lambda: self._regroup(layer), self.last_block)
 
     def tie_weights(self, layer, embed_tokens):
         # ExLlamaV3 always writes its own lm_head (docs/format.md §4.1): keep it even if the config says tied.
@@ -261,6 +303,11 @@ class Exl3LinearMethod(compat.LinearMethodBase):
     # -- forward --------------------------------------------------------------------------------------------
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        if layer.exl3_group:  # whole shards (no slice, no padding): their outputs are the layer's, no pad, no cat
+            y = torch.ops.vllm_exl3.linear_group(x2, layer.exl3_trellis_0, layer.exl3_group)
+            if bias is not None:
+                y = y + bias
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         outs = []
         for kind, i, out_features in layer.exl3_shards:
             if kind == "plain":

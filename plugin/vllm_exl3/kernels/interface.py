@@ -33,6 +33,7 @@ class BoundLinear:
     x's dtype, without bias. Must not sync the host or allocate by tensor *values* (CUDA graphs)."""
 
     backend = "?"
+    op = "linear"
 
     def __init__(self, w: Exl3Weights, in_offset: int, out_offset: int, out_features: int):
         self.w, self.in_offset, self.out_offset, self.out_features = w, in_offset, out_offset, out_features
@@ -46,6 +47,30 @@ class BoundLinear:
         raise NotImplementedError
 
 
+class BoundLinearGroup:
+    """2..4 whole dense linears of one input bound together (attention q, k, v): one call computes them all, made
+    once at load (`Backend.bind_linear_group`) from shards each already bound and gated on its own.
+
+    `self(x)`: x [M, in_padded] (every shard's whole, unsliced input) -> [M, Σ out_padded], the shards' outputs
+    side by side in `ws` order, in x's dtype. The same CUDA-graph rules as BoundLinear."""
+
+    backend = "?"
+    op = "linear_group"
+
+    def __init__(self, ws: list[Exl3Weights]):
+        self.ws = ws
+        self.out_features = sum(w.out_padded for w in ws)
+
+    @property
+    def handle(self) -> torch.Tensor:
+        """The tensor the `vllm_exl3::linear_group` op receives: the first shard's trellis (kernels/ops.py keys
+        bindings by op as well, so this group and that shard's own BoundLinear do not collide)."""
+        return self.ws[0].trellis
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class BoundMoE:
     """One routed-experts layer bound to a backend, made once at load (`Backend.bind_moe`).
 
@@ -54,6 +79,7 @@ class BoundMoE:
     expert parallelism, else None. With `call.router_weight_on_input` x is scaled before the experts instead."""
 
     backend = "?"
+    op = "moe"
 
     def __init__(self, experts: ExpertStack, call: MoECall):
         self.experts, self.call = experts, call
@@ -89,6 +115,14 @@ class Backend:
         """Once per layer after loading: a layer stored as the 128-aligned block range around its logical slice,
         bound with whatever the backend derives from it (a decoded cache, a built module, its call's arguments)."""
         raise NotImplementedError(f"the {self.name} backend has no dense linears")
+
+    def linear_group_unsupported_reason(self, spec: LinearSpec, shards: int) -> str | None:
+        """`spec`: one shard's geometry (every shard shares it but for out_padded, here their sum)."""
+        return "no grouped linears"
+
+    def bind_linear_group(self, ws: list[Exl3Weights]) -> BoundLinearGroup:
+        """Once per layer after its shards were bound to this backend: whole linears of one input, one call."""
+        raise NotImplementedError(f"the {self.name} backend has no grouped linears")
 
     # -- routed experts -----------------------------------------------------------------------------------
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:

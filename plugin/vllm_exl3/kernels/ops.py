@@ -22,26 +22,29 @@ import weakref
 
 import torch
 
-from .interface import BoundLinear, BoundMoE
+from .interface import BoundLinear, BoundLinearGroup, BoundMoE
 
+Bound = BoundLinear | BoundLinearGroup | BoundMoE
 _lock = threading.Lock()
-_serving: weakref.WeakValueDictionary[int, BoundLinear | BoundMoE] = weakref.WeakValueDictionary()
+# (op, trellis address) -> binding: a grouped layer's first shard has its own `linear` binding at the same address
+_serving: weakref.WeakValueDictionary[tuple[str, int], Bound] = weakref.WeakValueDictionary()
 
 
-def serve(bound: BoundLinear | BoundMoE) -> None:
-    """From now on the ops run `bound` for its layer (replacing an earlier binding of the same layer: a fallback)."""
+def serve(bound: Bound) -> None:
+    """From now on the op `bound.op` runs `bound` for its layer (replacing an earlier binding of the same layer and
+    op: a fallback)."""
     with _lock:
-        _serving[bound.handle.data_ptr()] = bound
+        _serving[(bound.op, bound.handle.data_ptr())] = bound
 
 
-def serving(handle: torch.Tensor) -> BoundLinear | BoundMoE | None:
-    """The binding the ops run for the layer whose trellis is `handle`, None if no layer was served there."""
+def serving(handle: torch.Tensor, op: str = BoundLinear.op) -> Bound | None:
+    """The binding the op runs for the layer whose trellis is `handle`, None if no layer was served there."""
     with _lock:
-        return _serving.get(handle.data_ptr())
+        return _serving.get((op, handle.data_ptr()))
 
 
 def _bound(handle: torch.Tensor, kind: type, op: str):
-    bound = serving(handle)
+    bound = serving(handle, kind.op)
     if not isinstance(bound, kind):
         raise RuntimeError(f"vllm_exl3::{op}: no {kind.__name__} is served for a trellis of shape "
                            f"{list(handle.shape)} at {handle.data_ptr():#x} (the layer was not bound after loading)")
@@ -55,6 +58,18 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, out_features: int) -> to
 
 
 @exl3_linear.register_fake
+def _(x, trellis, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.custom_op("vllm_exl3::linear_group", mutates_args=())
+def exl3_linear_group(x: torch.Tensor, trellis: torch.Tensor, out_features: int) -> torch.Tensor:
+    """y [M, out_features] = the grouped linears whose first shard's trellis is `trellis`, side by side; see
+    BoundLinearGroup."""
+    return _bound(trellis, BoundLinearGroup, "linear_group")(x)
+
+
+@exl3_linear_group.register_fake
 def _(x, trellis, out_features):
     return x.new_empty((x.shape[0], out_features))
 

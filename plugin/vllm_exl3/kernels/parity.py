@@ -42,7 +42,7 @@ from ..base import settings
 from ..format.jsonfile import write_json
 from .backend import get_backend
 from .errors import ParityError
-from .interface import Backend, BoundLinear, BoundMoE
+from .interface import Backend, BoundLinear, BoundLinearGroup, BoundMoE
 from .selection import exclude
 from .specs import PROJECTIONS, ExpertStack
 
@@ -221,6 +221,17 @@ def linear_error(bound: BoundLinear, in_features: int, dtype: torch.dtype) -> tu
     for rows in LINEAR_ROWS:
         x = _randn((rows, in_features), dtype, bound.w.trellis.device, g)
         worst = max(worst, rel_error(bound(x), ref(x)))
+    return worst, "rows " + ",".join(map(str, LINEAR_ROWS))
+
+
+def linear_group_error(group: BoundLinearGroup, dtype: torch.dtype) -> tuple[float, str]:
+    """Worst relative error of a grouped call against the torch reference of each shard, side by side."""
+    refs = [get_backend(REFERENCE).bind_linear(w, 0, 0, w.out_padded) for w in group.ws]
+    g = torch.Generator().manual_seed(SEED)
+    worst = 0.0
+    for rows in LINEAR_ROWS:
+        x = _randn((rows, group.ws[0].in_padded), dtype, group.ws[0].trellis.device, g)
+        worst = max(worst, rel_error(group(x), torch.cat([ref(x) for ref in refs], dim=-1)))
     return worst, "rows " + ",".join(map(str, LINEAR_ROWS))
 
 

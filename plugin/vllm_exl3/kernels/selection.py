@@ -99,5 +99,28 @@ def choose_linear_backend(spec: LinearSpec) -> Backend:
     return _choose(linear_layer_type(spec), lambda b: b.linear_unsupported_reason(spec))
 
 
+GROUP_ENV = "VLLM_EXL3_GROUP_LINEARS"
+
+
+def linear_group_layer_type(spec: LinearSpec) -> str:
+    return f"linear_group:{spec.codebook}:{spec.bits:g}b:{spec.device_type}"
+
+
+def choose_linear_group_backend(spec: LinearSpec, shards: int, backend_name: str) -> Backend | None:
+    """Whether the shards of one layer, each already bound to the backend named, run as one grouped call on it: it,
+    or None (one call per shard) when GROUP_ENV=0, the backend has no grouped kernel for them, or the parity gate
+    failed its grouped call. Never another backend: the group is the shards' own kernels, called together."""
+    layer_type = linear_group_layer_type(spec)
+    if not settings.get_bool(GROUP_ENV):
+        return None
+    backend = REGISTRY[backend_name]
+    with _lock:
+        excluded = (backend_name, layer_type) in _excluded
+    if excluded or backend.linear_group_unsupported_reason(spec, shards) is not None:
+        return None
+    _record(Decision(layer_type, backend.name, ()))  # a grouped layer traces another op: in the compile key
+    return backend
+
+
 def choose_moe_backend(spec: MoESpec) -> Backend:
     return _choose(moe_layer_type(spec), lambda b: b.moe_unsupported_reason(spec))

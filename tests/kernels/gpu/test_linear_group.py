@@ -150,3 +150,19 @@ def test_fake_impl_gives_shape():
         svh = [torch.empty(n, dtype=torch.float16, device=DEV) for n in (128, 384)]
         y = torch.ops.vllm_exl3.native_linear_group(x, ts, suh, svh, 1, 0)
         assert y.shape == (3, 512) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_the_serving_op_runs_the_bound_group(rows):
+    """What a grouped vLLM layer calls (integration/linear.py): torch.ops.vllm_exl3.linear_group on the native
+    backend's BoundLinearGroup, found by the first shard's trellis: the native op's own result, bit for bit."""
+    from vllm_exl3.kernels import ops
+    from vllm_exl3.kernels.backend import get_backend
+
+    ws = shards(2048, (4096, 512, 512), 4.0, "mcg", seed=40)
+    group = get_backend("native").bind_linear_group(ws)
+    ops.serve(group)
+    x = torch.randn(rows, 2048, device=DEV, dtype=torch.float16)
+    y = torch.ops.vllm_exl3.linear_group(x, ws[0].trellis, group.out_features)
+    assert torch.equal(y, native.linear_group(x, ws, P.AUTO))
+    assert ops.serving(ws[0].trellis, "linear_group") is group and ops.serving(ws[0].trellis) is None

@@ -23,7 +23,7 @@ import torch
 
 from ...format.constants import CODEBOOKS
 from ...format.tensors import Exl3Weights
-from ..interface import Backend, BoundLinear, BoundMoE, MoECall, register_backend
+from ..interface import Backend, BoundLinear, BoundLinearGroup, BoundMoE, MoECall, register_backend
 from ..specs import ExpertStack, LinearSpec, MoESpec
 from . import native_moe
 from .native_limits import limits_reason
@@ -43,6 +43,8 @@ class NativePath(enum.IntEnum):
     PANEL = 6
     RECON_ORIGINAL = 7
 
+
+MAX_GROUP_SHARDS = 4  # csrc/exl3_kernels.h kMaxGroupShards
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,6 +159,16 @@ class NativeBackend(Backend):
             raise RuntimeError(err)
         return _Linear(w, in_offset, out_offset, out_features)
 
+    def linear_group_unsupported_reason(self, spec: LinearSpec, shards: int) -> str | None:
+        if not 2 <= shards <= MAX_GROUP_SHARDS:
+            return f"{shards} shards (the grouped kernel takes 2..{MAX_GROUP_SHARDS})"
+        return self.linear_unsupported_reason(spec)
+
+    def bind_linear_group(self, ws: list[Exl3Weights]) -> BoundLinearGroup:
+        if (err := extension_error()) is not None:
+            raise RuntimeError(err)
+        return _LinearGroup(ws)
+
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return native_moe.unsupported_reason(spec)
 
@@ -175,6 +187,17 @@ class _Linear(BoundLinear):
 
     def __call__(self, x):
         return torch.ops.vllm_exl3.native_linear(x, *self.args)
+
+
+class _LinearGroup(BoundLinearGroup):
+    backend = NativeBackend.name
+
+    def __init__(self, ws):
+        super().__init__(ws)
+        self.args = linear_group_args(ws, NativePath.AUTO)
+
+    def __call__(self, x):
+        return torch.ops.vllm_exl3.native_linear_group(x, *self.args)
 
 
 class _MoE(native_moe.BoundNativeMoE):

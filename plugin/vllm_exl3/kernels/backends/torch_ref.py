@@ -16,7 +16,7 @@ import torch
 from ...format.tensors import Exl3Weights
 from ...format import reference
 from ...format.reference import decode_rotated
-from ..interface import Backend, BoundLinear, BoundMoE, MoECall, register_backend
+from ..interface import Backend, BoundLinear, BoundLinearGroup, BoundMoE, MoECall, register_backend
 from ..specs import W13, W2, ExpertStack, LinearSpec, MoESpec
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,12 @@ class TorchBackend(Backend):
     def bind_linear(self, w: Exl3Weights, in_offset: int, out_offset: int, out_features: int) -> BoundLinear:
         return TorchLinear(w, in_offset, out_offset, out_features)
 
+    def linear_group_unsupported_reason(self, spec: LinearSpec, shards: int) -> str | None:
+        return None
+
+    def bind_linear_group(self, ws: list[Exl3Weights]) -> BoundLinearGroup:
+        return TorchLinearGroup(ws)
+
     def bind_moe(self, experts: ExpertStack, call: MoECall) -> BoundMoE:
         return TorchMoE(experts, call)
 
@@ -67,6 +73,19 @@ class TorchLinear(BoundLinear):
     def __call__(self, x):
         return rotated_linear(x, self.w.suh, self.w.svh, self.w_hat, self.in_offset, self.out_offset,
                               self.out_features)
+
+
+class TorchLinearGroup(BoundLinearGroup):
+    """The grouped call's reference: each whole shard on its own, side by side."""
+
+    backend = TorchBackend.name
+
+    def __init__(self, ws):
+        super().__init__(ws)
+        self.shards = [TorchLinear(w, 0, 0, w.out_padded) for w in ws]
+
+    def __call__(self, x):
+        return torch.cat([shard(x) for shard in self.shards], dim=-1)
 
 
 class TorchMoE(BoundMoE):
