@@ -6,6 +6,8 @@ A server started with vLLM's torch profiler (`profiler_flags`) is profiled one w
 /stop_profile. The traces vLLM writes for that window are read back and their events of one category (device
 kernels on a GPU, operators on vLLM's CPU build) summed per kernel name and per class (CLASSES, first match wins),
 then divided by the engine steps the server counted over the window (`vllm:iteration_tokens_total`, /metrics).
+Kernel times are exclusive (`exclusive`): a kernel launched early by programmatic dependent launch does not count
+the time it waits for the one before it, so the classes add up to the time the device was busy.
 
     python3 bench/gpu/stepprofile.py URL MODEL TRACE_DIR [--concurrency 1,8,32,64] [--tokens 64]   (prints JSON)
 
@@ -35,16 +37,19 @@ from vllm_exl3.servebench import server_metrics  # noqa: E402
 # the rest are the families vLLM's Hopper build runs for these models. `top` in each window lists the largest
 # kernels by name, so a kernel that lands in "other" is visible.
 CLASSES = [
+    ("compiled elementwise (triton)", r"^triton_"),  # inductor names them after the ops they fuse: before the rest
     ("exl3 moe gemm", r"moe_gemm_kernel"),
     ("exl3 moe route/transforms/reduce", r"moe_(route|gather|act|reduce)_kernel"),
     ("exl3 dense", r"skinny_kernel|panel_kernel|input_transform_kernel|reconstruct\w*_kernel"),
     ("exl3 op (cpu)", r"vllm_exl3::"),
+    ("vllm gptq moe (humming)", r"humming|process_input_kernel|moe_fused_mul_sum"),
     ("marlin moe", r"marlin.*moe|moe.*marlin"),
     ("marlin / gptq dense", r"marlin|gptq|machete"),
-    ("moe routing (vllm)", r"topk|top_k|moe_align|moe_sum|count_and_sort|fused_moe"),
+    ("routing simulation (bench only)", r"distribution_elementwise"),  # plan.toml's uniform random routing
+    ("moe routing (vllm)", r"topk|top_k|bitonicsort|moe_align|moe_sum|count_and_sort|fused_moe"),
     ("attention", r"flash|fmha|attn|attention|paged|reshape_and_cache"),
     ("gemm (cublas/cutlass)", r"gemm|xmma|nvjet|cutlass|cublas|sm90_"),
-    ("compiled elementwise (triton)", r"^triton_|triton"),
+    ("compiled elementwise (triton)", r"triton"),
     ("sampling/logits", r"sampl|softmax|argmax|logit"),
 ]
 _COMPILED = [(name, re.compile(rx, re.IGNORECASE)) for name, rx in CLASSES]
@@ -67,23 +72,50 @@ def read_trace(path: Path) -> list[dict]:
     return data.get("traceEvents", []) if isinstance(data, dict) else data
 
 
-def summarize(events: list[dict], steps: int, category: str) -> dict:
-    """Total µs per engine step of the complete events of `category`, by class and by name (the largest TOP)."""
-    by_name: dict[str, list[float]] = {}
+def exclusive(events: list[dict]) -> list[tuple[str, float, float]]:
+    """(name, inclusive µs, exclusive µs) of each event. Exclusive: the part of the event no earlier event of the same
+    (pid, tid) — a GPU stream — already covers. Kernels launched with programmatic dependent launch (PDL: ours, and
+    some of vLLM's) start while the previous kernel still runs and wait for it inside, so their inclusive durations
+    overlap and sum to more than the stream was busy; the exclusive ones sum to exactly the busy time, the overlap
+    going to the kernel that was running."""
+    out = []
+    streams: dict[tuple, list[dict]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") == category and isinstance(e.get("dur"), (int, float)):
-            by_name.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
+        streams.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in streams.values():
+        busy_until = float("-inf")
+        for e in sorted(evs, key=lambda e: float(e.get("ts", 0.0))):
+            t0, dur = float(e.get("ts", 0.0)), float(e["dur"])
+            out.append((e.get("name", "?"), dur, max(0.0, t0 + dur - max(t0, busy_until))))
+            busy_until = max(busy_until, t0 + dur)
+    return out
+
+
+def summarize(events: list[dict], steps: int, category: str) -> dict:
+    """µs per engine step of the complete events of `category` (device kernels: exclusive of overlap on their stream,
+    `exclusive`), by class and by name (the largest TOP); the inclusive sums beside them."""
+    chosen = [e for e in events
+              if e.get("ph") == "X" and e.get("cat") == category and isinstance(e.get("dur"), (int, float))]
+    by_name: dict[str, list[float]] = {}  # name -> [calls, inclusive, exclusive]
+    # Operators on a CPU nest (a parent's time holds its children's), so there the inclusive times are kept as they are.
+    timed = exclusive(chosen) if category == "kernel" else [(e.get("name", "?"), e["dur"], e["dur"]) for e in chosen]
+    for name, inc, exc in timed:
+        acc = by_name.setdefault(name, [0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += inc
+        acc[2] += exc
     per_step = max(steps, 1)
     by_class: dict[str, float] = {}
-    for name, durs in by_name.items():
+    for name, (_, _, exc) in by_name.items():
         cls = classify(name)
-        by_class[cls] = by_class.get(cls, 0.0) + sum(durs) / per_step
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP]
-    return {"category": category, "steps": steps, "events": sum(len(d) for d in by_name.values()),
-            "us_per_step": sum(by_class.values()),
+        by_class[cls] = by_class.get(cls, 0.0) + exc / per_step
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:TOP]
+    inclusive = sum(acc[1] for acc in by_name.values()) / per_step
+    return {"category": category, "steps": steps, "events": sum(acc[0] for acc in by_name.values()),
+            "us_per_step": sum(by_class.values()), "inclusive_us_per_step": inclusive,
             "by_class_us_per_step": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
-            "top": [{"name": n[:160], "class": classify(n), "calls": len(d), "us_per_step": sum(d) / per_step}
-                    for n, d in top]}
+            "top": [{"name": n[:160], "class": classify(n), "calls": int(acc[0]), "us_per_step": acc[2] / per_step,
+                     "inclusive_us_per_step": acc[1] / per_step} for n, acc in top]}
 
 
 def _post(url: str, body: dict | None, timeout: float) -> bytes:

@@ -32,6 +32,7 @@ from vllm_exl3.format.pack import Pack
 from vllm_exl3.format.tensors import load_weights
 from vllm_exl3.dev.cuda_graph import capture
 from vllm_exl3.dev.synthetic import random_weights
+from vllm_exl3.kernels.backend import get_backend
 from support.gpu import native_or_skip
 
 pytestmark = pytest.mark.gpu
