@@ -6,8 +6,9 @@ Per kernel class, time = fixed (launch/latency, µs, the same on both GPUs) + ma
 work / issue rate), the issue rate scaling with SMs x schedulers x clock:
   exl3_moe    routed experts, one layer call: fixed 8 µs + max(distinct experts' bytes, decoded weights / (eff(T)
               x issue ceiling)); eff(T) = the fraction of the ceiling the H200 reached at T tokens (moe_rows)
-  exl3_dense  one dense call (q, k, v, o; a 6-bit head): a_B + max(bytes, W x s_B), a_B and s_B fitted per
-              row count B on the dense 4-bit rows (h200-kernels-v4u-exllamav3.json)
+  exl3_dense  one dense call (q/k/v as one grouped call up to `grouped_max_rows` rows, else each its own; o; a
+              6-bit head): a_B + max(bytes, W x s_B), a_B and s_B fitted per row count B on the dense 4-bit rows
+              (h200-kernels-v4u-exllamav3.json)
   marlin      vLLM's GPTQ layer (MoE + dense): a_m + max(bytes, W x s_m), a_m and s_m fitted on its end-to-end
               H200 steps minus the plain and rest terms below (W: the weights the layer reads), s_m scaled by the
               issue rate like every issue term
@@ -69,9 +70,16 @@ def expert_bytes(hidden: int, width: int, bits: float, kind: str = "exl3") -> fl
     return 3 * (hidden * width * bits / 8 + scales)
 
 
-def dense_shapes(m: dict) -> list[tuple[int, int]]:  # q, k, v, o: separate calls in our plugin
+def dense_shapes(m: dict) -> list[tuple[int, int]]:  # q, k, v, o
     q, kv = m["q_heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"]
     return [(m["hidden"], q), (m["hidden"], kv), (m["hidden"], kv), (q, m["hidden"])]
+
+
+def dense_calls(m: dict, rows: int, grouped_max_rows: int) -> list[list[tuple[int, int]]]:
+    """The dense calls of one layer in our plugin, each the shapes it computes: q, k and v in one grouped call up
+    to `grouped_max_rows` rows (integration/linear.py, csrc/bindings.cpp native_linear_group), else one each; o."""
+    q, k, v, o = dense_shapes(m)
+    return [[q, k, v], [o]] if rows <= grouped_max_rows else [[q], [k], [v], [o]]
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -188,7 +196,9 @@ class Model:
         if sc["kind"] == "exl3":
             moe = self.moe_us(dev, sc["bits"], batch)
             us["moe"], nbytes["moe"] = layers * moe["us"], layers * moe["bytes"]
-            dense = [(k * n, k * n * sc["bits"] / 8 + (k + n) * 2) for k, n in dense_shapes(m)]
+            calls = dense_calls(m, batch, self.cfg["serving"]["grouped_max_rows"])
+            dense = [(sum(k * n for k, n in call), sum(k * n * sc["bits"] / 8 + (k + n) * 2 for k, n in call))
+                     for call in calls]
             us["dense"] = layers * sum(self.dense_us(dev, w, b, batch) for w, b in dense)
             nbytes["dense"] = layers * sum(b for _, b in dense)
         else:
