@@ -349,69 +349,68 @@ def test_layer_bits_declaration_is_checked_for_every_layer(layer):
     contract.check_expert_bits("model.layers.99.mlp.experts", [("x", LinearMeta(4.0, "mcg", 256, 128))])
 
 
-@pytest.mark.parametrize("policy", ["fallback", "strict"])
-def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, monkeypatch, policy):
-    """A broken backend (test-only) chosen for a vLLM layer: `fallback` binds the layer to the torch reference
-    at load (output exact), `strict` refuses to load naming the layer."""
+@pytest.fixture
+def native_stand_in(tmp_path, monkeypatch):
+    """install(backend, policy): a test-only backend (support/backends.py) registered as `native`, the parity gate
+    under `policy`; the gate's and the bindings' state cleared before and after."""
     from vllm_exl3.integration import binding
     from vllm_exl3.kernels import backend as kbackend, parity, selection
-    from support.backends import WrongNative
 
-    kbackend.load_backends()
-    monkeypatch.setitem(kbackend.REGISTRY, "native", WrongNative())
-    monkeypatch.setattr(selection, "_excluded", {})
-    monkeypatch.setenv(parity.PARITY_ENV, policy)
-    monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
+    def install(backend, policy: str) -> None:
+        kbackend.load_backends()
+        monkeypatch.setitem(kbackend.REGISTRY, "native", backend)
+        monkeypatch.setattr(selection, "_excluded", {})
+        monkeypatch.setenv(parity.PARITY_ENV, policy)
+        monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
+        parity.reset()
+        binding.reset()
+
+    yield install
     parity.reset()
     binding.reset()
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, native_stand_in, policy):
+    """A broken backend (test-only) chosen for a vLLM layer: `fallback` binds the layer to the torch reference
+    at load (output exact), `strict` refuses to load naming the layer."""
+    from vllm_exl3.kernels import parity
+    from support.backends import WrongNative
+
+    native_stand_in(WrongNative(), policy)
     rank(0, 1)
     w = random_weights(256, 384, 3, "mcg", seed=1)
     cfg, tensors = make_config(tmp_path, {"model.layers.0.up": w})
     layer = vllm_linear.ColumnParallelLinear(256, 384, bias=False, quant_config=cfg, prefix="model.layers.0.up",
                                              return_bias=False)
-    try:
-        if policy == "strict":
-            with pytest.raises(parity.ParityError, match=r"layer model\.layers\.0\.up .*native backend"):
-                load(layer, tensors)
-            return
-        load(layer, tensors)
-        x = torch.randn(5, 256)
-        assert rel(layer(x), reference(x, w, 256, 384)) < 1e-5
-        assert layer.quant_method.bound[0].backend == "torch"  # the backend the gate moved the layer to
-        assert ops.serving(layer.exl3_trellis_0) is layer.quant_method.bound[0]  # and the op runs that binding
-    finally:
-        parity.reset()
-        binding.reset()
+    if policy == "strict":
+        with pytest.raises(parity.ParityError, match=r"layer model\.layers\.0\.up .*native backend"):
+            load(layer, tensors)
+        return
+    load(layer, tensors)
+    x = torch.randn(5, 256)
+    assert rel(layer(x), reference(x, w, 256, 384)) < 1e-5
+    assert layer.quant_method.bound[0].backend == "torch"  # the backend the gate moved the layer to
+    assert ops.serving(layer.exl3_trellis_0) is layer.quant_method.bound[0]  # and the op runs that binding
 
 
 @pytest.mark.parametrize("policy", ["fallback", "strict"])
-def test_parity_gate_checks_the_grouped_call_on_its_own(tmp_path, rank, monkeypatch, policy):
+def test_parity_gate_checks_the_grouped_call_on_its_own(tmp_path, rank, native_stand_in, policy):
     """Right shards, a wrong grouped call (test-only backend): `fallback` keeps the shards on their backend and
     calls them one by one (output exact), `strict` refuses to load naming the grouped layer."""
-    from vllm_exl3.integration import binding
-    from vllm_exl3.kernels import backend as kbackend, parity, selection
+    from vllm_exl3.kernels import parity
     from support.backends import WrongGroupNative
 
-    kbackend.load_backends()
-    monkeypatch.setitem(kbackend.REGISTRY, "native", WrongGroupNative())
-    monkeypatch.setattr(selection, "_excluded", {})
-    monkeypatch.setenv(parity.PARITY_ENV, policy)
-    monkeypatch.setenv(parity.REPORT_ENV, str(tmp_path / "parity.json"))
-    parity.reset()
-    binding.reset()
+    native_stand_in(WrongGroupNative(), policy)
     ws = _qkv_weights()
-    try:
-        if policy == "strict":
-            with pytest.raises(parity.ParityError, match=r"layer a\.qkv_proj \(grouped\) .*native backend"):
-                _qkv_layer(tmp_path, rank, ws)
-            return
-        layer = _qkv_layer(tmp_path, rank, ws)
-        assert layer.quant_method.group is None and layer.exl3_group == 0
-        assert {b.backend for b in layer.quant_method.bound.values()} == {"native"}
-        _outputs_are_the_shards(layer, ws, torch.randn(4, 256))
-    finally:
-        parity.reset()
-        binding.reset()
+    if policy == "strict":
+        with pytest.raises(parity.ParityError, match=r"layer a\.qkv_proj \(grouped\) .*native backend"):
+            _qkv_layer(tmp_path, rank, ws)
+        return
+    layer = _qkv_layer(tmp_path, rank, ws)
+    assert layer.quant_method.group is None and layer.exl3_group == 0
+    assert {b.backend for b in layer.quant_method.bound.values()} == {"native"}
+    _outputs_are_the_shards(layer, ws, torch.randn(4, 256))
 
 
 def test_kernel_choice_enters_vllms_compile_key(tmp_path, rank):
