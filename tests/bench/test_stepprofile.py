@@ -58,7 +58,7 @@ def test_kernels_overlapping_on_a_stream_count_once():
     """Programmatic dependent launch: the GEMM starts at 8 while the transform runs until 10 and waits inside; its
     exclusive time starts at 10, so that stream's kernels sum to the 30 µs it was busy (inclusive: 32). A kernel on
     another stream overlapping them keeps its own 4 µs."""
-    ev = lambda name, ts, dur, tid=7: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+    ev = lambda name, ts, dur, tid=7: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
                                        "pid": 0, "tid": tid}
     events = [ev("void exl3::moe_gemm_kernel<8, false, 8>(exl3::MoeGemmArgs)", 8.0, 12.0),
               ev("exl3::(anonymous namespace)::moe_route_kernel(exl3::MoeRouteArgs)", 0.0, 10.0),
