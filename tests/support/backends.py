@@ -49,8 +49,8 @@ class NativeStandIn(TorchBackend):
     def bind_linear(self, w, in_offset, out_offset, out_features):
         return self.linear(w, in_offset, out_offset, out_features)
 
-    def bind_linear_group(self, ws):
-        return self.group(ws)
+    def bind_linear_group(self, shards):
+        return self.group(shards)
 
     def bind_moe(self, experts, call):
         return self.moe(experts, call)

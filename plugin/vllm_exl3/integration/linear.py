@@ -288,7 +288,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         backend = choose_linear_group_backend(spec, len(shards), backends.pop())
         if backend is None:
             return
-        group = backend.bind_linear_group([self.bound[i].w for i, _ in shards])
+        group = backend.bind_linear_group([self.bound[i] for i, _ in shards])
         ops.serve(group)
         self.group, layer.exl3_group = group, group.out_features
         binding.bind_checked(f"{self.prefix} (grouped)", linear_group_layer_type(spec), backend,

@@ -49,7 +49,7 @@ class BoundLinear:
 
 class BoundLinearGroup:
     """2..4 whole dense linears of one input bound together (attention q, k, v): one call computes them all, made
-    once at load (`Backend.bind_linear_group`) from shards each already bound and gated on its own.
+    once at load (`Backend.bind_linear_group`) from the shards' own bindings, each already gated on its own.
 
     `self(x)`: x [M, in_padded] (every shard's whole, unsliced input) -> [M, Σ out_padded], the shards' outputs
     side by side in `ws` order, in x's dtype. The same CUDA-graph rules as BoundLinear."""
@@ -57,9 +57,9 @@ class BoundLinearGroup:
     backend = "?"
     op = "linear_group"
 
-    def __init__(self, ws: list[Exl3Weights]):
-        self.ws = ws
-        self.out_features = sum(w.out_padded for w in ws)
+    def __init__(self, shards: list[BoundLinear]):
+        self.shards, self.ws = shards, [s.w for s in shards]
+        self.out_features = sum(w.out_padded for w in self.ws)
 
     @property
     def handle(self) -> torch.Tensor:
@@ -120,8 +120,9 @@ class Backend:
         """`spec`: one shard's geometry (every shard shares it but for out_padded, here their sum)."""
         return "no grouped linears"
 
-    def bind_linear_group(self, ws: list[Exl3Weights]) -> BoundLinearGroup:
-        """Once per layer after its shards were bound to this backend: whole linears of one input, one call."""
+    def bind_linear_group(self, shards: list[BoundLinear]) -> BoundLinearGroup:
+        """Once per layer after its shards were bound to this backend (`shards`: their bindings, each a whole linear:
+        no offsets, every output column): one call for all of them."""
         raise NotImplementedError(f"the {self.name} backend has no grouped linears")
 
     # -- routed experts -----------------------------------------------------------------------------------

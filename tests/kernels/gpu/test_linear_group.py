@@ -160,7 +160,8 @@ def test_the_serving_op_runs_the_bound_group(rows):
     from vllm_exl3.kernels.backend import get_backend
 
     ws = shards(2048, (4096, 512, 512), 4.0, "mcg", seed=40)
-    group = get_backend("native").bind_linear_group(ws)
+    backend = get_backend("native")
+    group = backend.bind_linear_group([backend.bind_linear(w, 0, 0, w.out_padded) for w in ws])
     ops.serve(group)
     x = torch.randn(rows, 2048, device=DEV, dtype=torch.float16)
     y = torch.ops.vllm_exl3.linear_group(x, ws[0].trellis, group.out_features)

@@ -164,10 +164,10 @@ class NativeBackend(Backend):
             return f"{shards} shards (the grouped kernel takes 2..{MAX_GROUP_SHARDS})"
         return self.linear_unsupported_reason(spec)
 
-    def bind_linear_group(self, ws: list[Exl3Weights]) -> BoundLinearGroup:
+    def bind_linear_group(self, shards: list[BoundLinear]) -> BoundLinearGroup:
         if (err := extension_error()) is not None:
             raise RuntimeError(err)
-        return _LinearGroup(ws)
+        return _LinearGroup(shards)
 
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return native_moe.unsupported_reason(spec)
@@ -192,9 +192,9 @@ class _Linear(BoundLinear):
 class _LinearGroup(BoundLinearGroup):
     backend = NativeBackend.name
 
-    def __init__(self, ws):
-        super().__init__(ws)
-        self.args = linear_group_args(ws, NativePath.AUTO)
+    def __init__(self, shards):
+        super().__init__(shards)
+        self.args = linear_group_args(self.ws, NativePath.AUTO)
 
     def __call__(self, x):
         return torch.ops.vllm_exl3.native_linear_group(x, *self.args)

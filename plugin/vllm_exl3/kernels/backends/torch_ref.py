@@ -56,8 +56,8 @@ class TorchBackend(Backend):
     def linear_group_unsupported_reason(self, spec: LinearSpec, shards: int) -> str | None:
         return None
 
-    def bind_linear_group(self, ws: list[Exl3Weights]) -> BoundLinearGroup:
-        return TorchLinearGroup(ws)
+    def bind_linear_group(self, shards: list[BoundLinear]) -> BoundLinearGroup:
+        return TorchLinearGroup(shards)
 
     def bind_moe(self, experts: ExpertStack, call: MoECall) -> BoundMoE:
         return TorchMoE(experts, call)
@@ -76,13 +76,9 @@ class TorchLinear(BoundLinear):
 
 
 class TorchLinearGroup(BoundLinearGroup):
-    """The grouped call's reference: each whole shard on its own, side by side."""
+    """The grouped call's reference: the shards' own bindings (their decoded Ŵ, no second copy), side by side."""
 
     backend = TorchBackend.name
-
-    def __init__(self, ws):
-        super().__init__(ws)
-        self.shards = [TorchLinear(w, 0, 0, w.out_padded) for w in ws]
 
     def __call__(self, x):
         return torch.cat([shard(x) for shard in self.shards], dim=-1)
