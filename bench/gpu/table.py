@@ -1,11 +1,12 @@
 """The serving table of one harness run: every [[serve]] row that bench/gpu/run.py measured, side by side, each
 against the base row of its model shape (vLLM's own GPTQ 4-bit by default): the server's ms per decode step and decode tokens/s at each
-concurrency, prefill tokens/s at each long-prompt length, the boot time, and the idle servers beside it.
+concurrency, prefill tokens/s at each long-prompt length, the boot time, and the idle servers beside it; then, where
+the run profiled its servers (the `profile` step), their device time per decode step by kernel class.
 
     python3 bench/gpu/table.py RESULTS_DIR [--base LABEL ...] [--out FILE.md]
 
-RESULTS_DIR holds run.py's serve-LABEL.json rows and bench-LABEL/results.json runs (its $OUT/results.tgz, unpacked;
-results.json.gz as committed). A row's base is the --base row served on the same pack shape and depth.
+RESULTS_DIR holds run.py's serve-LABEL.json rows, bench-LABEL/results.json runs (its $OUT/results.tgz, unpacked;
+results.json.gz as committed) and profile-LABEL.json windows (bench/gpu/stepprofile.py). A row's base is the --base row served on the same pack shape and depth.
 Every number comes from those files; a row that did not run says why.
 """
 
@@ -86,6 +87,41 @@ def table(rows: dict[str, dict], bases: list[str]) -> list[str]:
     return lines + ([""] + beside if beside else []) + (["", "Not measured:"] + not_run if not_run else [])
 
 
+def profile_table(results: Path) -> list[str]:
+    """One column per profiled server and concurrency, one row per kernel class (exclusive device µs per step, the
+    classes in order of their largest value), then the busy total, the overlapping (inclusive) sum and the server's
+    step under the profiler; [] when the run profiled nothing."""
+    cols: list[tuple[str, dict]] = []
+    for f in sorted(results.glob("profile-*.json")):
+        prof = json.loads(f.read_text())
+        for w in prof.get("windows", []):
+            if "us_per_step" in w and "inclusive_us_per_step" not in w:  # profiled before exclusive counting
+                w = {**w, "us_per_step": None, "inclusive_us_per_step": w["us_per_step"]}
+                cols.append((f"{prof['label']} c{w['concurrency']} †", w))
+            else:
+                cols.append((f"{prof['label']} c{w['concurrency']}", w))
+    if not cols:
+        return []
+    largest: dict[str, float] = {}
+    for _, w in cols:
+        for cls, us in (w.get("by_class_us_per_step") or {}).items():
+            largest[cls] = max(largest.get(cls, 0.0), us)
+    rows = [[cls] + [_f((w.get("by_class_us_per_step") or {}).get(cls), 0) for _, w in cols]
+            for cls in sorted(largest, key=lambda c: -largest[c])]
+    rows.append(["**device busy**"] + [_f(w.get("us_per_step"), 0) for _, w in cols])
+    rows.append(["kernels' durations summed (overlapping)"] + [_f(w.get("inclusive_us_per_step"), 0) for _, w in cols])
+    rows.append(["the server's step under the profiler"] +
+                [_f(w["server_ms_per_step"] * 1e3 if w.get("server_ms_per_step") else None, 0) for _, w in cols])
+    errors = [f"- `{name}`: {w['error']}" for name, w in cols if w.get("error")]
+    dagger = (["", "† profiled before kernels were counted exclusive of their stream's overlap: the class times of "
+               "these columns overlap (kernels launched early by PDL count their wait), so they add up to more than "
+               "the busy time"] if any(name.endswith("†") for name, _ in cols) else [])
+    return (["", "Device time per decode step by kernel class (µs, each kernel exclusive of what its stream already "
+             "covered; profile-*.json):", "", "| class | " + " | ".join(name for name, _ in cols) + " |",
+             "|---|" + "---:|" * len(cols)] + ["| " + " | ".join(r) + " |" for r in rows]
+            + dagger + (["", "Profile windows with errors:"] + errors if errors else []))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", type=Path)
@@ -96,7 +132,7 @@ def main() -> int:
     rows = load_rows(a.results)
     if not rows:
         sys.exit(f"{a.results}: no serve-*.json rows (is this an unpacked results.tgz of bench/gpu/run.py?)")
-    text = "\n".join(table(rows, a.base or ["gptq-4b-vllm", "glm-gptq-4b-vllm"])) + "\n"
+    text = "\n".join(table(rows, a.base or ["gptq-4b-vllm", "glm-gptq-4b-vllm"]) + profile_table(a.results)) + "\n"
     if a.out:
         a.out.write_text(text)
     print(text, end="")

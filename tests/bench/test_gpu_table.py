@@ -53,3 +53,40 @@ def test_a_folder_without_rows_is_one_clear_error(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "table.py"), str(tmp_path)],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "no serve-*.json rows" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_profiled_servers_get_a_table_of_device_time_by_class(tmp_path):
+    """stepprofile's windows (profile-LABEL.json) become one column per server and concurrency; a class one window
+    lacks is "–", and the busy total, the overlapping sum and the profiled step close the table."""
+    qwen = {"shape": "qwen3-30b-a3b", "layers": 48}
+    _write(tmp_path, "ours", [_phase(1, 4.3, 230.0)], boot_s=130.0, pack=qwen)
+
+    def window(c, classes, busy, inclusive, ms):
+        return {"concurrency": c, "by_class_us_per_step": classes, "us_per_step": busy,
+                "inclusive_us_per_step": inclusive, "server_ms_per_step": ms}
+
+    (tmp_path / "profile-ours.json").write_text(json.dumps({"label": "ours", "windows": [
+        window(1, {"exl3 moe gemm": 900.0, "attention": 500.0}, 1400.0, 1900.0, 1.5),
+        window(8, {"exl3 moe gemm": 3400.0}, 3400.0, 3700.0, 3.5)]}))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "table.py"), str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert "| class | ours c1 | ours c8 |" in lines
+    assert lines[lines.index("| class | ours c1 | ours c8 |") + 2:][:5] == [
+        "| exl3 moe gemm | 900 | 3,400 |", "| attention | 500 | – |", "| **device busy** | 1,400 | 3,400 |",
+        "| kernels' durations summed (overlapping) | 1,900 | 3,700 |",
+        "| the server's step under the profiler | 1,500 | 3,500 |"]
+
+
+def test_a_profile_from_before_exclusive_counting_is_marked(tmp_path):
+    """Windows written before stepprofile counted exclusive time carry only `us_per_step`, the overlapping sum: it
+    goes to that row, the busy row says "–", and the column is marked."""
+    _write(tmp_path, "ours", [_phase(1, 4.3, 230.0)], boot_s=130.0, pack={"shape": "q", "layers": 48})
+    (tmp_path / "profile-ours.json").write_text(json.dumps({"label": "ours", "windows": [
+        {"concurrency": 1, "by_class_us_per_step": {"exl3 moe gemm": 1179.0}, "us_per_step": 5804.0,
+         "server_ms_per_step": 4.93}]}))
+    lines = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "table.py"), str(tmp_path)],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "| class | ours c1 † |" in lines
+    assert "| **device busy** | – |" in lines and "| kernels' durations summed (overlapping) | 5,804 |" in lines
+    assert any(ln.startswith("† profiled before kernels were counted exclusive") for ln in lines)
