@@ -198,8 +198,29 @@ def test_whole_alike_shards_run_as_one_grouped_call(tmp_path, rank, monkeypatch,
     _outputs_are_the_shards(layer, ws, torch.randn(4, 256))
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_aligned_head_slices_are_grouped_on_every_rank(tmp_path, rank, tp):
+    """Two Sparks (tp 2) on 128-wide heads: each rank's q, k and v slices are whole 128-blocks of the stored
+    linears, so every rank runs them as one grouped call; the ranks' outputs side by side are the model's."""
+    heads = 4
+    ws = {f"a.{n}_proj": random_weights(256, heads * 128, 3, "mcg", seed) for n, seed in zip("qkv", (11, 12, 13))}
+    cfg, tensors = make_config(tmp_path, ws, packed={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+    x = torch.randn(3, 256)
+    per_rank = []
+    for r in range(tp):
+        rank(r, tp)
+        layer = vllm_linear.QKVParallelLinear(256, 128, heads, heads, bias=False, quant_config=cfg,
+                                              prefix="a.qkv_proj", return_bias=False)
+        load(layer, tensors, {"a.q_proj": "q", "a.k_proj": "k", "a.v_proj": "v"})
+        assert layer.quant_method.group is not None and layer.exl3_group == 3 * heads * 128 // tp
+        per_rank.append(layer(x).split([heads * 128 // tp] * 3, -1))
+    for i, (name, w) in enumerate(ws.items()):
+        assert rel(torch.cat([p[i] for p in per_rank], -1), reference(x, w, 256, heads * 128)) < 1e-5, name
+
+
 @pytest.mark.parametrize("case", ["mixed widths", "mixed codebooks", "tensor parallel"])
 def test_shards_that_differ_or_are_sliced_are_called_one_by_one(tmp_path, rank, case):
+    """Shards of other widths or codebooks, or a rank's slices that split 128-blocks (64-wide heads at tp 2)."""
     ws = _qkv_weights(bits=(4, 3, 3)) if case == "mixed widths" else \
         _qkv_weights(codebooks=("mcg", "mul1", "mcg")) if case == "mixed codebooks" else _qkv_weights()
     layer = _qkv_layer(tmp_path, rank, ws, tp=2 if case == "tensor parallel" else 1)

@@ -1,8 +1,9 @@
 """Dense EXL3 linears in vLLM: column/row/merged/QKV/replicated layers and the LM head.
 
 A vLLM layer can fuse several checkpoint linears (q/k/v, gate/up). Each keeps its own suh/svh and is bound (and
-parity-gated) on its own. When every shard is a whole EXL3 linear (no tensor-parallel slice, dims multiples of 128)
-of one codebook and bit width, bound to a backend with a grouped kernel, the layer runs them as one call
+parity-gated) on its own. When every shard as this rank stores it is a whole EXL3 linear (its slice exactly its stored
+128-blocks: always at tp 1, and for 128-aligned head slices) of one codebook and bit width, bound to a backend with a
+grouped kernel, the layer runs them as one call
 (`vllm_exl3::linear_group`, gated as its own layer type; `VLLM_EXL3_GROUP_LINEARS=0` turns it off); otherwise each
 shard is called and the outputs are concatenated. A shard may also be a plain (BF16) weight in a mixed layer
 (`non_routed_exl3.bf16_shards`).
@@ -275,16 +276,19 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         shards = [(i, s) for i, s in enumerate(self.shards) if s.meta is not None]
         if len(shards) < 2 or len(shards) != len(self.shards) or len(self.bound) < len(shards):
             return
-        first = shards[0][1].meta
-        whole = all(s.rows.offset == 0 and s.rows.size == s.rows.block_size == s.meta.in_padded and
-                    s.cols.offset == 0 and s.cols.size == s.cols.block_size == s.meta.out_padded for _, s in shards)
-        alike = all((s.meta.codebook, s.meta.bits, s.meta.in_padded) == (first.codebook, first.bits, first.in_padded)
-                    for _, s in shards)
+        # Each shard as stored is then a whole linear: this rank's slice is exactly its stored blocks (no offset,
+        # no padding), as for every shard at tp 1 and for 128-aligned head slices under tensor parallelism.
+        whole = all(s.rows.offset == 0 and s.rows.size == s.rows.block_size and
+                    s.cols.offset == 0 and s.cols.size == s.cols.block_size for _, s in shards)
+        first = shards[0][1]
+        alike = all((s.meta.codebook, s.meta.bits, s.rows.block_size) ==
+                    (first.meta.codebook, first.meta.bits, first.rows.block_size) for _, s in shards)
         backends = {self.bound[i].backend for i, _ in shards}
         if not (whole and alike and len(backends) == 1):
             return
-        spec = LinearSpec(first.codebook, first.bits, first.in_padded, sum(s.meta.out_padded for _, s in shards),
-                          layer.params_dtype, self.bound[shards[0][0]].w.trellis.device.type)
+        spec = LinearSpec(first.meta.codebook, first.meta.bits, first.rows.block_size,
+                          sum(s.cols.block_size for _, s in shards), layer.params_dtype,
+                          self.bound[shards[0][0]].w.trellis.device.type)
         backend = choose_linear_group_backend(spec, len(shards), backends.pop())
         if backend is None:
             return
