@@ -154,8 +154,8 @@ def test_every_target_is_up_with_role_and_rank(stack):
 
 def test_backend_decisions_are_the_ones_the_server_logged(stack):
     log = stack.server.log.read_text(errors="replace")
-    decided = re.findall(r"EXL3 ((linear|moe):(\S+):(\w+)) -> (\w+) backend", log)
-    assert {d[1] for d in decided} == {"linear", "moe"}, decided
+    decided = re.findall(r"EXL3 ((linear|linear_group|moe):(\S+):(\w+)) -> (\w+) backend", log)
+    assert {d[1] for d in decided} == {"linear", "linear_group", "moe"}, decided  # q/k/v grouped
     for _, kind, variant, device, backend in decided:
         ids = f'rank="0", role="single", layer_type="{kind}"'
         assert one(stack, f'vllm_exl3_backend_info{{{ids}, backend="{backend}"}}') == 1
@@ -244,7 +244,7 @@ def test_the_serving_bench_reports_the_backends_the_exporter_exports(stack):
 
     exporter = f"http://127.0.0.1:{stack.ports['vllm-exl3']}"
     log = stack.server.log.read_text(errors="replace")
-    logged = {kind: backend for kind, backend in re.findall(r"EXL3 (linear|moe):\S+ -> (\w+) backend", log)}
+    logged = {kind: backend for kind, backend in re.findall(r"EXL3 (linear|linear_group|moe):\S+ -> (\w+) backend", log)}
 
     async def probe(exporter_url):
         side = runner.Side("A", stack.server.base_url, "A", exporter=exporter_url)
