@@ -226,34 +226,27 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                                       "never delivered by the checkpoint (a shard file missing from "
                                       "model.safetensors.index.json?)")
         layer.exl3_shards = []
+        layer.exl3_group = 0  # the grouped call's output width, 0 while the shards are called one by one
+        self.bound.clear()
         for i, s in enumerate(self.shards):
             if s.meta is None:
                 w = layer.weight.data[s.offsets["weight"]:s.offsets["weight"] + s.cols.size]
                 layer.register_buffer(f"exl3_plain_{i}", w, persistent=False)
                 layer.exl3_shards.append(("plain", i, None))
                 continue
-            w = self._weights(layer, s)
+            kt, nt, words = s.trellis_shape
+            t0, n = s.offsets["trellis"], kt * nt * words
+            w = Exl3Weights(layer.trellis.data[t0:t0 + n].view(kt, nt, words),
+                            layer.suh.data[s.offsets["suh"]:s.offsets["suh"] + s.rows.block_size],
+                            layer.svh.data[s.offsets["svh"]:s.offsets["svh"] + s.cols.block_size],
+                            s.meta.codebook, s.meta.bits)
             layer.register_buffer(f"exl3_trellis_{i}", w.trellis, persistent=False)  # what the op is called with
             layer.exl3_shards.append(("exl3", i, s.cols.size))
-        layer.exl3_group = 0  # the grouped call's output width, 0 while the shards are called one by one
-        self.bound.clear()
-        for i, s in enumerate(self.shards):
-            if s.meta is not None:
-                self._bind(layer, i, s, self._weights(layer, s))
+            self._bind(layer, i, s, w)  # the last shard's binding also groups them (_regroup)
         layer.exl3_out_pad = (layer.num_embeddings_per_partition - sum(s.cols.size for s in self.shards)
                               if compat.is_lm_head(layer) else 0)
         compile_key.record()  # vLLM's compile cache key (integration/compile_key.py)
         telemetry.layer_bound()  # the metrics exporter's view of this worker, once per load (telemetry.py)
-
-    @staticmethod
-    def _weights(layer, s: Shard) -> Exl3Weights:
-        """Shard s's views into the layer's flat parameters."""
-        kt, nt, words = s.trellis_shape
-        t0, n = s.offsets["trellis"], kt * nt * words
-        return Exl3Weights(layer.trellis.data[t0:t0 + n].view(kt, nt, words),
-                           layer.suh.data[s.offsets["suh"]:s.offsets["suh"] + s.rows.block_size],
-                           layer.svh.data[s.offsets["svh"]:s.offsets["svh"] + s.cols.block_size],
-                           s.meta.codebook, s.meta.bits)
 
     def _bind(self, layer, i: int, s: Shard, w: Exl3Weights) -> None:
         """Choose shard i's backend and bind it, serve that binding (kernels/ops.py), then let the parity gate

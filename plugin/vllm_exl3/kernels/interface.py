@@ -58,8 +58,12 @@ class BoundLinearGroup:
     op = "linear_group"
 
     def __init__(self, shards: list[BoundLinear]):
-        self.shards, self.ws = shards, [s.w for s in shards]
-        self.out_features = sum(w.out_padded for w in self.ws)
+        self.shards = shards
+        self.out_features = sum(s.w.out_padded for s in shards)
+
+    @property
+    def ws(self) -> list[Exl3Weights]:
+        return [s.w for s in self.shards]
 
     @property
     def handle(self) -> torch.Tensor:

@@ -213,26 +213,28 @@ def _randn(shape, dtype, device, generator) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
-def linear_error(bound: BoundLinear, in_features: int, dtype: torch.dtype) -> tuple[float, str]:
-    """Worst relative error of a bound linear against the torch reference over LINEAR_ROWS fixed inputs."""
-    ref = get_backend(REFERENCE).bind_linear(bound.w, bound.in_offset, bound.out_offset, bound.out_features)
+def _rows_error(call: Callable, ref: Callable, in_features: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[float, str]:
+    """Worst relative error of `call` against `ref` over LINEAR_ROWS fixed inputs of `in_features`."""
     g = torch.Generator().manual_seed(SEED)
     worst = 0.0
     for rows in LINEAR_ROWS:
-        x = _randn((rows, in_features), dtype, bound.w.trellis.device, g)
-        worst = max(worst, rel_error(bound(x), ref(x)))
+        x = _randn((rows, in_features), dtype, device, g)
+        worst = max(worst, rel_error(call(x), ref(x)))
     return worst, "rows " + ",".join(map(str, LINEAR_ROWS))
+
+
+def linear_error(bound: BoundLinear, in_features: int, dtype: torch.dtype) -> tuple[float, str]:
+    """Worst relative error of a bound linear against the torch reference over LINEAR_ROWS fixed inputs."""
+    ref = get_backend(REFERENCE).bind_linear(bound.w, bound.in_offset, bound.out_offset, bound.out_features)
+    return _rows_error(bound, ref, in_features, dtype, bound.w.trellis.device)
 
 
 def linear_group_error(group: BoundLinearGroup, dtype: torch.dtype) -> tuple[float, str]:
     """Worst relative error of a grouped call against the torch reference of each shard, side by side."""
-    refs = [get_backend(REFERENCE).bind_linear(w, 0, 0, w.out_padded) for w in group.ws]
-    g = torch.Generator().manual_seed(SEED)
-    worst = 0.0
-    for rows in LINEAR_ROWS:
-        x = _randn((rows, group.ws[0].in_padded), dtype, group.ws[0].trellis.device, g)
-        worst = max(worst, rel_error(group(x), torch.cat([ref(x) for ref in refs], dim=-1)))
-    return worst, "rows " + ",".join(map(str, LINEAR_ROWS))
+    ref = get_backend(REFERENCE).bind_linear_group(
+        [get_backend(REFERENCE).bind_linear(w, 0, 0, w.out_padded) for w in group.ws])
+    return _rows_error(group, ref, group.ws[0].in_padded, dtype, group.ws[0].trellis.device)
 
 
 def sample_experts(experts: ExpertStack) -> list[int]:
