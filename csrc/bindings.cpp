@@ -7,6 +7,7 @@
 //   native_linear_group(x, trellis[], suh[], svh[], codebook, path) -> y: 2..4 whole linears of one input (q, k, v)
 //       side by side, two launches on the skinny path up to 8 rows (native_linear_group below)
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
+//   small_linear(x, weight, out_fp32) -> x W^T for a 16-bit weight at up to 16 rows (a MoE router's gate)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
 //   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
 // The module object is all this file asks of Python, so it builds against the stable ABI: one `_C.abi3.so` per
@@ -368,6 +369,37 @@ at::Tensor reconstruct(const at::Tensor& trellis, int64_t codebook, const std::o
   return out;
 }
 
+// y = x W^T for a 16-bit (unquantized) weight at decode sizes (exl3_kernels.h launch_small_linear): y fp32
+// (out_fp32, what vLLM's MoE gate hands its router) or x's dtype.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, bool out_fp32) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16),
+              "vllm_exl3: small_linear takes 2-D fp16/bf16 CUDA activations");
+  TORCH_CHECK(weight.is_cuda() && weight.dim() == 2 && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "vllm_exl3: small_linear's weight must be a contiguous [out, in] CUDA tensor of x's dtype");
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "vllm_exl3: small_linear: x has ", k, " columns, the weight ", weight.size(1));
+  TORCH_CHECK(rows >= 1 && rows <= exl3::kSmallLinearMaxRows, "vllm_exl3: small_linear takes 1..",
+              exl3::kSmallLinearMaxRows, " rows, got ", rows);
+  TORCH_CHECK(k % 8 == 0 && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+              "vllm_exl3: small_linear needs 16-byte aligned rows (in_features and x's row stride multiples of 8)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = at::empty({rows, n}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  exl3::SmallLinearArgs a{};
+  a.x = x.data_ptr();
+  a.x_stride = x.stride(0);
+  a.w = weight.data_ptr();
+  a.dtype = x.scalar_type() == at::kBFloat16 ? exl3::kActBF16 : exl3::kActF16;
+  a.rows = static_cast<int>(rows);
+  a.n = static_cast<int>(n);
+  a.k = static_cast<int>(k);
+  a.y = y.data_ptr();
+  a.y_fp32 = out_fp32;
+  check_cuda(exl3::launch_small_linear(a, at::cuda::getCurrentCUDAStream()), "small linear");
+  return y;
+}
+
 std::string build_info() { return std::string("archs=") + exl3::built_archs(); }
 
 std::string device_check() {
@@ -395,6 +427,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("native_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, int path=0) "
         "-> Tensor");
   m.def("reconstruct(Tensor trellis, int codebook, Tensor? suh=None, Tensor? svh=None, bool bf16=False) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor weight, bool out_fp32) -> Tensor");
   m.def("build_info() -> str", &build_info);
   m.def("device_check() -> str", &device_check);
   m.def("skinny_trace() -> Tensor", &skinny_trace);
@@ -404,6 +437,7 @@ TORCH_LIBRARY_IMPL(vllm_exl3, CUDA, m) {
   m.impl("native_linear", &native_linear);
   m.impl("native_linear_group", &native_linear_group);
   m.impl("reconstruct", &reconstruct);
+  m.impl("small_linear", &small_linear);
 }
 
 // `import vllm_exl3._C` loads this library (and with it the registrations above); the module itself is empty.

@@ -174,6 +174,22 @@ struct ReconstructArgs {
 cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t stream);
 
 // Which kernels this library was built for (e.g. "sm_90a sm_121a") and whether the current device can run them.
+// A 16-bit (unquantized) linear at decode sizes, the one a MoE layer's router is: y [rows, n] = x [rows, k] W^T,
+// W [n, k] row-major, x and W both fp16 or both bf16 (`dtype`: ActDtype), y fp32 or that dtype; rows <=
+// kSmallLinearMaxRows, k % 8 == 0, x rows and W 16-byte aligned. One warp per output column, all of its weight row's
+// loads in flight at once, fp32 sums in a fixed order (bitwise repeatable).
+constexpr int kSmallLinearMaxRows = 16;
+struct SmallLinearArgs {
+  const void* x;
+  long long x_stride;
+  const void* w;
+  int dtype;
+  int rows, n, k;
+  void* y;  // row stride n
+  bool y_fp32;
+};
+cudaError_t launch_small_linear(const SmallLinearArgs& a, cudaStream_t stream);
+
 const char* built_archs();
 cudaError_t probe_device_support();
 

@@ -72,8 +72,12 @@ def _register_fakes() -> None:
     def linear_group_fake(x, trellis, suh, svh, codebook, path=NativePath.AUTO):
         return x.new_empty((x.shape[0], sum(t.shape[1] * 16 for t in trellis)))
 
+    def small_linear_fake(x, weight, out_fp32):
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if out_fp32 else x.dtype)
+
     for name, fn in (("vllm_exl3::native_linear", linear_fake), ("vllm_exl3::reconstruct", reconstruct_fake),
-                     ("vllm_exl3::native_linear_group", linear_group_fake)):
+                     ("vllm_exl3::native_linear_group", linear_group_fake),
+                     ("vllm_exl3::small_linear", small_linear_fake)):
         try:
             torch.library.register_fake(name)(fn)
         except RuntimeError as e:  # already registered (module reloaded)
