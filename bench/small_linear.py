@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels import save_result  # noqa: E402  (bench/kernels.py)
-from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
+from moe import graph_time  # noqa: E402  (bench/moe.py)
 from vllm_exl3.kernels import ops  # noqa: E402, F401  (registers torch.ops.vllm_exl3.*)
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
 
@@ -32,22 +31,6 @@ DEV = "cuda"
 SHAPES = {"qwen3-30b-a3b router": (2048, 128), "glm-4.5-air router": (4096, 128)}
 ROWS = (1, 2, 4, 8, 16)
 L2_DEFEAT = 160 << 20  # weight bytes in play per replay (H200 L2: 60 MB)
-
-
-def graph_time(calls, replays: int = 30) -> float:
-    graph, _ = capture(lambda: [c() for c in calls])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1000.0 / len(calls))
-    del graph
-    return statistics.median(times)
 
 
 def forms(x, w):
