@@ -173,7 +173,6 @@ struct ReconstructArgs {
 // writes) and completes only after it.
 cudaError_t launch_reconstruct(const ReconstructArgs& a, bool pdl, cudaStream_t stream);
 
-// Which kernels this library was built for (e.g. "sm_90a sm_121a") and whether the current device can run them.
 // A 16-bit (unquantized) linear at decode sizes, the one a MoE layer's router is: y [rows, n] = x [rows, k] W^T,
 // W [n, k] row-major, x and W both fp16 or both bf16 (`dtype`: ActDtype), y fp32 or that dtype; rows <=
 // kSmallLinearMaxRows, k % 8 == 0, x rows and W 16-byte aligned. One warp per output column, all of its weight row's
@@ -190,6 +189,7 @@ struct SmallLinearArgs {
 };
 cudaError_t launch_small_linear(const SmallLinearArgs& a, cudaStream_t stream);
 
+// Which kernels this library was built for (e.g. "sm_90a sm_121a") and whether the current device can run them.
 const char* built_archs();
 cudaError_t probe_device_support();
 

@@ -13,6 +13,7 @@ import torch
 
 from vllm_exl3.dev.cuda_graph import capture
 from support.gpu import native_or_skip
+from support.moe_cases import poison, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -30,18 +31,9 @@ BOUND = {(True, torch.float16): 1e-5, (True, torch.bfloat16): 1e-5, (False, torc
          (False, torch.bfloat16): 8e-3}
 
 
-def poison(shape, dtype):
-    held = [torch.full(shape, float("nan"), dtype=dtype, device=DEV) for _ in range(4)]
-    del held
-
-
 def call(x, w, out_fp32):
     poison((x.shape[0], w.shape[0]), torch.float32 if out_fp32 else x.dtype)
     return torch.ops.vllm_exl3.small_linear(x, w, out_fp32)
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("out_fp32", [True, False], ids=["fp32-out", "16bit-out"])
