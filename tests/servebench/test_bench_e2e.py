@@ -226,8 +226,11 @@ def test_server_stopped_mid_run_leaves_a_partial_report(servers, tmp_path):
         return snap.values.get(f"{server_metrics.E2E_LATENCY}_count", 0)
 
     earlier = finished()
+    # --fill 500: a run of 500 requests (minutes), so the stop lands inside it however late this loop sees the
+    # server's count move on a loaded machine (24 requests, ~10 s, once finished before the kill on CI)
     proc = subprocess.Popen(bench_argv("--a", server.base_url, "--max-tokens", "200", "--concurrency", "1",
-                                       "--warmup", "1", "--request-timeout", "60", "-o", str(tmp_path)),
+                                       "--fill", "500", "--warmup", "1", "--request-timeout", "60",
+                                       "-o", str(tmp_path)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 60
