@@ -41,6 +41,7 @@ CLASSES = [
     ("exl3 moe gemm", r"moe_gemm_kernel"),
     ("exl3 moe route/transforms/reduce", r"moe_(route|gather|act|reduce)_kernel"),
     ("exl3 dense", r"skinny_kernel|panel_kernel|input_transform_kernel|reconstruct\w*_kernel"),
+    ("exl3 router gate (small_linear)", r"small_linear_kernel"),  # VLLM_EXL3_ROUTER_GATE=1; else a cuBLAS gemm
     ("exl3 op (cpu)", r"vllm_exl3::"),
     ("vllm gptq moe (humming)", r"humming|process_input_kernel|moe_fused_mul_sum"),
     ("marlin moe", r"marlin.*moe|moe.*marlin"),

@@ -78,12 +78,21 @@ def test_half_integer_pack_tensor_parallel(tmp_path):
 
 def test_compiled_cpu_graph_matches_eager(tmp_path):
     """Without --enforce-eager vLLM's CPU build traces the model (and our MoE apply) with torch.compile;
-    our custom ops with fake implementations must keep the graph whole and the tokens identical."""
+    our custom ops with fake implementations must keep the graph whole and the tokens identical. The same with
+    the router gates on the plugin's backend (VLLM_EXL3_ROUTER_GATE=1: vLLM's GateLinear calls our method; here
+    the torch reference's fp32 product), booted beside it."""
     pack = pack_dir("qwen3moe-a-exl3-mcg-b3")
     with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
         eager = greedy(server)
-    with vllm_server(pack, tmp_path, "--dtype", "float32") as server:
+    compiled = tmp_path / "compiled"
+    gate = tmp_path / "router-gate"
+    compiled.mkdir(), gate.mkdir()
+    with vllm_server(pack, compiled, "--dtype", "float32") as server, \
+            vllm_server(pack, gate, "--dtype", "float32", env=cpu_env(VLLM_EXL3_ROUTER_GATE="1")) as gated:
         assert greedy(server) == eager
+        assert greedy(gated) == eager
+    (log,) = gate.glob("vllm-*.log")
+    assert "EXL3 router_gate:fp32:cpu -> torch backend" in log.read_text()
 
 
 def test_completions_chat_and_streaming(tmp_path):

@@ -506,3 +506,72 @@ def test_worker_state_is_published_once_per_load(tmp_path, rank, monkeypatch):
     published = json.loads((tmp_path / "state" / "exl3-rank0.json").read_text())
     assert [d["layers"] for d in published["decisions"] if d["layer_type"] == layer_type] == \
         [bound_before + len(prefixes)]  # written after the last layer was bound
+
+
+# -- a MoE router's gate (16-bit, not EXL3) on the plugin's backends ---------------------------------------------
+GATE = "model.layers.0.mlp.gate"
+
+
+def _gate(tmp_path, dtype: torch.dtype, out_dtype: torch.dtype | None, seed: int = 5):
+    """vLLM's own GateLinear (what Qwen3-MoE builds) with our config, its weight loaded through its loader."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    cfg, _ = make_config(tmp_path, {"model.layers.0.mlp.down_proj": random_weights(128, 256, 4, "mcg", seed)})
+    layer = GateLinear(256, 16, out_dtype=out_dtype, params_dtype=dtype, quant_config=cfg, prefix=GATE)
+    w = (torch.randn(16, 256, generator=torch.Generator().manual_seed(seed)) / 16).to(dtype)
+    load(layer, {f"{GATE}.weight": w})
+    return layer, w
+
+
+def test_router_gate_is_vllms_own_by_default(tmp_path, rank, monkeypatch):
+    monkeypatch.delenv("VLLM_EXL3_ROUTER_GATE", raising=False)
+    rank(0, 1)
+    layer, _ = _gate(tmp_path, torch.bfloat16, torch.float32)
+    assert type(layer.quant_method).__name__ == "UnquantizedLinearMethod" and layer.is_unquantized
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, None),
+                                             (torch.float16, torch.float32), (torch.float32, None)])
+def test_router_gate_on_the_plugins_backend(tmp_path, rank, monkeypatch, dtype, out_dtype):
+    """VLLM_EXL3_ROUTER_GATE=1: vLLM's GateLinear calls our method (its own GEMM tiers off), which serves the
+    logits from the chosen backend in the gate's out_dtype (on CPU the torch reference's fp32 product), recorded
+    in vLLM's compile-cache key under the gate's own layer type."""
+    from vllm.config import get_current_vllm_config
+
+    from vllm_exl3.integration import compile_key
+    from vllm_exl3.integration.router_gate import RouterGateMethod
+
+    monkeypatch.setenv("VLLM_EXL3_ROUTER_GATE", "1")
+    rank(0, 1)
+    layer, w = _gate(tmp_path, dtype, out_dtype)
+    assert isinstance(layer.quant_method, RouterGateMethod) and not layer.is_unquantized
+    assert layer.quant_method.backend.name == "torch"
+    x = torch.randn(5, 256).to(dtype)
+    y, _ = layer(x)
+    expected = x.float() @ w.float().t()
+    assert y.dtype == (out_dtype or dtype)
+    assert torch.equal(y, expected if out_dtype == torch.float32 else expected.to(dtype))
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    assert f"router_gate:{short}:cpu=torch" in get_current_vllm_config().additional_config[compile_key.KEY]["layers"]
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_parity_gate_checks_the_router_gate(tmp_path, rank, monkeypatch, native_stand_in, policy):
+    """A router gate 10 % off on the backend chosen for it (test-only): `fallback` moves the gate to the torch
+    reference at load (output exact), `strict` refuses to load naming the gate."""
+    from vllm_exl3.kernels import parity
+    from support.backends import WrongRouterGateNative
+
+    native_stand_in(WrongRouterGateNative(), policy)
+    monkeypatch.setenv("VLLM_EXL3_ROUTER_GATE", "1")
+    rank(0, 1)
+    if policy == "strict":
+        with pytest.raises(parity.ParityError, match=rf"layer {GATE} \(router_gate:bf16:cpu\) .*native backend"):
+            _gate(tmp_path, torch.bfloat16, torch.float32)
+        return
+    layer, w = _gate(tmp_path, torch.bfloat16, torch.float32)
+    assert layer.quant_method.backend.name == "torch"
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    assert torch.equal(layer(x)[0], x.float() @ w.float().t())
+    (check,) = [c for c in parity.checks() if c.layer == GATE]
+    assert not check.passed and 0.09 < check.error < 0.11 and check.inputs == "rows 1,8,16,96"

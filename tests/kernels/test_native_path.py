@@ -1,6 +1,6 @@
-"""The C++ path enum (csrc/planner.h `enum Path`) and the grouped kernel's shard limit agree with their Python
-mirrors (kernels/backends/native.py NativePath, MAX_GROUP_SHARDS) name for name and value for value. Reads the C++
-source only: no build, no GPU."""
+"""The C++ path enum (csrc/planner.h `enum Path`), the grouped kernel's shard limit and small_linear's row limit
+agree with their Python mirrors (kernels/backends/native.py NativePath, MAX_GROUP_SHARDS, SMALL_LINEAR_MAX_ROWS)
+name for name and value for value. Reads the C++ source only: no build, no GPU."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def test_python_path_enum_matches_cpp():
     assert {p.name: p.value for p in NativePath} == cpp
 
 
-def test_group_shard_limit_matches_cpp():
-    from vllm_exl3.kernels.backends.native import MAX_GROUP_SHARDS
+def test_row_and_shard_limits_match_cpp():
+    from vllm_exl3.kernels.backends.native import MAX_GROUP_SHARDS, SMALL_LINEAR_MAX_ROWS
 
     header = (PLANNER_H.parent / "exl3_kernels.h").read_text()
     assert int(re.search(r"constexpr int kMaxGroupShards = (\d+);", header).group(1)) == MAX_GROUP_SHARDS
+    assert int(re.search(r"constexpr int kSmallLinearMaxRows = (\d+);", header).group(1)) == SMALL_LINEAR_MAX_ROWS

@@ -1,6 +1,6 @@
 """Stand-ins for the native backend, for the parity gate (kernels/parity.py): the torch reference registered under
 the name `native` and always available, with some of its bindings silently wrong (10 % off), the output the gate
-exists to catch. WrongNative: every binding; WrongGroupNative: only its grouped linears. Tests put one into
+exists to catch. WrongNative: every binding; WrongGroupNative: only its grouped linears; WrongRouterGateNative: only its router gate. Tests put one into
 kernels.backend.REGISTRY."""
 
 from __future__ import annotations
@@ -62,3 +62,10 @@ class WrongNative(NativeStandIn):
 
 class WrongGroupNative(NativeStandIn):
     group = WrongGroup
+
+
+class WrongRouterGateNative(NativeStandIn):
+    """Right EXL3 bindings, a router gate 10 % off."""
+
+    def router_gate(self, x, weight, out_fp32):
+        return 1.1 * super().router_gate(x, weight, out_fp32)

@@ -38,6 +38,7 @@ loader    | VLLM_EXL3_LOAD_RING_MIB        | 512            | read-ahead bound: 
 loader    | VLLM_EXL3_LOAD_DIRECT_IO       | true           | O_DIRECT reads (buffered where the filesystem refuses)
 loader    | VLLM_EXL3_LOAD_DROP_PAGE_CACHE | true           | buffered reads only: drop each chunk from the page cache once copied
 kernels   | VLLM_EXL3_GROUP_LINEARS        | 1              | 1: whole dense linears of one input (attention q/k/v) run as one grouped call where the backend has one (native: two launches for all of them up to 8 rows); 0: one call per linear (A/B)
+kernels   | VLLM_EXL3_ROUTER_GATE          | 0              | 1: a MoE router's 16-bit gate (vLLM's GateLinear, not EXL3) runs on the plugin's backend, parity-gated: native small_linear at 1-16 rows (cuBLAS above), the fp32 torch reference off CUDA; 0: vLLM's own gate GEMM (the default until the kernel has been measured served)
 kernels   | VLLM_EXL3_SKINNY_MAX_ROWS      | -              | rows up to which the skinny kernel runs (default per GPU: 8 when the layer fits in L2, else 16)
 kernels   | VLLM_EXL3_PANEL_MAX_ROWS       | -              | rows up to which the panel kernel runs (default per GPU: 256 on sm_12x, 16 or 64 elsewhere); above it, reconstruct + cuBLAS
 kernels   | VLLM_EXL3_ORIGINAL_MIN_ROWS    | -              | rows from which reconstruct works in the original basis (default: a quarter of the active output columns)

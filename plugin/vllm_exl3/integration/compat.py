@@ -80,6 +80,15 @@ def is_column_parallel(layer) -> bool:
     return isinstance(layer, ColumnParallelLinear)
 
 
+def is_router_gate(layer) -> bool:
+    """vLLM's MoE router gate layer (GateLinear, 0.32 and 0.33; 0.31's models build a plain ReplicatedLinear)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+    except ImportError:
+        return False
+    return isinstance(layer, GateLinear)
+
+
 def is_row_parallel(layer) -> bool:
     return isinstance(layer, RowParallelLinear)
 

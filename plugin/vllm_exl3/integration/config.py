@@ -25,6 +25,7 @@ from ..format.constants import SIDECAR_FILE
 from ..format.contract import POLICY_BF16_AS_STORED, Contract, layer_index
 from ..format.errors import Exl3ConfigError, Exl3FormatError
 from ..format.index import PackIndex, index_model
+from ..kernels.selection import router_gate_on
 from ..kernels.specs import PROJECTIONS
 from . import compat, compile_key
 
@@ -155,6 +156,10 @@ class Exl3Config(compat.QuantizationConfig):
                 return self._plain_head(layer, index.plain.get(prefix))
             if self.contract.non_routed_dtype_policy != POLICY_BF16_AS_STORED and self.delegate is not None:
                 return self.delegate.get_quant_method(layer, prefix)
+            if compat.is_router_gate(layer) and router_gate_on():
+                from .router_gate import RouterGateMethod
+
+                return RouterGateMethod(prefix, self._in_last_block(prefix))
             return compat.UnquantizedLinearMethod()
 
         if self.delegate is not None and compat.is_attention(layer):

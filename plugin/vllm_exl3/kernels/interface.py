@@ -129,6 +129,16 @@ class Backend:
         no offsets, every output column): one call for all of them."""
         raise NotImplementedError(f"the {self.name} backend has no grouped linears")
 
+    # -- a MoE router's gate: a 16-bit linear, not EXL3 ------------------------------------------------------
+    def router_gate_unsupported_reason(self, dtype: torch.dtype, in_features: int) -> str | None:
+        return "no router gate kernel"
+
+    def router_gate(self, x: torch.Tensor, weight: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+        """Router logits x [M, in] · weight [experts, in]^T: fp32 with `out_fp32` (what vLLM's router takes), else
+        in x's dtype. Called from inside vLLM's compiled graphs, so any choice by M happens inside an op (a branch
+        in traced Python would be frozen at the first trace). The same CUDA-graph rules as BoundLinear."""
+        raise NotImplementedError(f"the {self.name} backend has no router gate kernel")
+
     # -- routed experts -----------------------------------------------------------------------------------
     def moe_unsupported_reason(self, spec: MoESpec) -> str | None:
         return "routed experts not implemented"

@@ -9,6 +9,9 @@ backend chosen for them and through the torch reference (backends/torch_ref.py) 
 - `strict`: refuse to start (errors.ParityError), naming the layer, the backend and the error.
 - `off`: no checks.
 
+A MoE router's 16-bit gate, when VLLM_EXL3_ROUTER_GATE=1 puts it on a backend, is checked the same way against
+the reference's fp32 product (`router_gate_error`).
+
 Which layers: the first layer of each (backend, layer type) — layer types are per codebook and bit width
 (selection.py), so every codebook and bit width present is covered, dense and routed experts alike — and every
 layer of the model's last block. The torch reference itself is never checked (on CPU it is the only backend, so
@@ -55,6 +58,7 @@ REFERENCE = "torch"
 BOUNDS = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-2}
 LINEAR_ROWS = (1, 8, 96)  # skinny, panel and reconstruct paths of the native kernels
 MOE_TOKENS = 64
+ROUTER_GATE_ROWS = (1, 8, 16, 96)  # the native gate's small_linear (up to 16 rows) and its cuBLAS side
 MOE_MAX_EXPERTS = 4  # experts per checked routed layer (more only to cover every bit width present)
 SEED = 1234
 
@@ -214,14 +218,14 @@ def _randn(shape, dtype, device, generator) -> torch.Tensor:
 
 
 def _rows_error(call: Callable, ref: Callable, in_features: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[float, str]:
-    """Worst relative error of `call` against `ref` over LINEAR_ROWS fixed inputs of `in_features`."""
+                device: torch.device, row_counts: tuple[int, ...] = LINEAR_ROWS) -> tuple[float, str]:
+    """Worst relative error of `call` against `ref` over fixed inputs of `in_features` and each of `row_counts`."""
     g = torch.Generator().manual_seed(SEED)
     worst = 0.0
-    for rows in LINEAR_ROWS:
+    for rows in row_counts:
         x = _randn((rows, in_features), dtype, device, g)
         worst = max(worst, rel_error(call(x), ref(x)))
-    return worst, "rows " + ",".join(map(str, LINEAR_ROWS))
+    return worst, "rows " + ",".join(map(str, row_counts))
 
 
 def linear_error(bound: BoundLinear, in_features: int, dtype: torch.dtype) -> tuple[float, str]:
@@ -235,6 +239,15 @@ def linear_group_error(group: BoundLinearGroup, dtype: torch.dtype) -> tuple[flo
     ref = get_backend(REFERENCE).bind_linear_group(
         [get_backend(REFERENCE).bind_linear(w, 0, 0, w.out_padded) for w in group.ws])
     return _rows_error(group, ref, group.ws[0].in_padded, dtype, group.ws[0].trellis.device)
+
+
+def router_gate_error(backend: Backend, weight: torch.Tensor, out_fp32: bool) -> tuple[float, str]:
+    """Worst relative error of a backend's router gate on the layer's own weight against the torch reference, over
+    ROUTER_GATE_ROWS fixed inputs."""
+    ref = get_backend(REFERENCE)
+    return _rows_error(lambda x: backend.router_gate(x, weight, out_fp32),
+                       lambda x: ref.router_gate(x, weight, out_fp32), weight.shape[1], weight.dtype, weight.device,
+                       ROUTER_GATE_ROWS)
 
 
 def sample_experts(experts: ExpertStack) -> list[int]:

@@ -10,6 +10,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
+
 from ..base import settings
 from .backend import REGISTRY, load_backends
 from .errors import BackendUnavailableError, FallbackRefusedError
@@ -124,3 +126,27 @@ def choose_linear_group_backend(spec: LinearSpec, shards: int, backend_name: str
 
 def choose_moe_backend(spec: MoESpec) -> Backend:
     return _choose(moe_layer_type(spec), lambda b: b.moe_unsupported_reason(spec))
+
+
+ROUTER_GATE_ENV = "VLLM_EXL3_ROUTER_GATE"
+
+
+def router_gate_on() -> bool:
+    """Whether MoE router gates (16-bit, not EXL3) run on the plugin's backends (ROUTER_GATE_ENV), instead of
+    vLLM's own gate GEMM."""
+    return settings.get_bool(ROUTER_GATE_ENV)
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def router_gate_layer_type(dtype: torch.dtype, device_type: str) -> str:
+    return f"router_gate:{_DTYPE_NAMES.get(dtype, str(dtype).removeprefix('torch.'))}:{device_type}"
+
+
+def choose_router_gate_backend(dtype: torch.dtype, in_features: int, device_type: str) -> Backend:
+    """The backend for a router gate of this weight dtype and width, chosen as for the EXL3 layers (the requested
+    one first, strict refusing a fallback, a parity failure excluding it); the torch reference serves every gate."""
+    return _choose(router_gate_layer_type(dtype, device_type),
+                   lambda b: b.router_gate_unsupported_reason(dtype, in_features))
+

@@ -4,6 +4,10 @@ multiple of the block's four, in_features not a multiple of the lanes' 256-wide 
 16-bit output, a strided x (a slice of a wider tensor). Against the fp32 product of the same values, fresh random
 inputs, outputs poisoned before each call; two calls bitwise equal; CUDA-graph replay equal to eager; shapes the
 kernel does not take are refused with a message naming the expectation.
+
+The router gate op that serves a MoE gate with it (`vllm_exl3::router_gate`, kernels/backends/native.py): the kernel
+up to its row limit, cuBLAS above it and for an x the kernel does not take, the choice made per call under
+torch.compile, graph replay.
 """
 
 from __future__ import annotations
@@ -91,3 +95,64 @@ def test_refuses_what_it_does_not_take(case, message):
         w = w[:, :1024].contiguous()
     with pytest.raises(RuntimeError, match=message):
         torch.ops.vllm_exl3.small_linear(x, w, True)
+
+
+# -- the router gate op: small_linear up to its row limit, cuBLAS above or where x's layout is not the kernel's ---
+def _gate_case(rows: int, dtype=torch.bfloat16, k: int = 2048, n: int = 128, seed: int = 11):
+    g = torch.Generator(device=DEV).manual_seed(seed + rows)
+    x = torch.randn(rows, k, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=DEV, generator=g) * k ** -0.5).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("out_fp32", [True, False], ids=["fp32-out", "16bit-out"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 64])
+def test_router_gate_op_takes_the_kernel_up_to_its_row_limit(rows, dtype, out_fp32):
+    from vllm_exl3.kernels.backends.native import SMALL_LINEAR_MAX_ROWS
+
+    x, w = _gate_case(rows, dtype)
+    poison((rows, w.shape[0]), torch.float32 if out_fp32 else dtype)
+    y = torch.ops.vllm_exl3.router_gate(x, w, out_fp32)
+    assert y.dtype == (torch.float32 if out_fp32 else dtype) and torch.isfinite(y).all()
+    if rows <= SMALL_LINEAR_MAX_ROWS:
+        assert torch.equal(y, torch.ops.vllm_exl3.small_linear(x, w, out_fp32))
+    else:  # vLLM's own gate GEMM
+        cublas = (torch.mm(x, w.t(), out_dtype=torch.float32) if out_fp32 and dtype == torch.bfloat16
+                  else torch.nn.functional.linear(x, w).to(y.dtype))
+        assert torch.equal(y, cublas)
+    kernel = rows <= SMALL_LINEAR_MAX_ROWS  # cuBLAS may round to 16 bits before the fp32 output
+    assert rel(y, x.float() @ w.float().T) < BOUND[(out_fp32 and kernel, dtype)]
+
+
+def test_router_gate_op_with_an_unaligned_x_goes_to_cublas():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    wide = torch.randn(4, 2048 + 8, device=DEV, generator=g).to(torch.bfloat16)
+    x = wide[:, 4:2052]  # 8-byte offset: not the kernel's 16-byte rows
+    w = (torch.randn(128, 2048, device=DEV, generator=g) * 2048 ** -0.5).to(torch.bfloat16)
+    y = torch.ops.vllm_exl3.router_gate(x, w, True)
+    assert torch.equal(y, torch.mm(x, w.t(), out_dtype=torch.float32))
+
+
+def test_router_gate_op_keeps_its_choice_per_call_under_torch_compile():
+    """vLLM compiles the model once for a symbolic batch size: the op's row test must run at each call, not once at
+    the trace (a traced branch would be frozen)."""
+    from vllm_exl3.kernels.backends.native import SMALL_LINEAR_MAX_ROWS
+
+    compiled = torch.compile(lambda x, w: torch.ops.vllm_exl3.router_gate(x, w, True), dynamic=True, fullgraph=True)
+    for rows in (4, 64, 16, 17):
+        x, w = _gate_case(rows)
+        expected = (torch.ops.vllm_exl3.small_linear(x, w, True) if rows <= SMALL_LINEAR_MAX_ROWS
+                    else torch.mm(x, w.t(), out_dtype=torch.float32))
+        assert torch.equal(compiled(x, w), expected), rows
+
+
+def test_router_gate_op_graph_replay():
+    x, w = _gate_case(8)
+    static = x.clone()
+    graph, out = capture(lambda: torch.ops.vllm_exl3.router_gate(static, w, True))
+    out.fill_(float("nan"))
+    static.copy_(torch.randn_like(static))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.ops.vllm_exl3.small_linear(static, w, True))

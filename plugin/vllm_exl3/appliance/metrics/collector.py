@@ -5,8 +5,8 @@ Conventions (Prometheus's and vLLM's): the `vllm_exl3_` prefix (never `vllm:`, w
 own), base units in the name (`_bytes`, `_seconds`, `_hertz`, `_celsius`), `_total` for counters, `_info`
 gauges = 1 carrying facts as labels. Per-worker series carry `rank` (the tensor-parallel rank) and `role`
 (single | head | worker); node-level series get them from the scrape target's labels (deploy/prometheus/).
-`vllm_exl3_backend_info{layer_type="linear"|"linear_group"|"moe", backend, rank}` is read by other tools: keep it
-stable.
+`vllm_exl3_backend_info{layer_type="linear"|"linear_group"|"moe"|"router_gate", backend, rank}` is read by other
+tools: keep it stable.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _SPECS = [
     # -- per worker rank (integration/telemetry.py) --
     Spec("vllm_exl3_worker_up", "gauge", WORKER, "the worker that wrote the state file is running (1) or gone (0)"),
     Spec("vllm_exl3_backend_info", "gauge", ("layer_type", "backend") + WORKER,
-         "1 for each kernel backend serving layers of this type (linear | linear_group | moe) now"),
+         "1 for each kernel backend serving layers of this type (linear | linear_group | moe | router_gate) now"),
     Spec("vllm_exl3_backend_layers", "gauge", LAYER + ("backend",) + WORKER,
          "layers bound to a backend, per layer variant (codebook:bits) and device"),
     Spec("vllm_exl3_backend_skipped_info", "gauge", LAYER + ("backend", "reason") + WORKER,

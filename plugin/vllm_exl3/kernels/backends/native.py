@@ -20,6 +20,7 @@ import enum
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from ...format.constants import CODEBOOKS
 from ...format.tensors import Exl3Weights
@@ -45,6 +46,7 @@ class NativePath(enum.IntEnum):
 
 
 MAX_GROUP_SHARDS = 4  # csrc/exl3_kernels.h kMaxGroupShards
+SMALL_LINEAR_MAX_ROWS = 16  # csrc/exl3_kernels.h kSmallLinearMaxRows
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,6 +146,31 @@ def linear_group(x: torch.Tensor, ws: list[Exl3Weights], path: int = NativePath.
     return torch.ops.vllm_exl3.native_linear_group(x, *linear_group_args(ws, path))
 
 
+def _small_linear_takes(x: torch.Tensor) -> bool:
+    """Rows and layout csrc/bindings.cpp small_linear accepts (the weight's were checked when the gate was bound)."""
+    return (1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0)
+
+
+@torch.library.custom_op("vllm_exl3::router_gate", mutates_args=())
+def router_gate(x: torch.Tensor, weight: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+    """A router gate's logits x W^T: small_linear (csrc/small_linear.cu) up to SMALL_LINEAR_MAX_ROWS rows, cuBLAS
+    above it (what vLLM's own gate calls: one GEMM with an fp32 output for bf16, else F.linear). The rows are known
+    only here: an op, so torch.compile keeps the choice per call. The crossover is the kernel's row limit, not yet a
+    measured one (bench/small_linear.py measures both sides)."""
+    if _small_linear_takes(x):
+        return torch.ops.vllm_exl3.small_linear(x, weight, out_fp32)
+    if out_fp32 and x.dtype == torch.bfloat16:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    y = F.linear(x, weight)
+    return y.float() if out_fp32 else y
+
+
+@router_gate.register_fake
+def _(x, weight, out_fp32):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if out_fp32 else x.dtype)
+
+
 class NativeBackend(Backend):
     name = "native"
 
@@ -180,6 +207,16 @@ class NativeBackend(Backend):
         if (err := extension_error()) is not None:
             raise RuntimeError(err)
         return _MoE(experts, call)
+
+    def router_gate_unsupported_reason(self, dtype: torch.dtype, in_features: int) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"a {str(dtype).removeprefix('torch.')} gate weight (the kernel reads fp16/bf16)"
+        if in_features % 8:
+            return f"{in_features} input features (the kernel reads rows of 8-feature, 16-byte chunks)"
+        return None
+
+    def router_gate(self, x: torch.Tensor, weight: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+        return torch.ops.vllm_exl3.router_gate(x, weight, out_fp32)
 
 
 class _Linear(BoundLinear):

@@ -62,6 +62,13 @@ class TorchBackend(Backend):
     def bind_moe(self, experts: ExpertStack, call: MoECall) -> BoundMoE:
         return TorchMoE(experts, call)
 
+    def router_gate_unsupported_reason(self, dtype: torch.dtype, in_features: int) -> str | None:
+        return None
+
+    def router_gate(self, x: torch.Tensor, weight: torch.Tensor, out_fp32: bool) -> torch.Tensor:
+        y = x.float() @ weight.float().t()  # the reference: fp32 products and sums
+        return y if out_fp32 else y.to(x.dtype)
+
 
 class TorchLinear(BoundLinear):
     backend = TorchBackend.name
