@@ -149,4 +149,3 @@ def choose_router_gate_backend(dtype: torch.dtype, in_features: int, device_type
     one first, strict refusing a fallback, a parity failure excluding it); the torch reference serves every gate."""
     return _choose(router_gate_layer_type(dtype, device_type),
                    lambda b: b.router_gate_unsupported_reason(dtype, in_features))
-
