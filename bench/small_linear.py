@@ -1,7 +1,6 @@
-"""A MoE router's 16-bit gate at decode sizes: vllm_exl3's small_linear (csrc/small_linear.cu), and the op that
-serves the gate with it under VLLM_EXL3_ROUTER_GATE=1 (`vllm_exl3::router_gate`), against the cuBLAS calls vLLM's
-gate makes without it: F.linear (16-bit out) and torch.mm with an fp32 out dtype (the fused bf16 x bf16 -> fp32
-tier of vLLM's GateLinear).
+"""A MoE router's 16-bit gate at decode sizes: vllm_exl3's small_linear (csrc/small_linear.cu) against the cuBLAS
+calls vLLM's gate makes without it: F.linear (16-bit out) and torch.mm with an fp32 out dtype (the fused
+bf16 x bf16 -> fp32 tier of vLLM's GateLinear).
 
     PYTHONPATH=plugin python bench/small_linear.py [--out FILE.json]
 
@@ -37,7 +36,6 @@ L2_DEFEAT = 160 << 20  # weight bytes in play per replay (H200 L2: 60 MB)
 def forms(x, w):
     out = {"small_linear fp32": lambda: torch.ops.vllm_exl3.small_linear(x, w, True),
            "small_linear bf16": lambda: torch.ops.vllm_exl3.small_linear(x, w, False),
-           "router_gate op fp32": lambda: torch.ops.vllm_exl3.router_gate(x, w, True),  # what serves the gate
            "F.linear bf16": lambda: F.linear(x, w)}
     try:
         torch.mm(x, w.t(), out_dtype=torch.float32)
