@@ -9,7 +9,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from vllm_exl3.format.architectures import ARCHITECTURES  # noqa: E402
+from vllm_exl3.format.families import ARCHITECTURES  # noqa: E402
 from vllm_exl3.format.pack import Pack  # noqa: E402
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -4,12 +4,13 @@ no torch).
 vLLM loads what a checkpoint holds and leaves the rest of the model as it was allocated: a pack without `lm_head`, a
 projection, a norm or one expert boots healthy and answers empty text or NaN, and a tensor the model does not have is
 ignored or stops the load half way. So every gate (`verify`, preflight, the plugin's own check inside `vllm serve`)
-compares the pack with the set its config.json describes, both ways. An architecture not in `ARCHITECTURES` is
-reported as "completeness not checked", never refused.
+compares the pack with the set its config.json describes, both ways. The tables are the families' (format/families/);
+an architecture without one is reported as "completeness not checked", never refused.
 
 A linear may be stored as an EXL3 linear (`.trellis`, `.suh`, `.svh`, a marker, `.bias`) or as a plain `.weight`
-(`.bias`): the extended contract keeps some dense layers in BF16 (docs/packs.md). Names are Hugging Face's, as
-transformers writes them; tests/format/test_architectures.py compares each table with a checkpoint transformers saves.
+(`.bias`): the extended contract keeps some dense layers in BF16 (docs/packs.md). Names are Hugging Face's, in the
+layout ExLlamaV3's converter writes (one linear per routed expert, gate and up split); tests/format/
+test_architectures.py compares each table with a checkpoint transformers saves, rewritten into that layout.
 """
 
 from __future__ import annotations
@@ -24,12 +25,10 @@ from .constants import SIDECAR_FILE
 from .errors import Exl3FormatError
 from .headers import TensorRecord
 
-LAYERS = "model.layers"  # the decoder layers: model.layers.<i>.…
-EXPERTS = "mlp.experts"  # a layer's routed experts: model.layers.<i>.mlp.experts.<e>.…
+LAYERS = "model.layers"  # the decoder layers of most architectures: model.layers.<i>.…
+EXPERTS = "mlp.experts"  # a layer's routed experts in most architectures: <layer>.mlp.experts.<e>.…
 MAX_LISTED = 8  # missing or unexpected tensors named one by one; the rest are counted
 NOT_CHECKED = "completeness not checked"  # how a note about an architecture without a table begins
-_LAYER_RE = re.compile(rf"^{re.escape(LAYERS)}\.(\d+)\.")
-_EXPERT_RE = re.compile(rf"^{re.escape(LAYERS)}\.\d+\.{re.escape(EXPERTS)}\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -39,22 +38,65 @@ class Flag:
     key: str
     default: bool = False
 
-    def __call__(self, config: Mapping[str, Any]) -> bool:
+    def __call__(self, config: Mapping[str, Any], layer: int | None = None) -> bool:
         return bool(config.get(self.key, self.default))
 
 
-Condition = bool | Flag
+@dataclass(frozen=True)
+class LayerType:
+    """Layer `layer` is of type `value`: config `layer_types[layer]` says so, or, for a config without that list,
+    every `interval_key`-th layer (counting from 1) is `every` and the others are not."""
+
+    value: str
+    interval_key: str | None = None
+    every: str | None = None
+
+    def __call__(self, config: Mapping[str, Any], layer: int | None = None) -> bool:
+        types = config.get("layer_types")
+        if layer is None:
+            return False
+        if isinstance(types, list) and layer < len(types):
+            return types[layer] == self.value
+        interval = config.get(self.interval_key) if self.interval_key else None
+        if isinstance(interval, int) and interval > 0:
+            return ((layer + 1) % interval == 0) == (self.value == self.every)
+        return False
 
 
-def holds(condition: Condition, config: Mapping[str, Any]) -> bool:
-    return condition(config) if isinstance(condition, Flag) else condition
+@dataclass(frozen=True)
+class Not:
+    """The condition does not hold."""
+
+    condition: "Condition"
+
+    def __call__(self, config: Mapping[str, Any], layer: int | None = None) -> bool:
+        return not holds(self.condition, config, layer)
+
+
+@dataclass(frozen=True)
+class All:
+    """Every one of the conditions holds."""
+
+    conditions: tuple["Condition", ...]
+
+    def __call__(self, config: Mapping[str, Any], layer: int | None = None) -> bool:
+        return all(holds(c, config, layer) for c in self.conditions)
+
+
+Condition = bool | Flag | LayerType | Not | All
+
+
+def holds(condition: Condition, config: Mapping[str, Any], layer: int | None = None) -> bool:
+    return condition(config, layer) if callable(condition) else condition
 
 
 @dataclass(frozen=True)
 class Module:
     """One module's tensors. `linear`: an EXL3 linear or a plain `.weight` (with `.bias` when `bias` holds);
-    otherwise the plain `tensors` only. `present`: the config gives the model this module; `optional`: it may be
-    left out (a head tied to the embeddings)."""
+    otherwise the plain `tensors` only. `present`: the config gives the model (or this layer) this module;
+    `optional`: it may be left out (a head tied to the embeddings, a tensor the converter does not write);
+    `may_bias`: a linear that may carry a `.bias` or not (ExLlamaV3 writes the experts' biases of some sources and
+    not of others)."""
 
     name: str
     linear: bool = True
@@ -62,25 +104,29 @@ class Module:
     bias: Condition = False
     present: Condition = True
     optional: Condition = False
+    may_bias: Condition = False
 
 
-def linear(name: str, bias: Condition = False, present: Condition = True, optional: Condition = False) -> Module:
-    return Module(name, True, ("weight",), bias, present, optional)
+def linear(name: str, bias: Condition = False, present: Condition = True, optional: Condition = False,
+           may_bias: Condition = False) -> Module:
+    return Module(name, True, ("weight",), bias, present, optional, may_bias)
 
 
-def plain(name: str, *tensors: str, present: Condition = True) -> Module:
-    return Module(name, False, tensors or ("weight",), False, present)
+def plain(name: str, *tensors: str, present: Condition = True, optional: Condition = False) -> Module:
+    return Module(name, False, tensors or ("weight",), False, present, optional)
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """The tensors of one architecture: `top` outside the layers, `layer` in every decoder layer, then either the
-    dense MLP or the routed one (`sparse_mlp` beside `expert`, each routed expert's linears). Which layers route:
-    the first of `experts_keys` present gives the number of experts (none: every layer is dense; the config checks
-    make every one present agree); layers below `dense_first_key`'s value
-    and those listed under `dense_list_key` are dense; with `sparse_every_key`, only layers whose index plus
-    `sparse_every_offset` is a multiple of its value route. `spare_layers_key`: that many layers after the last
-    (multi-token prediction) may be stored; vLLM skips them, so are they here."""
+    """The tensors of one architecture, with Hugging Face's names as ExLlamaV3's converter writes them: `top`
+    outside the layers (under their full names), `layer` in every decoder layer (under `layers`.<i>), then either
+    the dense MLP or the routed one (`sparse_mlp` beside `expert`, each routed expert's linears under
+    `experts_path`.<e>). Which layers route: the first of `experts_keys` present gives the number of experts (none:
+    every layer is dense; the config checks make every one present agree); layers below `dense_first_key`'s value,
+    above `dense_after_key`'s and those listed under `dense_list_key` are dense; with `sparse_every_key`, only
+    layers whose index plus `sparse_every_offset` is a multiple of its value route. `spare_layers_key`: that many
+    layers after the last (multi-token prediction) may be stored; vLLM skips them, so are they here, as are the
+    tensors under `spare_prefixes` (a vision tower, MTP modules: another part of the model, not checked here)."""
 
     top: tuple[Module, ...]
     layer: tuple[Module, ...]
@@ -89,10 +135,15 @@ class Architecture:
     expert: tuple[str, ...] = ()
     experts_keys: tuple[str, ...] = ()
     dense_first_key: str | None = None
+    dense_after_key: str | None = None
     dense_list_key: str | None = None
     sparse_every_key: str | None = None
     sparse_every_offset: int = 0
     spare_layers_key: str | None = None
+    layers: str = LAYERS
+    experts_path: str = EXPERTS
+    spare_prefixes: tuple[str, ...] = ()
+    expert_may_bias: Condition = False
 
     def experts(self, config: Mapping[str, Any]) -> tuple[str | None, int]:
         """(the config key, the number of routed experts it gives); (None, 0) for a dense model."""
@@ -104,6 +155,9 @@ class Architecture:
             return False
         if self.dense_first_key and layer < (config.get(self.dense_first_key) or 0):
             return False
+        if self.dense_after_key and config.get(self.dense_after_key) is not None \
+                and layer > config[self.dense_after_key]:
+            return False
         if self.dense_list_key and layer in (config.get(self.dense_list_key) or ()):
             return False
         every = config.get(self.sparse_every_key) or 1 if self.sparse_every_key else 1
@@ -111,63 +165,38 @@ class Architecture:
 
     def modules(self, config: Mapping[str, Any]) -> list[tuple[str, Module]]:
         """(full prefix, module) of every module a model with this config has."""
-        out = [(m.name, m) for m in self.top]
+        out = [(m.name, m) for m in self.top if holds(m.present, config)]
         _, experts = self.experts(config)
         for i in range(config["num_hidden_layers"]):
             routed = self.routes(config, i)
-            out += [(f"{LAYERS}.{i}.{m.name}", m) for m in self.layer + (self.sparse_mlp if routed else self.dense_mlp)]
+            mods = self.layer + (self.sparse_mlp if routed else self.dense_mlp)
+            out += [(f"{self.layers}.{i}.{m.name}", m) for m in mods if holds(m.present, config, i)]
             if routed:
-                out += [(f"{LAYERS}.{i}.{EXPERTS}.{e}.{p}", linear(p)) for e in range(experts) for p in self.expert]
-        return [(prefix, m) for prefix, m in out if holds(m.present, config)]
+                out += [(f"{self.layers}.{i}.{self.experts_path}.{e}.{p}", linear(p, may_bias=self.expert_may_bias))
+                        for e in range(experts) for p in self.expert]
+        return out
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder layer a tensor name is in, None outside the layers."""
+        m = re.match(rf"^{re.escape(self.layers)}\.(\d+)\.", name)
+        return int(m[1]) if m else None
+
+    def expert_of(self, name: str) -> int | None:
+        """The routed expert a tensor name belongs to, None for any other tensor."""
+        m = re.match(rf"^{re.escape(self.layers)}\.\d+\.{re.escape(self.experts_path)}\.(\d+)\.", name)
+        return int(m[1]) if m else None
 
 
-_HEAD = (plain("model.embed_tokens"), plain("model.norm"), linear("lm_head", optional=Flag("tie_word_embeddings")))
-_NORMS = (plain("input_layernorm"), plain("post_attention_layernorm"))
-_MLP = (linear("mlp.gate_proj"), linear("mlp.up_proj"), linear("mlp.down_proj"))
-_GATED = ("gate_proj", "up_proj", "down_proj")
-
-
-def _attention(qkv_bias: Condition, o_bias: Condition, qk_norm: Condition = False) -> tuple[Module, ...]:
-    return (linear("self_attn.q_proj", qkv_bias), linear("self_attn.k_proj", qkv_bias),
-            linear("self_attn.v_proj", qkv_bias), linear("self_attn.o_proj", o_bias),
-            plain("self_attn.q_norm", present=qk_norm), plain("self_attn.k_norm", present=qk_norm))
-
-
-_ATTENTION_BIAS = Flag("attention_bias")
-_LLAMA = Architecture(_HEAD, _NORMS + _attention(_ATTENTION_BIAS, _ATTENTION_BIAS),
-                      tuple(linear(m.name, Flag("mlp_bias")) for m in _MLP))
-
-ARCHITECTURES: dict[str, Architecture] = {
-    "Qwen3MoeForCausalLM": Architecture(
-        _HEAD, _NORMS + _attention(_ATTENTION_BIAS, _ATTENTION_BIAS, qk_norm=True), _MLP,
-        sparse_mlp=(linear("mlp.gate"),
-                    *(linear(f"mlp.shared_expert.{p}", present=Flag("shared_expert_intermediate_size"))
-                      for p in _GATED),
-                    plain("mlp.shared_expert_gate", present=Flag("shared_expert_intermediate_size"))),
-        expert=_GATED, experts_keys=("num_experts", "num_local_experts"), dense_list_key="mlp_only_layers",
-        sparse_every_key="decoder_sparse_step", sparse_every_offset=1),
-    "Glm4MoeForCausalLM": Architecture(
-        _HEAD, _NORMS + _attention(_ATTENTION_BIAS, False, qk_norm=Flag("use_qk_norm")), _MLP,
-        sparse_mlp=(linear("mlp.gate"), plain("mlp.gate", "e_score_correction_bias"),
-                    *(linear(f"mlp.shared_experts.{p}", present=Flag("n_shared_experts")) for p in _GATED)),
-        expert=_GATED, experts_keys=("n_routed_experts",), dense_first_key="first_k_dense_replace",
-        spare_layers_key="num_nextn_predict_layers"),
-    "LlamaForCausalLM": _LLAMA,
-    "MistralForCausalLM": _LLAMA,
-    "Qwen2ForCausalLM": Architecture(_HEAD, _NORMS + _attention(True, False), _MLP),
-    "Qwen3ForCausalLM": Architecture(_HEAD, _NORMS + _attention(_ATTENTION_BIAS, _ATTENTION_BIAS, qk_norm=True), _MLP),
-}
-
-
-def completeness(root: Path, architecture: str, config: Mapping[str, Any], tensors: Mapping[str, TensorRecord],
+def completeness(root: Path, architecture: str, arch: Architecture | None, known: Collection[str],
+                 config: Mapping[str, Any], tensors: Mapping[str, TensorRecord],
                  exl3: Mapping[str, Mapping[str, TensorRecord]],
                  recorded: Mapping[str, Collection[str]] | None = None) -> tuple[list[Exl3FormatError], str]:
-    """(problems, what was checked): every tensor `config` gives a model of `architecture`, and no other, against
-    `tensors` (`exl3`: the EXL3 linears' tensors by prefix). `config` is the text config, its values type-checked.
-    Without a table for `architecture`, the tensors the converter's ledger `recorded` (by module) must be there."""
-    arch = ARCHITECTURES.get(architecture)
+    """(problems, what was checked): every tensor `config` gives a model of `architecture` (whose table is `arch`;
+    None: no table among the `known` architectures), and no other, against `tensors` (`exl3`: the EXL3 linears'
+    tensors by prefix). `config` is the text config, its values type-checked. Without a table, the tensors the
+    converter's ledger `recorded` (by module) must be there."""
     if arch is None:
-        note = f"{NOT_CHECKED}: no tensor table for {architecture!r} (known: {', '.join(sorted(ARCHITECTURES))})"
+        note = f"{NOT_CHECKED}: no tensor table for {architecture!r} (known: {', '.join(sorted(known))})"
         if not recorded:
             return [], note
         gone = {m: [n.rpartition(".")[2] for n in names if n not in tensors] for m, names in recorded.items()}
@@ -186,23 +215,25 @@ def completeness(root: Path, architecture: str, config: Mapping[str, Any], tenso
     missing: list[tuple[str, str]] = []  # (name, what it should be)
     for prefix, module in arch.modules(config):
         bias = holds(module.bias, config)
+        allowed = (f"{prefix}.bias",) if bias or holds(module.may_bias, config) else ()
         if not module.linear:
             names = [f"{prefix}.{t}" for t in module.tensors]
-            missing += [(n, "a plain tensor") for n in names if n not in tensors]
+            if not holds(module.optional, config):
+                missing += [(n, "a plain tensor") for n in names if n not in tensors]
             taken.update(names)
         elif prefix in exl3:
             parts = exl3[prefix]
-            taken.update(f"{prefix}.{s}" for s in parts if s != "bias" or bias)
+            taken.update(f"{prefix}.{s}" for s in parts if s != "bias" or allowed)
             if bias and "bias" not in parts:
                 missing.append((f"{prefix}.bias", "the EXL3 linear's bias"))
         elif f"{prefix}.weight" in tensors:
-            taken.update((f"{prefix}.weight", f"{prefix}.bias") if bias else (f"{prefix}.weight",))
+            taken.update((f"{prefix}.weight", *allowed))
             if bias and f"{prefix}.bias" not in tensors:
                 missing.append((f"{prefix}.bias", "the linear's bias"))
         elif not holds(module.optional, config):
             missing.append((prefix, f"an EXL3 linear ({prefix}.trellis, .suh, .svh) or a plain {prefix}.weight"))
     spare = range(layers, layers + (config.get(arch.spare_layers_key) or 0 if arch.spare_layers_key else 0))
-    taken.update(n for n in tensors if (m := _LAYER_RE.match(n)) and int(m[1]) in spare)
+    taken.update(n for n in tensors if arch.layer_of(n) in spare or n.startswith(arch.spare_prefixes))
 
     problems = [Exl3FormatError(root, name, f"{what}, {where}", "none in the pack")
                 for name, what in missing[:MAX_LISTED]]
@@ -236,13 +267,13 @@ def _unexpected(tensors: Mapping[str, TensorRecord], exl3: Mapping[str, Mapping[
 def _why_unexpected(name: str, arch: Architecture, config: Mapping[str, Any],
                     exl3: Mapping[str, Mapping[str, TensorRecord]]) -> str:
     what = "an EXL3 linear" if name in exl3 else "a tensor"
-    layer = _LAYER_RE.match(name + ".")
-    if layer and int(layer[1]) >= config["num_hidden_layers"]:
-        return f"{what} of layer {layer[1]}, beyond num_hidden_layers = {config['num_hidden_layers']}"
-    expert = _EXPERT_RE.match(name + ".")
+    layer = arch.layer_of(name + ".")
+    if layer is not None and layer >= config["num_hidden_layers"]:
+        return f"{what} of layer {layer}, beyond num_hidden_layers = {config['num_hidden_layers']}"
+    expert = arch.expert_of(name + ".")
     key, experts = arch.experts(config)
-    if expert and key and int(expert[1]) >= experts:
-        return f"{what} of expert {expert[1]}, beyond {key} = {experts}"
+    if expert is not None and key and expert >= experts:
+        return f"{what} of expert {expert}, beyond {key} = {experts}"
     prefix, _, suffix = name.rpartition(".")
     if prefix in exl3:
         if suffix == "weight":

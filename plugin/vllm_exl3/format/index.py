@@ -64,15 +64,19 @@ class PackIndex:
         return index
 
     def renamed(self, mapper) -> "PackIndex":
-        def rename(d):
+        """The index under the names vLLM's model gives these modules. A model's mapper rewrites whole tensor
+        names, and some of its rules match a name's end (gpt-oss maps a name ending `.down_proj` to its fused
+        `.w2_weight`), so each module is renamed through one of its real tensor names, never the bare prefix."""
+
+        def rename(d, suffix):
             out = {}
             for k, v in d.items():
-                new = mapper.map_name(k)
-                if new is not None:
-                    out[new] = v
+                new = mapper.map_name(f"{k}.{suffix}")
+                if new is not None and new.endswith(f".{suffix}"):
+                    out[new[: -len(suffix) - 1]] = v
             return out
 
-        return PackIndex(rename(self.exl3), rename(self.plain), list(self.notes))
+        return PackIndex(rename(self.exl3, "trellis"), rename(self.plain, "weight"), list(self.notes))
 
 
 def _remote_tensors(repo: str, revision: str | None) -> dict[str, TensorRecord]:

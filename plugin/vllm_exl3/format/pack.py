@@ -24,6 +24,8 @@ from .architectures import completeness
 from .constants import CODEBOOKS, INDEX_FILE, SIDECAR_FILE
 from .contract import Contract
 from .errors import Exl3ConfigError, Exl3FormatError
+from .families import ARCHITECTURES, family_of
+from .family import Family
 from .geometry import ceil_to
 from .headers import DTYPES, SafetensorsFile, TensorRecord, read_safetensors_header
 from .records import (EXPERT_RE, Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem,
@@ -143,6 +145,11 @@ class Pack:
         archs = self.config.get("architectures") or []
         return archs[0] if archs else self.config.get("model_type", "unknown")
 
+    @property
+    def family(self) -> Family | None:
+        """The model family whose tables cover this pack's architecture (format/families/), None if none does."""
+        return family_of(self.architecture)
+
     # -- tensors --------------------------------------------------------------------------------------------
     @property
     def has_exl3_tensors(self) -> bool:
@@ -195,8 +202,11 @@ class Pack:
             problems += self.contract_problems(self._linears)
         self.notes = []
         if not problems:
-            found, note = completeness(self.root, self.architecture, self.text_config, self.tensors,
-                                       group_exl3_tensors(self.tensors), self._recorded())
+            family = self.family
+            found, note = completeness(self.root, self.architecture,
+                                       family.architectures[self.architecture] if family else None, ARCHITECTURES,
+                                       self.text_config, self.tensors, group_exl3_tensors(self.tensors),
+                                       self._recorded())
             problems += found
             self.notes.append(note)
         return problems
@@ -249,6 +259,8 @@ class Pack:
                     path, None, f"{where}num_hidden_layers = {layers} layers, each with its tensors in the pack",
                     f"none of layer {empty[0] if empty else max(stored) + 1}"
                     f" (the pack stores {len(stored)} layers numbered {min(stored)}..{max(stored)})"))
+        if self.family is not None:
+            problems += self.family.config_problems(tc, path, where)
         return problems
 
     def contract_problems(self, linears: dict[str, Exl3Linear]) -> list[Exl3FormatError]:

@@ -1,0 +1,33 @@
+"""GLM-4.7-Flash (Glm4MoeLiteForCausalLM): multi-head latent attention (MLA: q_a/q_b with a norm between them, or
+one q_proj without `q_lora_rank`; kv_a_proj_with_mqa, its norm, kv_b_proj), dense first layers, routed experts with
+a sigmoid router and correction bias, shared experts; MTP layers after the last may be stored.
+
+ExLlamaV3 1.6.5 stores kv_b_proj plain and the other projections as EXL3 linears; a pack that quantizes kv_b_proj is
+served too (vLLM's MLA then gets its weight decoded once at load)."""
+
+from __future__ import annotations
+
+from ..architectures import Architecture, Flag, Not, linear, plain
+from ..family import COMMON, TOP_K, Family, Key
+from .common import GATED, HEAD, MLP, NORMS
+
+_Q_LORA = Flag("q_lora_rank")
+MLA = (linear("self_attn.q_a_proj", present=_Q_LORA), plain("self_attn.q_a_layernorm", present=_Q_LORA),
+       linear("self_attn.q_b_proj", present=_Q_LORA), linear("self_attn.q_proj", present=Not(_Q_LORA)),
+       linear("self_attn.kv_a_proj_with_mqa"), plain("self_attn.kv_a_layernorm"), linear("self_attn.kv_b_proj"),
+       linear("self_attn.o_proj"))
+
+FAMILY = Family(
+    "GLM-4.7-Flash", {"Glm4MoeLiteForCausalLM": Architecture(
+        HEAD, NORMS + MLA, MLP,
+        sparse_mlp=(linear("mlp.gate"), plain("mlp.gate", "e_score_correction_bias"),
+                    *(linear(f"mlp.shared_experts.{p}", present=Flag("n_shared_experts")) for p in GATED)),
+        expert=GATED, experts_keys=("n_routed_experts",), dense_first_key="first_k_dense_replace",
+        spare_layers_key="num_nextn_predict_layers")},
+    COMMON + (TOP_K, Key("first_k_dense_replace", least=0, required=True, reads="vLLM's Glm4MoeLite"),
+              Key("kv_lora_rank", least=1, required=True, reads="vLLM's MLA attention"),
+              Key("qk_nope_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
+              Key("qk_rope_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
+              Key("v_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
+              Key("routed_scaling_factor", kinds=(float,), above=0, reads="the router (0 zeroes the experts)")),
+    examples=("GLM-4.7-Flash",))
