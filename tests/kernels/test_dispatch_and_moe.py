@@ -135,6 +135,7 @@ def test_the_op_runs_the_binding_served_last_and_forgets_an_unloaded_layer():
 # routed experts (torch backend)
 # ---------------------------------------------------------------------------------------------------------------
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 384, 4, 2
+SILU = MoECall("silu")
 
 
 def expert_weights(seed=0):
@@ -176,7 +177,7 @@ def moe_case():
 def test_torch_moe_matches_naive(moe_case, run):
     weights, x, topk_weights, topk_ids, expected = moe_case
     experts = stack(weights, range(EXPERTS))
-    y = run(x, topk_weights, topk_ids, None, experts, decoded_experts(experts), "silu", False)
+    y = run(x, topk_weights, topk_ids, None, experts, decoded_experts(experts), SILU)
     assert rel(y, expected) < 1e-5
 
 
@@ -188,7 +189,7 @@ def test_moe_expert_parallel_ranks_sum_to_the_whole(moe_case):
         expert_map[local] = torch.arange(len(local), dtype=torch.int32)
         experts = stack(weights, local)
         total = total + moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts,
-                                          decoded_experts(experts), "silu", False)
+                                          decoded_experts(experts), SILU)
     assert rel(total, expected) < 1e-5
 
 
@@ -200,7 +201,7 @@ def test_moe_tensor_parallel_ranks_sum_to_the_whole(moe_case, tp):
     for r in range(tp):
         experts = stack(weights, range(EXPERTS), r * part, (r + 1) * part)
         total = total + moe_routed_tokens(x, topk_weights, topk_ids, None, experts,
-                                          decoded_experts(experts), "silu", False)
+                                          decoded_experts(experts), SILU)
     assert rel(total, expected) < 1e-5
 
 

@@ -25,10 +25,12 @@ class LinearMeta:
     out_padded: int
     legacy_signs: bool = False
     has_marker: bool = False
+    has_bias: bool = False
 
     @classmethod
     def of(cls, lin: Exl3Linear) -> "LinearMeta":
-        return cls(lin.bits, lin.codebook, lin.in_padded, lin.out_padded, lin.legacy_signs, lin.marker is not None)
+        return cls(lin.bits, lin.codebook, lin.in_padded, lin.out_padded, lin.legacy_signs, lin.marker is not None,
+                   lin.bias is not None)
 
     def stored(self, suffix: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype, shape) of the tensor `<prefix>.<suffix>`, as the headers held it (records.build_linear

@@ -29,6 +29,10 @@ from ..kernels.specs import ACTIVATIONS, PROJECTIONS, W13, W2, ExpertStack, MoES
 logger = logging.getLogger(__name__)
 
 SHARD_PROJECTION = {"w1": "gate", "w3": "up", "w2": "down"}  # vLLM's expert shard ids
+# vLLM's names of the experts' activations -> ours (kernels/specs.py ACTIVATIONS). gpt-oss's clamped SwiGLU is
+# `swigluoai` for its interleaved fused gate_up and `swigluoai_uninterleave` for a packed one: the same math on
+# our gate and up, which are never fused.
+ACTIVATION_NAMES = {**{a: a for a in ACTIVATIONS}, "swigluoai_uninterleave": "swigluoai"}
 
 
 class Exl3MoEMethod(compat.FusedMoEMethodBase):
@@ -45,7 +49,13 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
         self.layer = layer
+        # A routing correction bias the model allocated (torch.empty) and the pack may not hold (ExLlamaV3 writes
+        # none for some families, format/families/): zero, which routes as ExLlamaV3 does without one; a pack
+        # that holds it overwrites this when it loads.
+        if getattr(layer, "e_score_correction_bias", None) is not None:
+            layer.e_score_correction_bias.data.zero_()
         tp_rank, tp_size = compat.moe_parallel(layer)
+        self.first_rank = tp_rank == 0
         inter_total = intermediate_size_per_partition * tp_size
         hidden = extra_weight_attrs.get("unpadded_hidden_size") or hidden_size
         self.local_to_global: list[int] = [-1] * num_experts
@@ -82,6 +92,11 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         self._param(layer, "w2_trellis", torch.zeros(e, i // TILE, h // TILE, w2, dtype=torch.int16))
         self._param(layer, "w2_suh", torch.empty(e, i, dtype=torch.float16))
         self._param(layer, "w2_svh", torch.empty(e, h, dtype=torch.float16))
+        # Expert biases (gpt-oss): fp32, zero where the pack holds none (as ExLlamaV3 computes such a pack)
+        self.has_bias = bool(getattr(self.moe, "has_bias", False)) or any(m.has_bias for _, _, m in local_metas)
+        if self.has_bias:
+            self._param(layer, "w13_bias", torch.zeros(e, 2, i, dtype=torch.float32))
+            self._param(layer, "w2_bias", torch.zeros(e, h, dtype=torch.float32))
         metas = [m for _, _, m in local_metas]
         extras = {m.codebook for m in metas if m.has_marker} | ({"su", "sv"} if any(m.legacy_signs for m in metas)
                                                               else set())
@@ -105,7 +120,13 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         rows, cols = (self.hidden_span, self.inter_span) if proj in W13 else (self.inter_span, self.hidden_span)
         if suffix == meta.codebook:  # a marker may arrive as [1]
             loaded_weight = loaded_weight.reshape(())
-        check_delivered(meta, self.names[(expert_id, proj)], suffix, loaded_weight)
+        if suffix == "bias":
+            if not (meta.has_bias and loaded_weight.dim() == 1 and loaded_weight.is_floating_point()
+                    and loaded_weight.shape[0] <= meta.out_padded):
+                raise Exl3FormatError(None, name, f"a float bias of at most {meta.out_padded} features, as the "
+                                      "pack header said", f"{loaded_weight.dtype}{list(loaded_weight.shape)}")
+        else:
+            check_delivered(meta, self.names[(expert_id, proj)], suffix, loaded_weight)
         key = (local, proj, suffix)
         if key in self.loaded:
             raise Exl3FormatError(None, name, "each tensor once", "a second copy")
@@ -115,6 +136,9 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         if suffix == "trellis":
             piece = loaded_weight[rows.tiles, cols.tiles]
             dst(getattr(self.layer, f"{stem}_trellis").data)[..., : piece.shape[-1]].copy_(piece)
+        elif suffix == "bias":  # over the output features; a stored bias may stop short of the padding
+            piece = loaded_weight[cols.block_start:cols.block_stop].float()
+            dst(getattr(self.layer, f"{stem}_bias").data)[: piece.shape[0]].copy_(piece)
         elif suffix in ("suh", "svh", "su", "sv"):
             side = "suh" if suffix in ("suh", "su") else "svh"
             values = unpack_signs(loaded_weight.cpu()) if suffix in ("su", "sv") else loaded_weight
@@ -140,18 +164,24 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
                                   f"{len(missing)} never delivered by the checkpoint (a shard file missing from "
                                   "model.safetensors.index.json?)")
         codebooks = tuple(self.metas[(g, p)].codebook for g in self.local_to_global for p in PROJECTIONS)
+        w13_bias = w2_bias = None
+        if self.has_bias:
+            w13_bias, w2_bias = layer.w13_bias.data, layer.w2_bias.data
+            if not self.first_rank:  # tensor parallel: every rank's partial sum is all-reduced; add it once
+                w2_bias.zero_()
         self.stack = ExpertStack(layer.w13_trellis.data, layer.w13_suh.data, layer.w13_svh.data,
                                  layer.w2_trellis.data, layer.w2_suh.data, layer.w2_svh.data,
                                  tuple(ws[p] for ws in self.words for p in W13), tuple(ws[W2] for ws in self.words),
-                                 codebooks, self.inter_span.offset, self.inter_span.size)
-        activation = layer.activation.value if hasattr(layer.activation, "value") else str(layer.activation)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{self.prefix}: EXL3 experts support the gated activations {ACTIVATIONS}, "
-                             f"this model uses {activation!r}")
+                                 codebooks, self.inter_span.offset, self.inter_span.size, w13_bias, w2_bias)
+        vllm_name = layer.activation.value if hasattr(layer.activation, "value") else str(layer.activation)
+        activation = ACTIVATION_NAMES.get(vllm_name)
+        if activation is None:
+            raise ValueError(f"{self.prefix}: EXL3 experts support the gated activations "
+                             f"{', '.join(ACTIVATION_NAMES)}, this model uses {vllm_name!r}")
         bits = tuple(self.metas[(g, p)].bits for g in self.local_to_global for p in PROJECTIONS)
         self._bind(layer, MoESpec(codebooks, bits, self.hidden_span.block_size, self.inter_span.block_size,
                                   len(self.local_to_global), activation, layer.params_dtype,
-                                  layer.w13_trellis.device.type))
+                                  layer.w13_trellis.device.type, self.has_bias))
         compile_key.record()  # vLLM's compile cache key (integration/compile_key.py)
         telemetry.layer_bound()  # the metrics exporter's view of this worker, once per load (telemetry.py)
 
@@ -160,7 +190,8 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
         compare it with the torch reference (which may bind the layer again, to the next backend)."""
         backend = choose_moe_backend(spec)
         call = MoECall(spec.activation, bool(layer.apply_router_weight_on_input),
-                       getattr(self.moe, "experts_per_token", None), getattr(self.moe, "max_num_tokens", None))
+                       getattr(self.moe, "experts_per_token", None), getattr(self.moe, "max_num_tokens", None),
+                       getattr(layer, "swiglu_limit", None), getattr(layer, "swiglu_alpha", None))
         self.bound = bound = backend.bind_moe(self.stack, call)  # the layer keeps it alive; the ops hold it weakly
         ops.serve(bound)
         binding.bind_checked(self.prefix, moe_layer_type(spec), backend, spec.act_dtype,

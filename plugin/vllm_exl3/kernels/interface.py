@@ -15,14 +15,17 @@ from .specs import ExpertStack, LinearSpec, MoESpec
 
 @dataclass(frozen=True)
 class MoECall:
-    """How a routed-experts layer is called, fixed when it is bound: its gated activation, whether the router
-    weight scales the input (top-1 models) instead of the output, and, when known, its top-k and vLLM's
-    batched-token budget (a backend may reserve its workspace from them before CUDA-graph capture)."""
+    """How a routed-experts layer is called, fixed when it is bound: its gated activation (with swigluoai's clamp
+    and alpha), whether the router weight scales the input (top-1 models) instead of the output, and, when known,
+    its top-k and vLLM's batched-token budget (a backend may reserve its workspace from them before CUDA-graph
+    capture)."""
 
     activation: str
     router_weight_on_input: bool = False
     top_k: int | None = None
     max_tokens: int | None = None
+    limit: float | None = None  # swigluoai's clamp (specs.ACTIVATIONS)
+    alpha: float | None = None  # swigluoai's sigmoid scale
 
 
 class BoundLinear:

@@ -285,8 +285,7 @@ def moe_error(bound: BoundMoE, hidden: int, dtype: torch.dtype) -> tuple[float, 
     weights = torch.rand(MOE_TOKENS, k, generator=g).softmax(dim=1).to(device)
     x = _randn((MOE_TOKENS, hidden), dtype, device, g)
     y = bound(x, weights, ids, None)
-    y_ref = moe_routed_tokens(x, weights, ids, None, experts, [], call.activation, call.router_weight_on_input,
-                              warn_slow=False)
+    y_ref = moe_routed_tokens(x, weights, ids, None, experts, [], call, warn_slow=False)
     return rel_error(y, y_ref), f"{MOE_TOKENS} tokens, top-{k} of experts {sample.tolist()}"
 
 

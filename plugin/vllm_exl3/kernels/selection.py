@@ -92,9 +92,11 @@ def linear_layer_type(spec: LinearSpec) -> str:
 
 
 def moe_layer_type(spec: MoESpec) -> str:
+    """`moe:<codebooks>:<bits>b[:<activation>][:bias]:<device>`: the activation named when it is not silu."""
     cbs = "+".join(sorted(set(spec.codebooks)))
     bits = "+".join(f"{b:g}" for b in sorted(set(spec.bits)))
-    return f"moe:{cbs}:{bits}b:{spec.device_type}"
+    variant = "".join((f":{spec.activation}" if spec.activation != "silu" else "", ":bias" if spec.has_bias else ""))
+    return f"moe:{cbs}:{bits}b{variant}:{spec.device_type}"
 
 
 def choose_linear_backend(spec: LinearSpec) -> Backend:

@@ -34,9 +34,13 @@ class MoESpec:
     activation: str
     act_dtype: torch.dtype
     device_type: str
+    has_bias: bool = False  # the experts' projections add biases (ExpertStack.w13_bias / w2_bias)
 
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # gated: act(gate) * up
+# The experts' gated activations: act(gate) * up, and gpt-oss's clamped SwiGLU (MoECall.limit, MoECall.alpha):
+# min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(up, -limit, limit) + 1).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # gpt-oss's (vLLM's SwigluOAIAndMul defaults, which its model uses)
 PROJECTIONS = ("gate", "up", "down")  # of one expert, in this order wherever per-projection values are listed
 W13 = ("gate", "up")  # share the input (hidden); stacked on dim 1 of ExpertStack.w13_*, in this order
 W2 = "down"  # ExpertStack.w2_*: input intermediate, output hidden
@@ -63,6 +67,12 @@ class ExpertStack:
     codebooks: tuple[str, ...]  # [E * 3]: gate, up, down of each expert
     inter_offset: int
     inter_size: int
+    w13_bias: torch.Tensor | None = None  # fp32 [E, 2, I_blk], zero outside the slice; None: no biases
+    w2_bias: torch.Tensor | None = None  # fp32 [E, H] (zero on all tensor-parallel ranks but the first)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.w13_bias is not None
 
     @property
     def num_experts(self) -> int:

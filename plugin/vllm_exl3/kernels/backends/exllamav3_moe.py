@@ -77,8 +77,10 @@ def api_reason() -> str | None:
 
 def unsupported_reason(spec: MoESpec) -> str | None:
     if spec.activation not in ACTIVATION:
-        return (f"activation {spec.activation!r}: ExLlamaV3's expert kernels implement "
-                f"{', '.join(ACTIVATION)} (its gelu is the tanh form)")
+        return (f"activation {spec.activation!r}: this adaptor passes ExLlamaV3's expert kernels "
+                f"{', '.join(ACTIVATION)} (its gelu is the tanh form; its swiglu_oai is not wired here)")
+    if spec.has_bias:
+        return "expert biases: this adaptor hands ExLlamaV3's expert tables no bias pointers"
     if len(set(spec.codebooks)) > 1:
         return f"codebooks {sorted(set(spec.codebooks))} in one layer (ExLlamaV3's expert kernels take one per layer)"
     for p, proj in enumerate(PROJECTIONS):

@@ -17,7 +17,7 @@ import torch
 
 from ...format.constants import CODEBOOKS
 from ..interface import BoundMoE, MoECall
-from ..specs import ACTIVATIONS, W13, W2, ExpertStack, MoESpec
+from ..specs import W13, W2, ExpertStack, MoESpec
 from .native_limits import limits_reason
 from .native_moe_limits import MAX_LOCAL_EXPERTS, MOE_CHUNK_TOKENS
 
@@ -37,9 +37,15 @@ def register_fakes() -> None:
             raise
 
 
+# The activations csrc/moe.h implements (the clamped SwiGLU and expert biases are the torch reference's only).
+NATIVE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
 def unsupported_reason(spec: MoESpec) -> str | None:
-    if spec.activation not in ACTIVATIONS:
-        return f"activation {spec.activation!r} not one of {ACTIVATIONS}"
+    if spec.activation not in NATIVE_ACTIVATIONS:
+        return f"activation {spec.activation!r}: the native expert kernels implement {', '.join(NATIVE_ACTIVATIONS)}"
+    if spec.has_bias:
+        return "expert biases: the native expert kernels add none"
     if not 1 <= spec.num_local_experts <= MAX_LOCAL_EXPERTS:
         return f"{spec.num_local_experts} local experts (the routing kernel takes 1..{MAX_LOCAL_EXPERTS})"
     return limits_reason(spec.device_type, spec.act_dtype, zip(spec.codebooks, spec.bits),

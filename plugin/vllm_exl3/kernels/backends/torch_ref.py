@@ -17,7 +17,7 @@ from ...format.tensors import Exl3Weights
 from ...format import reference
 from ...format.reference import decode_rotated
 from ..interface import Backend, BoundLinear, BoundLinearGroup, BoundMoE, MoECall, register_backend
-from ..specs import W13, W2, ExpertStack, LinearSpec, MoESpec
+from ..specs import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, W13, W2, ExpertStack, LinearSpec, MoESpec
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,22 @@ _ACTIVATION = {
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
 }
+
+
+def gated(call: MoECall):
+    """The experts' gated activation of `call` as (gate, up) -> intermediate (specs.ACTIVATIONS): the clamped SwiGLU
+    in fp32, the others in their inputs' dtype."""
+    if call.activation == "swigluoai":
+        alpha = SWIGLUOAI_ALPHA if call.alpha is None else call.alpha
+        limit = SWIGLUOAI_LIMIT if call.limit is None else call.limit
+
+        def swigluoai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate.float().clamp(max=limit), up.float().clamp(-limit, limit)
+            return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+        return swigluoai
+    act = _ACTIVATION[call.activation]
+    return lambda gate, up: act(gate) * up
 
 
 def cached_w_hat(w: Exl3Weights) -> torch.Tensor:
@@ -102,8 +118,7 @@ class TorchMoE(BoundMoE):
         # CUDA graphs forbid data-dependent shapes, so on CUDA every expert sees every token (weighted 0 when
         # not routed there); elsewhere only the routed tokens are gathered.
         run = moe_all_tokens if x.is_cuda else moe_routed_tokens
-        return run(x, topk_weights, topk_ids, expert_map, self.experts, self.decoded, self.call.activation,
-                   self.call.router_weight_on_input)
+        return run(x, topk_weights, topk_ids, expert_map, self.experts, self.decoded, self.call)
 
 
 def decoded_experts(experts: ExpertStack) -> list[torch.Tensor]:
@@ -120,10 +135,10 @@ def decoded_experts(experts: ExpertStack) -> list[torch.Tensor]:
 _warned_slow = False
 
 
-def _expert_fn(experts: ExpertStack, decoded: list[torch.Tensor], activation: str, hidden: int,
+def _expert_fn(experts: ExpertStack, decoded: list[torch.Tensor], call: MoECall, hidden: int,
                warn_slow: bool = True):
     global _warned_slow
-    act = _ACTIVATION[activation]
+    glu = gated(call)
     io, isz = experts.inter_offset, experts.inter_size
     if decoded:
         w13_hat, w2_hat = decoded
@@ -141,10 +156,16 @@ def _expert_fn(experts: ExpertStack, decoded: list[torch.Tensor], activation: st
 
     g, u = W13.index("gate"), W13.index("up")
 
+    b13, b2 = experts.w13_bias, experts.w2_bias
+
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         gate = rotated_linear(xe, experts.w13_suh[e, g], experts.w13_svh[e, g], w_hat(e, "gate"), 0, io, isz)
         up = rotated_linear(xe, experts.w13_suh[e, u], experts.w13_svh[e, u], w_hat(e, "up"), 0, io, isz)
-        return rotated_linear(act(gate) * up, experts.w2_suh[e], experts.w2_svh[e], w_hat(e, W2), io, 0, hidden)
+        if b13 is not None:  # fp32 [E, 2, I_blk]; the gate/up outputs are the slice [io, io + isz) of it
+            gate, up = gate.float() + b13[e, g, io:io + isz], up.float() + b13[e, u, io:io + isz]
+        y = rotated_linear(glu(gate, up).to(xe.dtype), experts.w2_suh[e], experts.w2_svh[e], w_hat(e, W2), io, 0,
+                           hidden)
+        return y if b2 is None else y.float() + b2[e, :hidden]
 
     return expert
 
@@ -156,33 +177,32 @@ def _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input):
     return local, topk_weights.reshape(-1).float(), src
 
 
-def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, decoded, activation, router_weight_on_input,
-                      warn_slow: bool = True):
+def moe_routed_tokens(x, topk_weights, topk_ids, expert_map, experts, decoded, call: MoECall, warn_slow: bool = True):
     """Only the experts that receive tokens run (and, without `decoded` (decoded_experts), only those are
     decoded)."""
     m, hidden = x.shape
-    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
+    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, call.router_weight_on_input)
     token = torch.arange(m, device=x.device).repeat_interleave(topk_ids.shape[1])
-    expert = _expert_fn(experts, decoded, activation, hidden, warn_slow)
+    expert = _expert_fn(experts, decoded, call, hidden, warn_slow)
     out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     for e in range(experts.num_experts):
         sel = (local == e).nonzero().squeeze(1)
         if sel.numel():
-            y = expert(e, src[token[sel]])
-            out.index_add_(0, token[sel], y if router_weight_on_input else y * weight[sel, None])
+            y = expert(e, src[token[sel]]).float()
+            out.index_add_(0, token[sel], y if call.router_weight_on_input else y * weight[sel, None])
     return out.to(x.dtype)
 
 
-def moe_all_tokens(x, topk_weights, topk_ids, expert_map, experts, decoded, activation, router_weight_on_input):
+def moe_all_tokens(x, topk_weights, topk_ids, expert_map, experts, decoded, call: MoECall):
     m, hidden = x.shape
-    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, router_weight_on_input)
-    expert = _expert_fn(experts, decoded, activation, hidden)
+    local, weight, src = _routing(x, topk_weights, topk_ids, expert_map, call.router_weight_on_input)
+    expert = _expert_fn(experts, decoded, call, hidden)
     out = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
     for e in range(experts.num_experts):
         routed = (local == e).view(m, -1)
-        scale = (routed.any(1, keepdim=True).float() if router_weight_on_input
+        scale = (routed.any(1, keepdim=True).float() if call.router_weight_on_input
                  else (routed * weight.view(m, -1)).sum(1, keepdim=True))
-        out += expert(e, src) * scale
+        out += expert(e, src).float() * scale
     return out.to(x.dtype)
 
 
