@@ -68,6 +68,13 @@ def current_vllm_config():
         return None
 
 
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform (the CPU build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def is_lm_head(layer) -> bool:
     return isinstance(layer, ParallelLMHead)
 

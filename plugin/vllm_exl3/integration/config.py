@@ -27,7 +27,7 @@ from ..format.errors import Exl3ConfigError, Exl3FormatError
 from ..format.index import PackIndex, index_model
 from ..kernels.selection import router_gate_on
 from ..kernels.specs import PROJECTIONS
-from . import compat, compile_key
+from . import compat, compile_key, families
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class Exl3Config(compat.QuantizationConfig):
         our error naming the file and tensor."""
         try:
             self.index = index_model(model_name, revision)
+            architectures = getattr(hf_config, "architectures", None) or []
+            if architectures:
+                self.index = families.under_vllm_prefixes(self.index, architectures[0])
             if self._contract_error is not None:
                 raise self._contract_error
             self.contract.check_codebooks(self.index.exl3)

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from . import binding, compat, compile_key, telemetry
+from . import binding, compat, compile_key, cpu_routing, telemetry
 from ..format.index import LinearMeta
 from ..format.constants import TILE
 from ..format.errors import Exl3FormatError
@@ -56,6 +56,7 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
             layer.e_score_correction_bias.data.zero_()
         tp_rank, tp_size = compat.moe_parallel(layer)
         self.first_rank = tp_rank == 0
+        self.own_routing = cpu_routing.needed(layer)
         inter_total = intermediate_size_per_partition * tp_size
         hidden = extra_weight_attrs.get("unpadded_hidden_size") or hidden_size
         self.local_to_global: list[int] = [-1] * num_experts
@@ -199,6 +200,16 @@ class Exl3MoEMethod(compat.FusedMoEMethodBase):
                              lambda: self._bind(layer, spec), self.last_block)
 
     # -- forward --------------------------------------------------------------------------------------------
+    @property
+    def is_monolithic(self) -> bool:
+        """True where vLLM's own router would route this layer wrongly (integration/cpu_routing.py): vLLM then calls
+        `apply_monolithic` with the router logits."""
+        return getattr(self, "own_routing", False)
+
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         del shared_experts, shared_experts_input  # the runner computes shared experts itself
+        return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, layer.expert_map, layer.w13_trellis)
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        topk_weights, topk_ids = cpu_routing.select(layer, router_logits)
         return torch.ops.vllm_exl3.moe(x, topk_weights, topk_ids, layer.expert_map, layer.w13_trellis)
