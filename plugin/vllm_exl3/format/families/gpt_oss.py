@@ -21,7 +21,10 @@ FAMILY = Family(
     "gpt-oss", {"GptOssForCausalLM": GPT_OSS},
     COMMON + (TOP_K, Key("num_local_experts", least=1, required=True, reads="vLLM's GptOss"),
               Key("sliding_window", least=1, required=True, reads="vLLM's GptOss attention"),
-              Key("swiglu_limit", kinds=(float,), above=0, reads="the experts' clamped SwiGLU")),
+              Key("swiglu_limit", kinds=(float,), choices=(7.0,),
+                  reads="vLLM's GptOss, whose experts clamp at 7.0 whatever the config says"),
+              Key("rms_norm_eps", kinds=(float,), choices=(1e-5,),
+                  reads="vLLM's GptOss, which builds its RMSNorms with 1e-5 whatever the config says")),
     implements=frozenset({"swiglu_limit"}),
     examples=("gpt-oss-120b", "gpt-oss-20b"),
     notes=("experts run a clamped SwiGLU (swiglu_limit, alpha 1.702, up + 1); packs converted from bf16 sources hold "

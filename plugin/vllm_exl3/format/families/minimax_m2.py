@@ -4,7 +4,8 @@ routing correction bias, q/k RMSNorm over all heads at once, partial rotary give
 ExLlamaV3 1.6.5 reads the correction bias as `block_sparse_moe.gate.e_score_correction_bias`, while MiniMax-M2
 checkpoints store `block_sparse_moe.e_score_correction_bias`: its converter writes none, and its router then picks
 experts by the sigmoid scores alone. The plugin serves such a pack the same way (no correction); a pack that holds
-the bias under either name is served with it."""
+the bias under the checkpoints' name is served with it (vLLM loads no other name: ExLlamaV3's is refused as a tensor
+this model does not have)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ from .mixtral import W_GATE_DOWN_UP
 
 MINIMAX_M2 = Architecture(
     HEAD, NORMS + attention(False, False, qk_norm=True), (),
-    sparse_mlp=(linear("block_sparse_moe.gate"),
-                plain("block_sparse_moe", "e_score_correction_bias", optional=True),
-                plain("block_sparse_moe.gate", "e_score_correction_bias", optional=True)),
+    sparse_mlp=(linear("block_sparse_moe.gate"), plain("block_sparse_moe", "e_score_correction_bias", optional=True)),
     expert=W_GATE_DOWN_UP, experts_keys=("num_local_experts", "num_experts"), experts_path="block_sparse_moe.experts")
 
 FAMILY = Family(
