@@ -89,7 +89,10 @@ SOURCES: dict[str, tuple[str, Callable[[Geometry], dict[str, Any]], dict[str, An
         moe_num_experts=g.experts, moe_k=g.top_k, moe_num_shared_experts=1, moe_layer_start_index=1,
         moe_layer_end_index=g.layers - 1, moe_layer_interval=1, use_bias=False), {}),
     "GptOssForCausalLM": ("GptOssConfig", lambda g: dict(
-        _attention(g), intermediate_size=g.moe_inter, num_local_experts=g.experts, num_experts_per_tok=g.top_k,
+        # released gpt-oss: eps 1e-5 (vLLM's GptOss uses it whatever the config says), YaRN's factor 32 over a
+        # 4096-token original context
+        _attention(g), rms_norm_eps=1e-5, max_position_embeddings=131072,
+        intermediate_size=g.moe_inter, num_local_experts=g.experts, num_experts_per_tok=g.top_k,
         sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(g.layers)]), {}),
     "Glm4MoeLiteForCausalLM": ("Glm4MoeLiteConfig", lambda g: dict(

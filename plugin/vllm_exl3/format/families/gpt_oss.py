@@ -23,9 +23,11 @@ FAMILY = Family(
               Key("sliding_window", least=1, required=True, reads="vLLM's GptOss attention"),
               Key("swiglu_limit", kinds=(float,), choices=(7.0,),
                   reads="vLLM's GptOss, whose experts clamp at 7.0 whatever the config says"),
+              Key("swiglu_alpha", kinds=(float,), choices=(1.702,),
+                  reads="vLLM's GptOss, whose experts scale the sigmoid by 1.702 whatever the config says"),
               Key("rms_norm_eps", kinds=(float,), choices=(1e-5,),
                   reads="vLLM's GptOss, which builds its RMSNorms with 1e-5 whatever the config says")),
-    implements=frozenset({"swiglu_limit"}),
+    implements=frozenset({"swiglu_limit", "swiglu_alpha"}),
     examples=("gpt-oss-120b", "gpt-oss-20b"),
     notes=("experts run a clamped SwiGLU (swiglu_limit, alpha 1.702, up + 1); packs converted from bf16 sources hold "
            "no expert biases (ExLlamaV3 1.6.5 drops them): served as zero, as ExLlamaV3 serves them",))
