@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.table import Table
@@ -28,39 +29,61 @@ def open_exl3_pack(path: str, finite: bool = False) -> Pack:
 
 
 def inspect(p: argparse.ArgumentParser):
-    """Architecture, layers, bits/codebook histogram, bytes by group, effective bits per weight."""
+    """Family and whether it is served (and why not), architecture, layers, bits/codebook histogram, bytes by group,
+    effective bits per weight. Exit 1 when the pack would be refused."""
     p.add_argument("pack", help="EXL3 model directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(a: argparse.Namespace) -> int:
-        from ..format.summary import summarize
+        from ..format.summary import summarize, support
 
-        s = summarize(open_exl3_pack(a.pack))
+        pack = Pack.open(a.pack)
+        if not pack.has_exl3_tensors:
+            open_exl3_pack(a.pack)  # a plain model: its clear refusal
+        if pack.linear_problems():  # nothing to count: say why it is refused
+            s, counted = support(pack), None
+        else:
+            counted = summarize(pack, with_support=True)
+            s = counted.support
         if a.json:
-            print(json.dumps(s.to_json(), indent=2))
-            return 0
-        console.print(f"[bold]{lit(s.path)}[/]")
-        console.print(lit(f"architecture {s.architecture} ({s.model_type}), {s.num_layers} layers, hidden "
-                          f"{s.hidden_size}" + (f", {s.num_experts} experts (top-{s.experts_per_token})"
-                                                if s.num_experts else "")))
-        console.print(lit("quantization " + ", ".join(f"{k}={v}" for k, v in s.quantization.items())))
-        hist = Table(title="EXL3 tensors by bits and codebook")
-        hist.add_column("bits codebook")
-        hist.add_column("tensors", justify="right")
-        for k, v in s.bits_histogram.items():
-            hist.add_row(lit(k), str(v))
-        console.print(hist)
-        t = Table(title="bytes by group")
-        for col in ("group", "tensors", "bytes", "bits/weight"):
-            t.add_column(col, justify="left" if col == "group" else "right")
-        for name, g in s.groups.items():
-            t.add_row(name, str(g.tensors), gib(g.bytes), f"{g.bits_per_weight:.3f}")
-        t.add_row("unquantized", str(s.unquantized_tensors), gib(s.unquantized_bytes), "-")
-        t.add_row("[bold]total[/]", "", gib(s.total_bytes), f"{s.exl3_bits_per_weight:.3f} (EXL3 only)")
-        console.print(t)
-        return 0
+            print(json.dumps(counted.to_json() if counted else {"path": str(pack.root), "support": asdict(s)},
+                             indent=2))
+            return 0 if s.served else 1
+        console.print(f"[bold]{lit(str(pack.root))}[/]")
+        console.print(lit(f"family       {s.family or 'none known'}: ") + ("[green]served[/]" if s.served else
+                                                                          "[red]refused[/]"))
+        for reason in s.reasons:
+            console.print(lit(f"  why        {reason}"))
+        for note in s.notes:
+            console.print(lit(f"  note       {note}"))
+        if counted is None:
+            return 1
+        _print_summary(counted)
+        return 0 if s.served else 1
 
     return run
+
+
+def _print_summary(s) -> None:
+    """inspect's tables (a format.summary.PackSummary)."""
+    console.print(lit(f"architecture {s.architecture} ({s.model_type}), {s.num_layers} layers, hidden "
+                      f"{s.hidden_size}" + (f", {s.num_experts} experts (top-{s.experts_per_token})"
+                                            if s.num_experts else "")))
+    console.print(lit("quantization " + ", ".join(f"{k}={v}" for k, v in s.quantization.items())))
+    hist = Table(title="EXL3 tensors by bits and codebook")
+    hist.add_column("bits codebook")
+    hist.add_column("tensors", justify="right")
+    for k, v in s.bits_histogram.items():
+        hist.add_row(lit(k), str(v))
+    console.print(hist)
+    t = Table(title="bytes by group")
+    for col in ("group", "tensors", "bytes", "bits/weight"):
+        t.add_column(col, justify="left" if col == "group" else "right")
+    for name, g in s.groups.items():
+        t.add_row(name, str(g.tensors), gib(g.bytes), f"{g.bits_per_weight:.3f}")
+    t.add_row("unquantized", str(s.unquantized_tensors), gib(s.unquantized_bytes), "-")
+    t.add_row("[bold]total[/]", "", gib(s.total_bytes), f"{s.exl3_bits_per_weight:.3f} (EXL3 only)")
+    console.print(t)
 
 
 def verify(p: argparse.ArgumentParser):

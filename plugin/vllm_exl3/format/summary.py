@@ -24,6 +24,25 @@ class GroupStats:
 
 
 @dataclass
+class Support:
+    """Whether the plugin serves a pack, and why not: its family (format/families/), every problem the gates would
+    refuse it for, and what serving it means (the family's notes, what the completeness check covered)."""
+
+    family: str | None
+    served: bool
+    reasons: list[str]
+    notes: list[str]
+
+
+def support(pack: Pack) -> Support:
+    problems = pack.problems()
+    family = pack.family
+    notes = list(family.notes) if family else [f"{pack.architecture} is in none of the families the plugin knows "
+                                                "(format/families/): vLLM decides whether it serves it"]
+    return Support(family.name if family else None, not problems, [str(p) for p in problems], notes + pack.notes)
+
+
+@dataclass
 class PackSummary:
     path: str
     architecture: str
@@ -37,6 +56,7 @@ class PackSummary:
     groups: dict[str, GroupStats] = field(default_factory=dict)
     unquantized_tensors: int = 0
     unquantized_bytes: int = 0
+    support: Support | None = None
 
     @property
     def exl3_bytes(self) -> int:
@@ -64,7 +84,8 @@ def _first(config: dict[str, Any], *keys: str) -> Any:
     return next((config[k] for k in keys if config.get(k) is not None), None)
 
 
-def summarize(pack: Pack) -> PackSummary:
+def summarize(pack: Pack, with_support: bool = False) -> PackSummary:
+    """What `pack` holds (its linears must be well-formed); `with_support`: and whether it is served (support())."""
     tc = pack.text_config
     qc = pack.quantization_config
     hist: Counter[str] = Counter()
@@ -76,13 +97,15 @@ def summarize(pack: Pack) -> PackSummary:
         g.bytes += lin.nbytes
         g.weights += lin.in_padded * lin.out_padded
     unq = pack.unquantized()
+    arch = pack.family.architectures[pack.architecture] if pack.family else None
     return PackSummary(
         path=str(pack.root),
         architecture=pack.architecture,
         model_type=str(tc.get("model_type", pack.config.get("model_type", "?"))),
         num_layers=tc.get("num_hidden_layers"),
-        num_experts=_first(tc, "num_experts", "n_routed_experts", "num_local_experts"),
-        experts_per_token=_first(tc, "num_experts_per_tok", "moe_topk", "top_k"),
+        num_experts=arch.experts(tc)[1] or None if arch else _first(tc, "num_experts", "n_routed_experts",
+                                                                    "num_local_experts"),
+        experts_per_token=_first(tc, "num_experts_per_tok", "moe_k", "moe_topk", "top_k"),
         hidden_size=tc.get("hidden_size"),
         quantization={k: qc.get(k) for k in ("quant_method", "version", "bits", "head_bits", "codebook")
                       if k in qc},
@@ -90,4 +113,5 @@ def summarize(pack: Pack) -> PackSummary:
         groups={k: v for k, v in groups.items() if v.tensors},
         unquantized_tensors=len(unq),
         unquantized_bytes=sum(r.nbytes for r in unq.values()),
+        support=support(pack) if with_support else None,
     )

@@ -30,4 +30,6 @@ FAMILY = Family(
     implements=frozenset({"swiglu_limit", "swiglu_alpha"}),
     examples=("gpt-oss-120b", "gpt-oss-20b"),
     notes=("experts run a clamped SwiGLU (swiglu_limit, alpha 1.702, up + 1); packs converted from bf16 sources hold "
-           "no expert biases (ExLlamaV3 1.6.5 drops them): served as zero, as ExLlamaV3 serves them",))
+           "no expert biases (ExLlamaV3 1.6.5 drops them): served as zero, as ExLlamaV3 serves them",
+           "the native and ExLlamaV3 expert kernels compute neither the clamped SwiGLU nor expert biases yet: on a "
+           "GPU the experts run on the torch reference, which decodes them on every call (correct, very slow)"))
