@@ -78,10 +78,14 @@ def _output_ranges(layer: torch.nn.Module, shard_ids: list) -> list[tuple[list[t
         heads = {"q": (layer.total_num_heads, layer.head_size), "k": (layer.total_num_kv_heads, layer.head_size),
                  "v": (layer.total_num_kv_heads, layer.v_head_size)}
         out = []
-        for sid, part in zip(shard_ids, layer.output_partition_sizes):
-            owner = rank if sid == "q" else rank // layer.num_kv_head_replicas  # K/V heads may be replicated
-            n_heads, head_size = heads[sid]
-            out.append(([(owner * part, owner * part + part)], n_heads * head_size))
+        for sid in shard_ids:  # "q", "k", "v", or (0, 1, 2): q, k and v fused on disk (a vision tower's `attn.qkv`)
+            ranges, base = [], 0
+            for e in ("q", "k", "v") if isinstance(sid, tuple) else (sid,):
+                part = layer.output_partition_sizes["qkv".index(e)]
+                owner = rank if e == "q" else rank // layer.num_kv_head_replicas  # K/V heads may be replicated
+                ranges.append((base + owner * part, base + owner * part + part))
+                base += heads[e][0] * heads[e][1]
+            out.append((ranges, base))
         return out
     if compat.is_column_parallel(layer):
         totals = getattr(layer, "output_sizes", [layer.output_size])
