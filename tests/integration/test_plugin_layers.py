@@ -634,3 +634,18 @@ def test_qkv_fused_on_disk(tmp_path, rank, tp):
         per_rank.append(layer(x).split([256 // tp] * 3, -1))
     for i in range(3):
         assert rel(torch.cat([p[i] for p in per_rank], -1), want[i]) < 1e-5
+
+
+def test_index_takes_vllms_names_for_top_level_modules(tmp_path):
+    """vLLM's multimodal models map `lm_head.` to `language_model.lm_head.` (a prefix rule with the dot): the index
+    follows for the head as for every layer (Qwen3.5 packs in their Qwen3_5MoeForConditionalGeneration layout)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    cfg, _ = make_config(tmp_path, {"lm_head": random_weights(256, 384, 3, "mcg", 26),
+                                    "model.language_model.layers.0.mlp.down_proj": random_weights(256, 256, 3, "mcg", 27)},
+                         {"model.language_model.layers.0.mlp.gate.weight": torch.randn(8, 256)})
+    cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix={
+        "model.visual.": "visual.", "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.", "mtp.": None}))
+    assert set(cfg.index.exl3) == {"language_model.lm_head", "language_model.model.layers.0.mlp.down_proj"}
+    assert set(cfg.index.plain) == {"language_model.model.layers.0.mlp.gate"}

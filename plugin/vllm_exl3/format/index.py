@@ -64,15 +64,18 @@ class PackIndex:
         return index
 
     def renamed(self, mapper) -> "PackIndex":
-        def rename(d):
+        """The index under vLLM's names. Each prefix is mapped as the name of one of its tensors (`.trellis`,
+        `.weight`), as vLLM maps the checkpoint: a prefix rule such as `"lm_head." -> "language_model.lm_head."`
+        (vLLM's multimodal models) needs the dot that only a tensor name has."""
+        def rename(d, suffix):
             out = {}
             for k, v in d.items():
-                new = mapper.map_name(k)
+                new = mapper.map_name(f"{k}.{suffix}")
                 if new is not None:
-                    out[new] = v
+                    out[new[: -len(suffix) - 1] if new.endswith(f".{suffix}") else new] = v
             return out
 
-        return PackIndex(rename(self.exl3), rename(self.plain), list(self.notes))
+        return PackIndex(rename(self.exl3, "trellis"), rename(self.plain, "weight"), list(self.notes))
 
 
 def _remote_tensors(repo: str, revision: str | None) -> dict[str, TensorRecord]:
