@@ -241,6 +241,19 @@ def test_logical_features_undo_padding(tmp_path):
     assert pack.logical_features(pack.linears()["model.layers.0.mlp.down_proj"]) == (320, 200)
 
 
+def test_logical_features_of_gated_delta_net_projections(tmp_path):
+    """Qwen3-Next geometry (qwen3next-b): the linear attention's out_proj reads value_dim = 4 x 64 = 256, which a
+    192-wide MoE intermediate also pads to; the GDN widths are model dimensions, so 256 stands."""
+    tensors = {**linear_tensors("model.layers.0.linear_attn.out_proj", random_weights(256, 384, 3, "mcg", 0)),
+               **linear_tensors("model.layers.0.mlp.experts.0.down_proj", random_weights(192, 384, 3, "mcg", 1))}
+    root = write_pack(tmp_path / "p", tensors, config={
+        "hidden_size": 384, "moe_intermediate_size": 192, "shared_expert_intermediate_size": 192,
+        "linear_num_key_heads": 2, "linear_key_head_dim": 64, "linear_num_value_heads": 4, "linear_value_head_dim": 64})
+    pack = Pack.open(root)
+    assert pack.logical_features(pack.linears()["model.layers.0.linear_attn.out_proj"]) == (256, 384)
+    assert pack.logical_features(pack.linears()["model.layers.0.mlp.experts.0.down_proj"]) == (192, 384)
+
+
 
 def test_serve_time_index_refuses_what_verify_refuses(tmp_path):
     """`index_model` (what vLLM's config hook reads) applies the same checks: a codebook the config contradicts,

@@ -575,3 +575,77 @@ def test_parity_gate_checks_the_router_gate(tmp_path, rank, monkeypatch, native_
     assert torch.equal(layer(x)[0], x.float() @ w.float().t())
     (check,) = [c for c in parity.checks() if c.layer == GATE]
     assert not check.passed and 0.09 < check.error < 0.11 and check.inputs == "rows 1,8,16,96"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoint linears spanning several output sizes of a merged layer (vLLM's stacked weights mapper: a tuple id)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("kd", [64, 128])
+def test_qwen35_qkv_and_z_fill_the_four_entries_of_in_proj_qkvz(tmp_path, rank, tp, kd):
+    """Qwen3.5's GDN projection: vLLM builds in_proj_qkvz with output sizes [key, key, value, value] and loads
+    `in_proj_qkv` as shard (0, 1, 2), `in_proj_z` as 3. Each rank holds its slice of every entry, so of the one stored
+    in_proj_qkv it holds three ranges (q, k, v), 128-aligned or not (kd 64 at tp 2 splits a block)."""
+    vd = 2 * kd
+    qkv, z = random_weights(256, 2 * kd + vd, 3, "mcg", 21), random_weights(256, vd, 4, "mul1", 22)
+    cfg, tensors = make_config(tmp_path, {"g.in_proj_qkv": qkv, "g.in_proj_z": z},
+                               packed={"in_proj_qkvz": ["in_proj_qkv", "in_proj_z"]})
+    x = torch.randn(3, 256)
+    want = torch.cat([reference(x, qkv, 256, 2 * kd + vd), reference(x, z, 256, vd)], -1)
+    sizes = [kd, kd, vd, vd]
+    pieces = [[] for _ in sizes]
+    for r in range(tp):
+        rank(r, tp)
+        layer = vllm_linear.MergedColumnParallelLinear(256, sizes, bias=False, quant_config=cfg,
+                                                       prefix="g.in_proj_qkvz", return_bias=False)
+        assert [s.shard_id for s in layer.quant_method.shards][-1] == 3
+        assert {s.shard_id for s in layer.quant_method.shards} == {(0, 1, 2), 3}
+        assert len(layer.quant_method.shards) == (2 if tp == 1 else 4)  # at tp 1 q, k, v are one range
+        load(layer, tensors, {"g.in_proj_qkv": (0, 1, 2), "g.in_proj_z": 3})
+        for i, p in enumerate(layer(x).split([n // tp for n in sizes], -1)):
+            pieces[i].append(p)
+    assert rel(torch.cat([torch.cat(p, -1) for p in pieces], -1), want) < 1e-5
+
+
+def test_merged_layer_placement_must_be_unique(tmp_path, rank):
+    """A pack whose widths fit vLLM's output sizes no way (or several) is refused when the layer is built."""
+    rank(0, 1)
+    cfg, _ = make_config(tmp_path, {"g.in_proj_qkv": random_weights(256, 384, 3, "mcg", 23),
+                                    "g.in_proj_z": random_weights(256, 384, 3, "mcg", 24)},
+                         packed={"in_proj_qkvz": ["in_proj_qkv", "in_proj_z"]})
+    with pytest.raises(Exl3FormatError, match="0 ways"):
+        vllm_linear.MergedColumnParallelLinear(256, [128, 128, 256, 256], bias=False, quant_config=cfg,
+                                               prefix="g.in_proj_qkvz")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qkv_fused_on_disk(tmp_path, rank, tp):
+    """A vision tower's `attn.qkv` is one EXL3 linear in a QKVParallelLinear (vLLM's mapping `qkv: [qkv]`, loaded
+    without a shard id): each rank keeps its q, k and v head slices of it."""
+    w = random_weights(256, 3 * 4 * 64, 3, "mcg", 25)
+    cfg, tensors = make_config(tmp_path, {"v.attn.qkv": w}, packed={"qkv": ["qkv"]})
+    x = torch.randn(3, 256)
+    want = reference(x, w, 256, 768).split([256] * 3, -1)
+    per_rank = []
+    for r in range(tp):
+        rank(r, tp)
+        layer = vllm_linear.QKVParallelLinear(256, 64, 4, 4, bias=False, quant_config=cfg, prefix="v.attn.qkv",
+                                              return_bias=False)
+        load(layer, tensors)
+        per_rank.append(layer(x).split([256 // tp] * 3, -1))
+    for i in range(3):
+        assert rel(torch.cat([p[i] for p in per_rank], -1), want[i]) < 1e-5
+
+
+def test_index_takes_vllms_names_for_top_level_modules(tmp_path):
+    """vLLM's multimodal models map `lm_head.` to `language_model.lm_head.` (a prefix rule with the dot): the index
+    follows for the head as for every layer (Qwen3.5 packs in their Qwen3_5MoeForConditionalGeneration layout)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    cfg, _ = make_config(tmp_path, {"lm_head": random_weights(256, 384, 3, "mcg", 26),
+                                    "model.language_model.layers.0.mlp.down_proj": random_weights(256, 256, 3, "mcg", 27)},
+                         {"model.language_model.layers.0.mlp.gate.weight": torch.randn(8, 256)})
+    cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix={
+        "model.visual.": "visual.", "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.", "mtp.": None}))
+    assert set(cfg.index.exl3) == {"language_model.lm_head", "language_model.model.layers.0.mlp.down_proj"}
+    assert set(cfg.index.plain) == {"language_model.model.layers.0.mlp.gate"}

@@ -66,9 +66,11 @@ class PackIndex:
         return index
 
     def renamed(self, mapper) -> "PackIndex":
-        """The index under the names vLLM's model gives these modules. A model's mapper rewrites whole tensor
-        names, and some of its rules match a name's end (gpt-oss maps a name ending `.down_proj` to its fused
-        `.w2_weight`), so each module is renamed through one of its real tensor names, never the bare prefix."""
+        """The index under the names vLLM's model gives these modules. Each prefix is mapped as the name of one of
+        its tensors (`.trellis`, `.weight`), as vLLM maps the checkpoint: some rules match a name's end (gpt-oss maps
+        a name ending `.down_proj` to its fused `.w2_weight`), others need the dot only a tensor name has
+        (`"lm_head." -> "language_model.lm_head."` in vLLM's multimodal models). A name whose suffix the mapper
+        rewrote is a fused tensor of vLLM's own, not this module: dropped."""
 
         def rename(d, suffix):
             out = {}

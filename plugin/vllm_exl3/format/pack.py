@@ -339,7 +339,7 @@ class Pack:
         The pack stores only padded geometry. A padded dim whose value is not itself a model dimension is
         mapped back to the unique config dimension that pads to it; otherwise the padded value stands.
         """
-        dims = self._config_dims()
+        dims = self._config_dims(linear.prefix)
 
         def resolve(padded: int) -> int:
             if padded in dims:
@@ -349,7 +349,7 @@ class Pack:
 
         return resolve(linear.in_padded), resolve(linear.out_padded)
 
-    def _config_dims(self) -> set[int]:
+    def _config_dims(self, prefix: str = "") -> set[int]:
         tc = self.text_config
         dims = {tc.get(k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size",
                                     "shared_expert_intermediate_size", "vocab_size", "q_lora_rank",
@@ -358,7 +358,17 @@ class Pack:
         for k in ("num_attention_heads", "num_key_value_heads"):
             if tc.get(k):
                 dims.add(tc[k] * head_dim)
+        if ".linear_attn." in f"{prefix}.":  # gated delta net (Qwen3-Next, Qwen3.5): in_proj_qkv(z), in_proj_z, out_proj
+            kd = _int(tc.get("linear_num_key_heads")) * _int(tc.get("linear_key_head_dim"))
+            vd = _int(tc.get("linear_num_value_heads")) * _int(tc.get("linear_value_head_dim"))
+            dims |= {vd, 2 * kd + vd, 2 * kd + 2 * vd} if kd and vd else set()
+        elif ".self_attn." in prefix and tc.get("linear_num_key_heads") and tc.get("num_attention_heads"):
+            dims.add(2 * tc["num_attention_heads"] * head_dim)  # their gated attention: q_proj holds q and its gate
         return {d for d in dims if isinstance(d, int) and d > 0}
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 # Config integers this package reads, each with the least value a model can have (a string, a float, a bool or a

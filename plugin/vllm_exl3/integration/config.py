@@ -24,6 +24,7 @@ from ..format.architectures import NOT_CHECKED
 from ..format.constants import SIDECAR_FILE
 from ..format.contract import POLICY_BF16_AS_STORED, Contract, layer_index
 from ..format.errors import Exl3ConfigError, Exl3FormatError
+from ..format.geometry import ceil_to
 from ..format.index import PackIndex, index_model
 from ..kernels.selection import router_gate_on
 from ..kernels.specs import PROJECTIONS
@@ -110,15 +111,53 @@ class Exl3Config(compat.QuantizationConfig):
             raise Exl3ConfigError(f"{prefix}: the EXL3 pack was never indexed (maybe_update_config did not run)")
         return self.index
 
-    def _shards(self, prefix: str) -> tuple[list[str], list]:
+    def _shards(self, prefix: str, layer=None) -> tuple[list[str], list]:
         """Checkpoint prefixes and vLLM shard ids of the linears fused into vLLM module `prefix`."""
         head, _, proj = prefix.rpartition(".")
         parts = self.packed_modules_mapping.get(proj)
         if not parts:
             return [prefix], [None]
         names = [f"{head}.{p}" if head else p for p in parts]
-        ids = ["q", "k", "v"] if proj == "qkv_proj" and len(parts) == 3 else list(range(len(parts)))
-        return names, ids
+        if proj == "qkv_proj" and len(parts) == 3:
+            return names, ["q", "k", "v"]
+        sizes = getattr(layer, "output_sizes", None)
+        if sizes is not None and len(sizes) != len(parts):
+            return names, self._stacked_ids(prefix, names, sizes)
+        return names, list(range(len(parts)))
+
+    def _stacked_ids(self, prefix: str, names: list[str], sizes: list[int]) -> list:
+        """Shard ids of checkpoint linears that each fill one or more consecutive `output_sizes` entries of a merged
+        layer (vLLM's stacked weights mapper passes a tuple for several: Qwen3.5's `in_proj_qkv` is (0, 1, 2) of
+        `in_proj_qkvz`, `in_proj_z` is 3). Found from the widths the pack stores: the one split of `sizes` into
+        consecutive runs whose sums match every linear (an EXL3 linear stores its width padded to 128)."""
+        index = self._require_index(prefix)
+        if not any(n in index.exl3 for n in names):
+            return list(range(len(names)))  # served plain by vLLM's own method, which needs no ids from us
+        widths = []
+        for n in names:
+            if (meta := index.exl3.get(n)) is not None:
+                widths.append((meta.out_padded, True))
+            elif (shape := index.plain.get(n)) is not None:
+                widths.append((shape[0], False))
+            else:
+                raise Exl3FormatError(None, n, f"an EXL3 linear or a plain .weight (a part of {prefix})", "none")
+
+        def splits(i: int, k: int) -> list[list[tuple[int, int]]]:
+            if k == len(names):
+                return [[]] if i == len(sizes) else []
+            out = []
+            for j in range(i + 1, len(sizes) + 1):
+                total, padded = sum(sizes[i:j]), widths[k][1]
+                if (ceil_to(total) if padded else total) == widths[k][0]:
+                    out += [[(i, j)] + rest for rest in splits(j, k + 1)]
+            return out
+
+        found = splits(0, 0)
+        if len(found) != 1:
+            raise Exl3FormatError(None, prefix, f"one way to place {', '.join(names)} (widths "
+                                  f"{[w for w, _ in widths]}) on vLLM's output sizes {list(sizes)}",
+                                  f"{len(found)} ways")
+        return [i if j == i + 1 else tuple(range(i, j)) for i, j in found[0]]
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from .linear import Exl3LinearMethod
@@ -148,7 +187,7 @@ class Exl3Config(compat.QuantizationConfig):
 
         if isinstance(layer, (compat.LinearBase, compat.ParallelLMHead)):
             index = self._require_index(prefix)
-            names, ids = self._shards(prefix)
+            names, ids = self._shards(prefix, layer)
             metas = [index.exl3.get(n) for n in names]
             self.contract.check_dense(prefix, list(zip(names, metas)))
             if any(m is not None for m in metas):

@@ -46,6 +46,7 @@ class Shard:
     meta: LinearMeta | None  # None: a plain weight
     rows: Span  # input features (stored block range around this rank's slice)
     cols: Span  # output features
+    plain_shape: tuple[int, ...] | None = None  # the `.weight` the pack stores under `name`, if any
     offsets: dict[str, int] = field(default_factory=dict)  # start of this shard in each flat parameter
     loaded: set[str] = field(default_factory=set)
 
@@ -61,25 +62,55 @@ class Shard:
         return {"weight"} if self.meta is None else self.meta.suffixes
 
 
-def _output_ranges(layer: torch.nn.Module, shard_ids: list) -> list[tuple[int, int, int]]:
-    """(start, stop, checkpoint out_features) of each shard's outputs on this rank."""
+def _output_ranges(layer: torch.nn.Module, shard_ids: list) -> list[tuple[list[tuple[int, int]], int]]:
+    """Per shard: the [start, stop) ranges of its checkpoint linear's outputs this rank holds, in layer output order,
+    and the checkpoint linear's out_features.
+
+    A merged layer's shard id may be a tuple of consecutive `output_sizes` entries (vLLM's stacked weights mapper:
+    Qwen3.5 loads `in_proj_qkv` into entries (0, 1, 2) of `in_proj_qkvz`, `in_proj_z` into 3). Every entry is split
+    across ranks on its own, so under tensor parallelism one rank holds one range per entry of that one checkpoint
+    linear (its q, k and v slices); at tp 1 they are adjacent and plan_shards joins them."""
     rank = layer.tp_rank
     if compat.is_lm_head(layer):
         si = layer.shard_indices
-        return [(si.org_vocab_start_index, si.org_vocab_end_index, layer.org_vocab_size)]
+        return [([(si.org_vocab_start_index, si.org_vocab_end_index)], layer.org_vocab_size)]
     if compat.is_qkv(layer):
         heads = {"q": (layer.total_num_heads, layer.head_size), "k": (layer.total_num_kv_heads, layer.head_size),
                  "v": (layer.total_num_kv_heads, layer.v_head_size)}
         out = []
-        for sid, part in zip(shard_ids, layer.output_partition_sizes):
-            owner = rank if sid == "q" else rank // layer.num_kv_head_replicas  # K/V heads may be replicated
-            n_heads, head_size = heads[sid]
-            out.append((owner * part, owner * part + part, n_heads * head_size))
+        for sid in shard_ids:  # "q", "k", "v", or (0, 1, 2): q, k and v fused on disk (a vision tower's `attn.qkv`)
+            ranges, base = [], 0
+            for e in ("q", "k", "v") if isinstance(sid, tuple) else (sid,):
+                part = layer.output_partition_sizes["qkv".index(e)]
+                owner = rank if e == "q" else rank // layer.num_kv_head_replicas  # K/V heads may be replicated
+                ranges.append((base + owner * part, base + owner * part + part))
+                base += heads[e][0] * heads[e][1]
+            out.append((ranges, base))
         return out
     if compat.is_column_parallel(layer):
         totals = getattr(layer, "output_sizes", [layer.output_size])
-        return [(rank * part, rank * part + part, total) for part, total in zip(layer.output_partition_sizes, totals)]
-    return [(0, layer.output_size, layer.output_size)]
+        parts = layer.output_partition_sizes
+        out = []
+        for i, sid in enumerate(shard_ids):
+            entries = sid if isinstance(sid, tuple) else (sid if isinstance(sid, int) else i,)
+            ranges, base = [], 0
+            for e in entries:
+                ranges.append((base + rank * parts[e], base + rank * parts[e] + parts[e]))
+                base += totals[e]
+            out.append((ranges, base))
+        return out
+    return [([(0, layer.output_size)], layer.output_size)]
+
+
+def _joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent ranges as one."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def plan_shards(layer: torch.nn.Module, names: list[str], shard_ids: list, metas: list[LinearMeta | None],
@@ -91,7 +122,7 @@ def plan_shards(layer: torch.nn.Module, names: list[str], shard_ids: list, metas
     else:
         in_range = (0, in_total)
     shards = []
-    for name, sid, meta, shape, (o0, o1, out_total) in zip(names, shard_ids, metas, plain_shapes,
+    for name, sid, meta, shape, (ranges, out_total) in zip(names, shard_ids, metas, plain_shapes,
                                                            _output_ranges(layer, shard_ids)):
         if meta is not None:
             check_padding(f"'{name}' in_features", in_total, meta.in_padded)
@@ -99,6 +130,14 @@ def plan_shards(layer: torch.nn.Module, names: list[str], shard_ids: list, metas
             if shape is not None and tuple(shape) != (out_total, in_total):
                 raise Exl3FormatError(None, f"{name}.weight", f"a stale plain copy of shape [{out_total}, {in_total}] "
                                       "next to the EXL3 tensors (it is dropped)", str(list(shape)))
+        elif shape is None or tuple(shape) != (out_total, in_total):
+            raise Exl3FormatError(None, f"{name}.weight", f"a plain weight of shape [{out_total}, {in_total}] "
+                                  "(no EXL3 tensors were found for this linear)",
+                                  "nothing" if shape is None else str(list(shape)))
+        for o0, o1 in _joined(ranges):
+            if meta is None:
+                shards.append(Shard(name, sid, None, Span(*in_range, *in_range), Span(o0, o1, o0, o1), shape))
+                continue
             rows, cols = Span.around(*in_range, meta.in_padded), Span.around(o0, o1, meta.out_padded)
             for what, span, total in (("input", rows, in_total), ("output", cols, out_total)):
                 if span.splits_a_block(total):
@@ -106,13 +145,7 @@ def plan_shards(layer: torch.nn.Module, names: list[str], shard_ids: list, metas
                                 "keeps the enclosing blocks [%d, %d) (exact, %d extra features)", name, what,
                                 span.start, span.stop, total, span.block_start, span.block_stop,
                                 span.block_size - span.size)
-        else:
-            if shape is None or tuple(shape) != (out_total, in_total):
-                raise Exl3FormatError(None, f"{name}.weight", f"a plain weight of shape [{out_total}, {in_total}] "
-                                      "(no EXL3 tensors were found for this linear)",
-                                      "nothing" if shape is None else str(list(shape)))
-            rows, cols = Span(*in_range, *in_range), Span(o0, o1, o0, o1)
-        shards.append(Shard(name, sid, meta, rows, cols))
+            shards.append(Shard(name, sid, meta, rows, cols, shape))
     return shards
 
 
@@ -164,18 +197,20 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         p.weight_loader = loader  # our own loader: vLLM's default silently skips unknown names
         layer.register_parameter(name, p)
 
-    def _shard(self, shard_id, suffix: str) -> Shard:
+    def _targets(self, shard_id, suffix: str) -> list[Shard]:
+        """The shards a checkpoint tensor delivered with `shard_id` goes to: those of that id (one checkpoint linear, in
+        one or more output ranges); without an id, every shard, which must then be of one checkpoint linear."""
         matches = [s for s in self.shards if s.shard_id == shard_id] if shard_id is not None else self.shards
-        if len(matches) != 1:
+        if not matches or len({s.name for s in matches}) != 1:
             raise ValueError(f"{self.prefix}: cannot place checkpoint tensor '.{suffix}' for shard {shard_id!r} "
                              f"(shards: {[s.shard_id for s in self.shards]})")
-        return matches[0]
+        return matches
 
     def _check(self, s: Shard, suffix: str, tensor: torch.Tensor) -> None:
         """Each tensor once, as its header said (format/tensors.py; a plain weight: the shape the index recorded)."""
         if s.meta is not None and suffix != "weight":
             check_delivered(s.meta, s.name, suffix, tensor)
-        elif tuple(tensor.shape) != (shape := tuple(self.plain_shapes[self.shards.index(s)])):
+        elif tuple(tensor.shape) != (shape := tuple(s.plain_shape)):
             raise Exl3FormatError(None, f"{s.name}.{suffix}", f"{list(shape)} as the pack header said",
                                   f"{tensor.dtype}{list(tensor.shape)}")
         if suffix in s.loaded:
@@ -183,38 +218,37 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         s.loaded.add(suffix)
 
     def _load_trellis(self, param, loaded_weight, shard_id=None):
-        s = self._shard(shard_id, "trellis")
-        self._check(s, "trellis", loaded_weight)
-        piece = loaded_weight[s.rows.tiles, s.cols.tiles]
-        n = piece.numel()
-        param.data[s.offsets["trellis"]:s.offsets["trellis"] + n].view(piece.shape).copy_(piece)
+        for s in self._targets(shard_id, "trellis"):
+            self._check(s, "trellis", loaded_weight)
+            piece = loaded_weight[s.rows.tiles, s.cols.tiles]
+            n = piece.numel()
+            param.data[s.offsets["trellis"]:s.offsets["trellis"] + n].view(piece.shape).copy_(piece)
 
     def _load_scale(self, param, loaded_weight, shard_id=None):
         suffix = param.exl3_suffix
-        s = self._shard(shard_id, suffix)
         side = "suh" if suffix in ("suh", "su") else "svh"
-        span = s.rows if side == "suh" else s.cols
-        self._check(s, suffix, loaded_weight)
-        if suffix in ("su", "sv"):
-            loaded_weight = unpack_signs(loaded_weight.cpu())
         dst = getattr(self.layer, side)  # legacy `.su`/`.sv` land in the suh/svh storage
-        dst.data[s.offsets[side]:s.offsets[side] + span.block_size].copy_(loaded_weight[span.elements])
+        for s in self._targets(shard_id, suffix):
+            span = s.rows if side == "suh" else s.cols
+            self._check(s, suffix, loaded_weight)
+            values = unpack_signs(loaded_weight.cpu()) if suffix in ("su", "sv") else loaded_weight
+            dst.data[s.offsets[side]:s.offsets[side] + span.block_size].copy_(values[span.elements])
 
     def _load_marker(self, param, loaded_weight, shard_id=None):
         codebook = param.exl3_suffix
-        s = self._shard(shard_id, codebook)
-        self._check(s, codebook, loaded_weight.reshape(()))
-        value = int(loaded_weight.reshape(()).item())
-        if problem := marker_value_problem(codebook, value, None, f"{s.name}.{codebook}"):
-            raise problem
+        for s in self._targets(shard_id, codebook):
+            self._check(s, codebook, loaded_weight.reshape(()))
+            value = int(loaded_weight.reshape(()).item())
+            if problem := marker_value_problem(codebook, value, None, f"{s.name}.{codebook}"):
+                raise problem
 
     def _load_plain(self, param, loaded_weight, shard_id=None):
-        s = self._shard(shard_id, "weight")
-        self._check(s, "weight", loaded_weight)
-        if s.meta is not None:  # a stale BF16 copy next to EXL3 tensors (shape checked in plan_shards): dropped
-            return
-        rows = loaded_weight[s.cols.start:s.cols.stop, s.rows.start:s.rows.stop]
-        param.data[s.offsets["weight"]:s.offsets["weight"] + s.cols.size].copy_(rows)
+        for s in self._targets(shard_id, "weight"):
+            self._check(s, "weight", loaded_weight)
+            if s.meta is not None:  # a stale BF16 copy next to EXL3 tensors (shape checked in plan_shards): dropped
+                continue
+            rows = loaded_weight[s.cols.start:s.cols.stop, s.rows.start:s.rows.stop]
+            param.data[s.offsets["weight"]:s.offsets["weight"] + s.cols.size].copy_(rows)
 
     # -- after loading --------------------------------------------------------------------------------------
     def process_weights_after_loading(self, layer) -> None:

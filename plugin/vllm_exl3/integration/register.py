@@ -1,7 +1,13 @@
 """What `vllm_exl3.register()` does once vLLM has loaded the plugin: the version gate, the quantization config,
-the custom ops and the parallel model loader."""
+the custom ops, the parallel model loader and the model classes that replace vLLM's for some architectures."""
 
 from __future__ import annotations
+
+# architecture -> the plugin's class (integration/models.py says why each), as `module:class` so that vLLM's registry
+# imports it (and vLLM's model module under it) only when it resolves that architecture.
+MODEL_OVERRIDES = {
+    "Qwen3NextForCausalLM": "vllm_exl3.integration.models:Exl3Qwen3NextForCausalLM",
+}
 
 
 def register_all() -> None:
@@ -12,3 +18,14 @@ def register_all() -> None:
 
     compat.register_quantization_config("exl3")(Exl3Config)
     register_loader()
+    register_models()
+
+
+def register_models() -> None:
+    """Runs in every vLLM process (vLLM's general plugin hook: API server, engine core, every worker, and the registry's
+    model-inspection subprocess). `ModelRegistry.register_model` overwrites an architecture vLLM already has (a
+    debug-level log line); our classes behave as vLLM's unless the model is served with `quantization: exl3`."""
+    from vllm import ModelRegistry
+
+    for arch, target in MODEL_OVERRIDES.items():
+        ModelRegistry.register_model(arch, target)

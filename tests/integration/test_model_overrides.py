@@ -1,0 +1,35 @@
+"""The model classes the plugin registers over vLLM's (integration/models.py): vLLM's registry resolves the
+architecture to ours, which is vLLM's class underneath (same interfaces, so the same scheduling, state and parallel
+support). That they serve packs is the end-to-end tests' business."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import vllm_exl3  # noqa: E402
+
+vllm_exl3.register()
+
+from vllm import ModelRegistry  # noqa: E402
+from vllm.model_executor.models.registry import _ModelInfo  # noqa: E402
+
+from vllm_exl3.integration.register import MODEL_OVERRIDES  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", sorted(MODEL_OVERRIDES))
+def test_architecture_resolves_to_the_plugins_subclass_of_vllms(arch):
+    import importlib
+
+    ours = ModelRegistry.models[arch].load_model_cls()
+    module, _, name = MODEL_OVERRIDES[arch].partition(":")
+    assert ours is getattr(importlib.import_module(module), name)
+    vllms = ours.__mro__[1]
+    assert vllms.__module__.startswith("vllm.model_executor.models.") and vllms.__name__ == arch
+    # what vLLM reads off the class (hybrid, PP, MoE, ... support) is vLLM's; `architecture` is the class name, which
+    # vLLM compares only with its Transformers-backend class (ModelConfig.using_transformers_backend)
+    info = {k: v for k, v in asdict(_ModelInfo.from_model_cls(ours)).items() if k != "architecture"}
+    assert info == {k: v for k, v in asdict(_ModelInfo.from_model_cls(vllms)).items() if k != "architecture"}
