@@ -3,10 +3,11 @@ the custom ops, the parallel model loader and the model classes that replace vLL
 
 from __future__ import annotations
 
-# architecture -> the plugin's class (integration/models.py says why each), as `module:class` so that vLLM's registry
-# imports it (and vLLM's model module under it) only when it resolves that architecture.
+# architecture -> the plugin's class (each module of integration/models/ says why), as `module:class` so that vLLM's
+# registry imports it (and vLLM's model module under it) only when it resolves that architecture.
 MODEL_OVERRIDES = {
-    "Qwen3NextForCausalLM": "vllm_exl3.integration.models:Exl3Qwen3NextForCausalLM",
+    "Qwen3NextForCausalLM": "vllm_exl3.integration.models.qwen3_next:Exl3Qwen3NextForCausalLM",
+    "GptOssForCausalLM": "vllm_exl3.integration.models.gpt_oss:Exl3GptOssForCausalLM",
 }
 
 
