@@ -187,10 +187,18 @@ def source_model(architecture: str, g: Geometry, seed: int):
     return model, released
 
 
+# The size of the random EXL3 linears' weights: transformers' initializer_range, as the tiny source models ExLlamaV3
+# converts have them. Unit-gain weights (1/sqrt(in)) make a random model's activations grow layer over layer, and a
+# bf16 server (vLLM's CPU build runs the gated delta net in bf16 only) then parts from the fp32 oracle by more than
+# bf16's resolution (Qwen3-Next: median |Δ log p| 0.050 against 0.011 at this scale).
+WEIGHT_SCALE = 0.02
+
+
 def write_pack(architecture: str, root: str | Path, tokenizer_dir: str | Path, g: Geometry = Geometry(),
-               bits: float = 4, codebook: str = "mul1", seed: int = 0) -> Path:
+               bits: float = 4, codebook: str = "mul1", seed: int = 0, weight_scale: float = WEIGHT_SCALE) -> Path:
     """A pack of `architecture` in ExLlamaV3's layout (module docstring): its linears random EXL3 linears of
-    `bits` and `codebook`, everything else transformers' random init, plus the fixture tokenizer."""
+    `bits` and `codebook` with weights of about `weight_scale`, everything else transformers' random init, plus the
+    fixture tokenizer."""
     root = Path(root)
     model, released = source_model(architecture, g, seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,7 +221,7 @@ def write_pack(architecture: str, root: str | Path, tokenizer_dir: str | Path, g
             if t.shape[0] % HADAMARD_BLOCK or t.shape[1] % HADAMARD_BLOCK:
                 raise ValueError(f"{name}: {list(t.shape)} is not whole 128-blocks; the oracle's geometries keep "
                                  "every EXL3 linear unpadded, so that its decoded weight is the model's")
-            w = random_weights(t.shape[1], t.shape[0], bits, codebook, seed=seed * 100003 + n)
+            w = random_weights(t.shape[1], t.shape[0], bits, codebook, seed=seed * 100003 + n, scale=weight_scale)
             n += 1
             bias = tensors.get(f"{prefix}.bias")
             if bias is not None:

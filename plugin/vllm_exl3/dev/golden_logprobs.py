@@ -35,18 +35,25 @@ def served_distributions(base_url: str, model: str, ids: list[int]) -> list[dict
     return dists
 
 
-def compare(base_url: str, model: str, input_ids: torch.Tensor, logits: torch.Tensor) -> ParityReport:
+# The top-2 margin (nats) below which a bf16 server cannot resolve the order of two logits: bf16 keeps 8 significant
+# bits, so logits of magnitude up to 2 (the tiny fixture models') are rounded by up to 2 * 2**-8 ≈ 0.008.
+BF16_MARGIN = 0.01
+
+
+def compare(base_url: str, model: str, input_ids: torch.Tensor, logits: torch.Tensor,
+            min_margin: float = 0.0) -> ParityReport:
     """input_ids [B, T] and golden logits [B, T, V] (ExLlamaV3's, from the fixture's golden/logits).
 
     A position whose golden logits tie at the top has no argmax to agree with (a token whose embedding is zero, as
-    the pad token of the tiny fixture models, gives all-zero logits): top-1 counts the others only."""
+    the pad token of the tiny fixture models, gives all-zero logits): top-1 counts the others only; with
+    `min_margin` (BF16_MARGIN for a server that computes in bf16), only those whose top two differ by more."""
     agree, ranked, deltas = 0, 0, []
     for ids, ref_logits in zip(input_ids.tolist(), logits):
         ref = ref_logits.double().log_softmax(-1)
         for t, dist in enumerate(served_distributions(base_url, model, ids)):
             top2 = ref[t].topk(2).values
             best = int(ref[t].argmax())
-            if top2[0] > top2[1]:
+            if top2[0] - top2[1] > min_margin:
                 ranked += 1
                 agree += max(dist, key=dist.get) == best
             deltas.append(abs(dist[best] - ref[t, best].item()) if best in dist else math.inf)

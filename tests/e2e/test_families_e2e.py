@@ -1,0 +1,133 @@
+"""Every MoE family the plugin serves, through vLLM's CPU build and the plugin, against two oracles:
+
+- ExLlamaV3's own goldens on the packs its converter made (tests/fixtures/exl3-families, PROVENANCE.md);
+- transformers' own model class on packs the plugin's writer makes in ExLlamaV3's layout, at another geometry
+  (16 experts, top-4, hidden 384; dev/family_oracle.py): the activation, biases, routing and attention variants are
+  transformers' implementation there, not ours.
+
+Bounds as tests/e2e/test_e2e_serving.py's: top-1 >= 0.97, median |Δ log p| <= 0.05, at fp32. vLLM's CPU build runs
+the gated delta net (Qwen3-Next, Qwen3.5) in bf16 only, so those servers are compared at bf16: a golden top-2 margin
+below bf16's resolution (golden_logprobs.BF16_MARGIN) has no order to agree with, and a bf16 router flips experts
+whose logits are closer than its rounding (Qwen3.5's fixture: one such flip in 62 positions, router logits 0.0044
+apart), so top-1 must reach BF16_TOP1 there. The same packs with a float32 stand-in for vLLM's delta-net op (not in
+this suite: it replaces vLLM code) agree at fp32 to |Δ log p| < 1e-5: docs/vllm-notes.md §8.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server
+from vllm_exl3.dev import family_oracle, golden_logprobs
+
+pytestmark = pytest.mark.e2e
+
+FAMILIES = Path(__file__).resolve().parents[1] / "fixtures" / "exl3-families"
+TOKENIZER = FAMILIES / "mixtral-a-exl3-mul1-b4"
+QWEN3_VL_IMPORTS = Path(__file__).resolve().parents[1] / "support" / "qwen3_vl_imports"
+FP32 = ("--dtype", "float32", "--enforce-eager")
+BF16 = ("--dtype", "bfloat16", "--enforce-eager")
+HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # gated delta net: bf16 only on vLLM's CPU build
+TOP1, BF16_TOP1, MEDIAN = 0.97, 0.94, 0.05
+HELD_OUT = family_oracle.Geometry(hidden=384, heads=6, kv_heads=2, head_dim=64, layers=3, experts=16, top_k=4,
+                                  moe_inter=256, inter=768)
+
+# ExLlamaV3-made packs with goldens worth agreeing with (PROVENANCE.md: ERNIE's router ties everywhere, gpt-oss's
+# config asks for values vLLM ignores; both families are checked against transformers below)
+GOLDEN_PACKS = ["mixtral-a-exl3-mul1-b4", "minimaxm2-a-exl3-mcg-b3", "glm4moelite-a-exl3-mcg-b4",
+                "qwen3next-a-exl3-mul1-b4", "qwen35moe-a-exl3-mul1-b3.5"]
+ORACLE_ARCHITECTURES = ["Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "MiniMaxM2ForCausalLM",
+                        "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"]
+
+
+def _server_env(architecture: str) -> dict[str, str]:
+    """cpu_env, and for Qwen3.5 on a machine without torchvision the import stand-in of support/qwen3_vl_imports."""
+    if architecture.startswith("Qwen3_5") and importlib.util.find_spec("torchvision") is None:
+        path = os.pathsep.join(p for p in (str(QWEN3_VL_IMPORTS), os.environ.get("PYTHONPATH")) if p)
+        return cpu_env(PYTHONPATH=path)
+    return cpu_env()
+
+
+def _options(architecture: str) -> tuple[tuple[str, ...], float]:
+    """The server's dtype options and the top-2 margin below which a position is not counted."""
+    return (BF16, golden_logprobs.BF16_MARGIN) if architecture in HYBRID else (FP32, 0.0)
+
+
+def _check(report: golden_logprobs.ParityReport, architecture: str) -> None:
+    assert report.top1_agreement >= (BF16_TOP1 if architecture in HYBRID else TOP1), report
+    assert report.median_abs_logprob_delta <= MEDIAN, report
+
+
+def _architecture(pack: Path) -> str:
+    import json
+
+    return json.loads((pack / "config.json").read_text())["architectures"][0]
+
+
+def _agreement(pack: Path, input_ids, logits, log_dir: Path, *extra: str) -> golden_logprobs.ParityReport:
+    arch = _architecture(pack)
+    options, margin = _options(arch)
+    with vllm_server(pack, log_dir, *options, *extra, env=_server_env(arch)) as server:
+        return golden_logprobs.compare(server.base_url, server.model, input_ids, logits, margin)
+
+
+@pytest.mark.parametrize("name", GOLDEN_PACKS)
+def test_exllamav3_pack_matches_exllamav3(name, tmp_path):
+    golden = load_file(FAMILIES / name / "golden" / "logits.safetensors")
+    _check(_agreement(FAMILIES / name, golden["input_ids"], golden["logits"], tmp_path), _architecture(FAMILIES / name))
+
+
+@pytest.fixture(scope="module")
+def oracle_packs(tmp_path_factory):
+    """architecture -> (pack, input ids, transformers' logits), made once each."""
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(arch)
+            pack = family_oracle.write_pack(arch, root / "pack", TOKENIZER, HELD_OUT, bits=3, codebook="mcg", seed=7)
+            ids = torch.randint(3, HELD_OUT.vocab, (2, 40), generator=torch.Generator().manual_seed(1))
+            ids[:, 0] = 1
+            made[arch] = pack, ids, family_oracle.oracle_logits(pack, ids, root / "decoded")
+        return made[arch]
+
+    return make
+
+
+@pytest.mark.parametrize("arch", ORACLE_ARCHITECTURES)
+def test_plugin_matches_transformers(arch, oracle_packs, tmp_path):
+    pack, ids, logits = oracle_packs(arch)
+    _check(_agreement(pack, ids, logits, tmp_path), arch)
+
+
+@pytest.mark.parametrize("arch", ["GptOssForCausalLM", "Qwen3NextForCausalLM"])
+def test_tensor_parallel_two_matches_transformers(arch, oracle_packs, tmp_path):
+    """The two-Spark profile's split: gpt-oss's experts with biases (the down projection's added once) and its
+    vocab-parallel EXL3 head; Qwen3-Next's in_proj_qkvz by key-head groups and its gated attention's heads."""
+    pack, ids, logits = oracle_packs(arch)
+    _check(_agreement(pack, ids, logits, tmp_path, "-tp", "2"), arch)
+
+
+def test_plain_vllm_serve_refuses_a_config_vllm_would_not_follow(tmp_path):
+    """The gpt-oss fixture's rms_norm_eps (1e-6) is one vLLM's GptOss ignores (it uses 1e-5): plain `vllm serve`
+    stops while building its config, naming the key, before any weight is read."""
+    pack = tmp_path / "gptoss"
+    shutil.copytree(FAMILIES / "gptoss-a-exl3-mul1-b4", pack, ignore=shutil.ignore_patterns("golden"))
+    proc = subprocess.Popen(server_argv(pack, free_port(), *FP32), env=cpu_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=BOOT_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:  # it booted: the refusal did not happen
+        stop(proc)
+        out = proc.communicate()[0]
+    assert proc.returncode != 0, out[-3000:]
+    assert "expected rms_norm_eps one of 1e-05" in out and "cannot be served" in out, out[-3000:]
+    assert "Loading weights" not in out
