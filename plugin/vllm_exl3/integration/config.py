@@ -28,7 +28,7 @@ from ..format.geometry import ceil_to
 from ..format.index import PackIndex, index_model
 from ..kernels.selection import router_gate_on
 from ..kernels.specs import PROJECTIONS
-from . import compat, compile_key, families
+from . import compat, compile_key, families, mla
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class Exl3Config(compat.QuantizationConfig):
             if any(m is not None for m in metas):
                 method = Exl3LinearMethod(prefix, names, ids, metas, [index.plain.get(n) for n in names])
                 method.last_block = self._in_last_block(prefix)
+                method.decode_at_load = mla.decoded_at_load(prefix, compat.current_vllm_config())
                 return method
             if compat.is_lm_head(layer):
                 return self._plain_head(layer, index.plain.get(prefix))

@@ -160,6 +160,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         self.bound: dict[int, BoundLinear] = {}  # shard index -> its binding (kernels/ops.py serves it)
         self.group: BoundLinearGroup | None = None  # every shard in one call, when _regroup finds that possible
         self.last_block = False  # set by Exl3Config: this layer is in the model's last block (the parity gate)
+        self.decode_at_load = False  # set by Exl3Config: an MLA kv_b_proj, served decoded (integration/mla.py)
 
     # -- weights ----------------------------------------------------------------------------------------------
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
@@ -259,6 +260,11 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                                       "every tensor of this linear to be loaded",
                                       "never delivered by the checkpoint (a shard file missing from "
                                       "model.safetensors.index.json?)")
+        if self.decode_at_load:
+            from . import mla
+
+            mla.densify(layer, self.prefix, self.shards)
+            return
         layer.exl3_shards = []
         layer.exl3_group = 0  # the grouped call's output width, 0 while the shards are called one by one
         self.bound.clear()
