@@ -112,6 +112,24 @@ def test_linear_op_matches_reference_and_traces_whole_under_compile():
         assert rel(compiled(x), 2 * R.forward(x, w, out_features=200)) < 1e-5
 
 
+def test_linear_op_output_has_the_fakes_layout_under_inductor():
+    """Out 160 (stored 256): the torch backend's product is a column slice of the stored blocks. The op hands back
+    the fake's contiguous layout; before, Inductor read it with the fake's strides (a GLM-4.7-Flash kv_a_proj_with_mqa,
+    576 of 640, came out wrong in vLLM's compiled CPU graph, silently)."""
+    w = random_weights(256, 160, 4, "mcg", seed=3)
+    ops.serve(bound := TorchBackend().bind_linear(w, 0, 0, 160))
+    x = torch.randn(5, 256)
+    assert torch.ops.vllm_exl3.linear(x, w.trellis, 160).is_contiguous()  # opcheck would clone the trellis
+
+    def f(x):
+        y = torch.ops.vllm_exl3.linear(x, w.trellis, 160)
+        return y.split([128, 32], -1)[1] * 2
+
+    expected = 2 * R.forward(x, w, out_features=160)[:, 128:]
+    assert rel(torch.compile(f, fullgraph=True)(x), expected) < 1e-5
+    assert bound is ops.serving(w.trellis)
+
+
 def test_the_op_runs_the_binding_served_last_and_forgets_an_unloaded_layer():
     """A fallback binds a layer again: the op then runs the new binding. A layer that is gone (its binding no longer
     referenced) leaves nothing behind, and the op says which trellis it could not place."""

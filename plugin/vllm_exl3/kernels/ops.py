@@ -53,8 +53,10 @@ def _bound(handle: torch.Tensor, kind: type, op: str):
 
 @torch.library.custom_op("vllm_exl3::linear", mutates_args=())
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, out_features: int) -> torch.Tensor:
-    """y [M, out_features] = x [M, in] · W of the layer whose packed trellis is `trellis`; see BoundLinear."""
-    return _bound(trellis, BoundLinear, "linear")(x)
+    """y [M, out_features] = x [M, in] · W of the layer whose packed trellis is `trellis`; see BoundLinear.
+    Contiguous, as the fake says: a backend may hand back a column slice of its stored blocks (padded or sliced
+    outputs), and a compiled graph (Inductor) reads the op's output with the fake's strides."""
+    return _bound(trellis, BoundLinear, "linear")(x).contiguous()
 
 
 @exl3_linear.register_fake
@@ -66,7 +68,7 @@ def _(x, trellis, out_features):
 def exl3_linear_group(x: torch.Tensor, trellis: torch.Tensor, out_features: int) -> torch.Tensor:
     """y [M, out_features] = the grouped linears whose first shard's trellis is `trellis`, side by side; see
     BoundLinearGroup."""
-    return _bound(trellis, BoundLinearGroup, "linear_group")(x)
+    return _bound(trellis, BoundLinearGroup, "linear_group")(x).contiguous()
 
 
 @exl3_linear_group.register_fake
