@@ -16,6 +16,7 @@ this suite: it replaces vLLM code) agree at fp32 to |Δ log p| < 1e-5: docs/vllm
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ FP32 = ("--dtype", "float32", "--enforce-eager")
 BF16 = ("--dtype", "bfloat16", "--enforce-eager")
 HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # gated delta net: bf16 only on vLLM's CPU build
 TOP1, BF16_TOP1, MEDIAN = 0.97, 0.94, 0.05
+MLA_LATENT = 576  # the only latent width (kv_lora_rank + qk_rope_head_dim) vLLM's CPU MLA backend takes
 HELD_OUT = family_oracle.Geometry(hidden=384, heads=6, kv_heads=2, head_dim=64, layers=3, experts=16, top_k=4,
                                   moe_inter=256, inter=768)
 
@@ -48,17 +50,28 @@ ORACLE_ARCHITECTURES = ["Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "MiniMax
                         "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
-def _server_env(architecture: str) -> dict[str, str]:
-    """cpu_env, and for Qwen3.5 on a machine without torchvision the import stand-in of support/qwen3_vl_imports."""
-    if architecture.startswith("Qwen3_5") and importlib.util.find_spec("torchvision") is None:
-        path = os.pathsep.join(p for p in (str(QWEN3_VL_IMPORTS), os.environ.get("PYTHONPATH")) if p)
-        return cpu_env(PYTHONPATH=path)
-    return cpu_env()
+def _server_env(pack: Path) -> dict[str, str]:
+    """cpu_env; for Qwen3.5 on a machine without torchvision the import stand-in of support/qwen3_vl_imports; for an
+    MLA latent other than the 576 vLLM's MLA takes (the GLM-4.7-Flash fixtures' 160), vLLM's per-head attention."""
+    config = json.loads((pack / "config.json").read_text())
+    extra = {}
+    if config["architectures"][0].startswith("Qwen3_5") and importlib.util.find_spec("torchvision") is None:
+        extra["PYTHONPATH"] = os.pathsep.join(p for p in (str(QWEN3_VL_IMPORTS), os.environ.get("PYTHONPATH")) if p)
+    if "kv_lora_rank" in config and config["kv_lora_rank"] + config["qk_rope_head_dim"] != MLA_LATENT:
+        extra["VLLM_MLA_DISABLE"] = "1"
+    return cpu_env(**extra)
+
+
+# vLLM's CPU rotary op mis-rotates a [tokens, heads, dim] query, which its MLA attention (GLM-4.7-Flash) hands it:
+# torch's own rotary instead (docs/vllm-notes.md).
+NATIVE_ROPE = ("--compilation-config", '{"custom_ops": ["all", "-rotary_embedding"]}')
 
 
 def _options(architecture: str) -> tuple[tuple[str, ...], float]:
-    """The server's dtype options and the top-2 margin below which a position is not counted."""
-    return (BF16, golden_logprobs.BF16_MARGIN) if architecture in HYBRID else (FP32, 0.0)
+    """The server's options and the top-2 margin below which a position is not counted."""
+    if architecture in HYBRID:
+        return BF16, golden_logprobs.BF16_MARGIN
+    return FP32 + (NATIVE_ROPE if architecture == "Glm4MoeLiteForCausalLM" else ()), 0.0
 
 
 def _check(report: golden_logprobs.ParityReport, architecture: str) -> None:
@@ -67,15 +80,13 @@ def _check(report: golden_logprobs.ParityReport, architecture: str) -> None:
 
 
 def _architecture(pack: Path) -> str:
-    import json
-
     return json.loads((pack / "config.json").read_text())["architectures"][0]
 
 
 def _agreement(pack: Path, input_ids, logits, log_dir: Path, *extra: str) -> golden_logprobs.ParityReport:
     arch = _architecture(pack)
     options, margin = _options(arch)
-    with vllm_server(pack, log_dir, *options, *extra, env=_server_env(arch)) as server:
+    with vllm_server(pack, log_dir, *options, *extra, env=_server_env(pack)) as server:
         return golden_logprobs.compare(server.base_url, server.model, input_ids, logits, margin)
 
 

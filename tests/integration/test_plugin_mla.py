@@ -19,7 +19,6 @@ vllm = pytest.importorskip("vllm")
 import vllm_exl3  # noqa: E402
 from vllm_exl3.dev.synthetic import linear_tensors, random_weights, write_pack  # noqa: E402
 from vllm_exl3.format import reference as R  # noqa: E402
-from vllm_exl3.format.errors import Exl3ConfigError  # noqa: E402
 
 vllm_exl3.register()
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from ..format.constants import HADAMARD_BLOCK
 from ..format.families import family_of
 from ..format.pack import Pack
 from ..format.reference import full_weight
@@ -96,10 +95,12 @@ SOURCES: dict[str, tuple[str, Callable[[Geometry], dict[str, Any]], dict[str, An
         sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(g.layers)]), {}),
     "Glm4MoeLiteForCausalLM": ("Glm4MoeLiteConfig", lambda g: dict(
-        _attention(g, head_dim=False), intermediate_size=g.inter, moe_intermediate_size=g.moe_inter,
-        n_routed_experts=g.experts, n_shared_experts=1, num_experts_per_tok=g.top_k, kv_lora_rank=64,
-        q_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, norm_topk_prob=True, mlp_layer_types=["dense"] + ["sparse"] * (g.layers - 1)),
+        # GLM-4.7-Flash's latent (512 + 64 rope = 576: the width vLLM's MLA serves), one K/V head per query head
+        _attention(g, head_dim=False), num_key_value_heads=g.heads, intermediate_size=g.inter,
+        moe_intermediate_size=g.moe_inter, n_routed_experts=g.experts, n_shared_experts=1,
+        num_experts_per_tok=g.top_k, kv_lora_rank=512, q_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
+        v_head_dim=64, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+        mlp_layer_types=["dense"] + ["sparse"] * (g.layers - 1)),
         {"first_k_dense_replace": 1}),
     "Qwen3NextForCausalLM": ("Qwen3NextConfig", lambda g: dict(
         _hybrid(g), intermediate_size=g.inter, decoder_sparse_step=1, norm_topk_prob=True), {}),
@@ -218,9 +219,6 @@ def write_pack(architecture: str, root: str | Path, tokenizer_dir: str | Path, g
     for name, t in sorted(tensors.items()):
         prefix, _, suffix = name.rpartition(".")
         if prefix in linears and suffix == "weight" and not prefix.endswith(KEPT_PLAIN):
-            if t.shape[0] % HADAMARD_BLOCK or t.shape[1] % HADAMARD_BLOCK:
-                raise ValueError(f"{name}: {list(t.shape)} is not whole 128-blocks; the oracle's geometries keep "
-                                 "every EXL3 linear unpadded, so that its decoded weight is the model's")
             w = random_weights(t.shape[1], t.shape[0], bits, codebook, seed=seed * 100003 + n, scale=weight_scale)
             n += 1
             bias = tensors.get(f"{prefix}.bias")
@@ -251,9 +249,13 @@ def decoded_checkpoint(pack_root: str | Path, dest: str | Path) -> Path:
         for r in lin.records:
             tensors.pop(r.name, None)
         w = load_weights(lin)
-        tensors[f"{prefix}.weight"] = full_weight(w).t()  # [out, in]: unpadded (write_pack's geometries)
+        tensors[f"{prefix}.weight"] = full_weight(w).t()  # [out, in], padded: cut below where the model's is less
         if w.bias is not None:
             tensors[f"{prefix}.bias"] = w.bias.float()
+    shapes = _model_shapes(pack.config)
+    for name, t in tensors.items():  # a padded linear (GLM's 576-wide latent stored as 640) cut to the model's
+        if name in shapes and t.shape != shapes[name] and all(s <= p for s, p in zip(shapes[name], t.shape)):
+            tensors[name] = t[tuple(slice(0, s) for s in shapes[name])]
     tensors = from_exl3_layout(pack.architecture, {n: t.float() for n, t in tensors.items()})
     config = dict(pack.config)
     config.pop("quantization_config", None)
@@ -261,6 +263,17 @@ def decoded_checkpoint(pack_root: str | Path, dest: str | Path) -> Path:
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(dest / "model.safetensors"),
               metadata={"format": "pt"})
     return dest
+
+
+def _model_shapes(config: dict[str, Any]) -> dict[str, torch.Size]:
+    """The shapes of the parameters transformers' model of `config` has, by name (built without memory)."""
+    import transformers
+
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(config.pop("model_type"), **config))
+    return {n: p.shape for n, p in model.state_dict().items()}
 
 
 def oracle_logits(pack_root: str | Path, input_ids: torch.Tensor, work: str | Path) -> torch.Tensor:

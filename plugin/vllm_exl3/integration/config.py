@@ -48,6 +48,7 @@ class Exl3Config(compat.QuantizationConfig):
         except Exl3ConfigError as e:
             self.contract, self._contract_error = Contract(), e
         self.index: PackIndex | None = None
+        self._num_layers: int | None = None  # the config's num_hidden_layers (maybe_update_config)
         self._delegate = None
 
     # -- vLLM's QuantizationConfig surface ------------------------------------------------------------------
@@ -76,6 +77,9 @@ class Exl3Config(compat.QuantizationConfig):
         our error naming the file and tensor."""
         try:
             self.index = index_model(model_name, revision)
+            text = getattr(hf_config, "get_text_config", lambda: hf_config)() if hf_config is not None else None
+            layers = getattr(text, "num_hidden_layers", None)
+            self._num_layers = layers if isinstance(layers, int) else None
             architectures = getattr(hf_config, "architectures", None) or []
             if architectures:
                 self.index = families.under_vllm_prefixes(self.index, architectures[0])
@@ -210,9 +214,11 @@ class Exl3Config(compat.QuantizationConfig):
         return None
 
     def _in_last_block(self, prefix: str) -> bool:
-        """Is `prefix` in the highest-numbered block holding EXL3 tensors (the parity gate checks all of it)?"""
+        """Is `prefix` in the highest-numbered served block holding EXL3 tensors (the parity gate checks all of it)?
+        Layers past num_hidden_layers (multi-token prediction, which vLLM skips) are never built: not them."""
         if not hasattr(self, "_last_block"):
-            found = [i for i in map(layer_index, self._require_index(prefix).exl3) if i is not None]
+            served = self._num_layers if self._num_layers is not None else float("inf")
+            found = [i for i in map(layer_index, self._require_index(prefix).exl3) if i is not None and i < served]
             self._last_block = max(found) if found else None
         return self._last_block is not None and layer_index(prefix) == self._last_block
 
