@@ -641,8 +641,9 @@ def test_index_takes_vllms_names_for_top_level_modules(tmp_path):
     follows for the head as for every layer (Qwen3.5 packs in their Qwen3_5MoeForConditionalGeneration layout)."""
     from vllm.model_executor.models.utils import WeightsMapper
 
+    down = "model.language_model.layers.0.mlp.down_proj"
     cfg, _ = make_config(tmp_path, {"lm_head": random_weights(256, 384, 3, "mcg", 26),
-                                    "model.language_model.layers.0.mlp.down_proj": random_weights(256, 256, 3, "mcg", 27)},
+                                    down: random_weights(256, 256, 3, "mcg", 27)},
                          {"model.language_model.layers.0.mlp.gate.weight": torch.randn(8, 256)})
     cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix={
         "model.visual.": "visual.", "lm_head.": "language_model.lm_head.",

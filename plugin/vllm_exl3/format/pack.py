@@ -358,7 +358,7 @@ class Pack:
         for k in ("num_attention_heads", "num_key_value_heads"):
             if tc.get(k):
                 dims.add(tc[k] * head_dim)
-        if ".linear_attn." in f"{prefix}.":  # gated delta net (Qwen3-Next, Qwen3.5): in_proj_qkv(z), in_proj_z, out_proj
+        if ".linear_attn." in f"{prefix}.":  # the gated delta net's in_proj_qkv(z), in_proj_z, out_proj
             kd = _int(tc.get("linear_num_key_heads")) * _int(tc.get("linear_key_head_dim"))
             vd = _int(tc.get("linear_num_value_heads")) * _int(tc.get("linear_value_head_dim"))
             dims |= {vd, 2 * kd + vd, 2 * kd + 2 * vd} if kd and vd else set()
