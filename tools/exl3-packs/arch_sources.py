@@ -6,6 +6,9 @@ import json, os, shutil, sys, zlib
 import torch
 import transformers as T
 
+sys.path.insert(0, os.path.dirname(__file__))
+import source_dir  # noqa: E402
+
 OUT = sys.argv[1] if len(sys.argv) > 1 else ".gold/src"
 TOK = sys.argv[2] if len(sys.argv) > 2 else ".gold/tok"
 COMMON = dict(vocab_size=2048, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2,
@@ -117,14 +120,6 @@ if __name__ == "__main__":
                     j["weight_map"] = {("model.language_model." + k[6:] if k.startswith("model.") else k): v
                                        for k, v in j["weight_map"].items()}
                     json.dump(j, open(idx, "w"), indent=2)
-            cp = os.path.join(d, "config.json"); c = json.load(open(cp))
-            if "num_local_experts" in c and "num_experts" not in c:
-                c["num_experts"] = c["num_local_experts"]
-            rp = c.get("rope_parameters") or {}
-            if "rope_theta" not in c and "rope_theta" in rp:
-                c["rope_theta"] = rp["rope_theta"]
-            json.dump(c, open(cp, "w"), indent=2)
-            for f in os.listdir(TOK):
-                shutil.copy(os.path.join(TOK, f), d)
+            source_dir.finish(d, TOK)
             n = sum(p.numel() for p in m.parameters())
             print("ok", name, n, sorted({k.split(".")[-2] + "." + k.split(".")[-1] for k in m.state_dict() if ".layers.1." in k})[:40])
