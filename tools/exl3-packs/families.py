@@ -83,6 +83,6 @@ def pack(v, limit=15_000_000):
 
 if __name__ == "__main__":
     if sys.argv[1] == "make":
-        make(sys.argv[2].split(",") if len(sys.argv) > 2 else list(ARGS))
+        make([f for f in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if f] or list(ARGS))
     else:
         pack(sys.argv[2])

@@ -51,14 +51,16 @@ def inspect(p: argparse.ArgumentParser):
             return 0 if s.served else 1
         console.print(f"[bold]{lit(str(pack.root))}[/]")
         console.print(lit(f"family       {s.family or 'none known'}: ") + ("[green]served[/]" if s.served else
-                                                                          "[red]refused[/]"))
-        for reason in s.reasons:
-            console.print(lit(f"  why        {reason}"))
+                                                                          "[red]refused[/]"), soft_wrap=True)
         for note in s.notes:
-            console.print(lit(f"  note       {note}"))
-        if counted is None:
-            return 1
-        _print_summary(counted)
+            console.print(lit(f"  note       {note}"), highlight=False, soft_wrap=True)
+        if counted is not None:
+            _print_summary(counted)
+        for reason in s.reasons:  # as `verify` says them
+            err_console.print(f"[red]FAIL[/] {lit(reason)}", highlight=False, soft_wrap=True)
+        if not s.served:
+            err_console.print(f"refused: {len(s.reasons)} problem(s) in {lit(a.pack)}", highlight=False,
+                              soft_wrap=True)
         return 0 if s.served else 1
 
     return run
