@@ -162,6 +162,14 @@ __device__ __forceinline__ float activate(float g, int activation) {
   return 0.5f * g * (1.f + tanhf(inner));
 }
 
+// The gated activation of one column: act(g) * u, or the clamped SwiGLU (moe.h kActSwigluOai).
+__device__ __forceinline__ float gated(float g, float u, const MoeActArgs& a) {
+  if (a.activation != kActSwigluOai) return activate(g, a.activation) * u;
+  g = fminf(g, a.limit);
+  u = fminf(fmaxf(u, -a.limit), a.limit);
+  return g / (1.f + expf(-a.alpha * g)) * (u + 1.f);
+}
+
 __global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a) {
   griddep_wait();
   griddep_launch_dependents();
@@ -189,7 +197,15 @@ __global__ void __launch_bounds__(kXfThreads) moe_act_kernel(const MoeActArgs a)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int c = k + e;
-      v[e] = c >= a.inter_offset && c < a.inter_offset + a.inter_size ? activate(g[e], a.activation) * u[e] : 0.f;
+      if (c < a.inter_offset || c >= a.inter_offset + a.inter_size) {
+        v[e] = 0.f;
+        continue;
+      }
+      if (a.bias) {
+        g[e] += a.bias[(static_cast<long long>(expert) * 2) * a.inter_padded + c];
+        u[e] += a.bias[(static_cast<long long>(expert) * 2 + 1) * a.inter_padded + c];
+      }
+      v[e] = gated(g[e], u[e], a);
     }
     mul_half8(v, static_cast<const __half*>(a.suh) + static_cast<long long>(expert) * a.inter_padded + k);
   }
@@ -231,6 +247,17 @@ __global__ void __launch_bounds__(kReduceThreads) moe_reduce_kernel(const MoeRed
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
       for (int s = 0; s < kMoeMaxSplits; ++s) v[0] += q[kk][s].x, v[1] += q[kk][s].y, v[2] += q[kk][s].z, v[3] += q[kk][s].w;
+  }
+  if (a.bias) {  // the down bias of each local expert, times its router weight (as the slots carry theirs)
+    for (int k = 0; k < a.top_k; ++k) {
+      const int pair = token * a.top_k + k, expert = a.pair_expert[pair];
+      if (expert < 0) continue;
+      const float w = a.pair_weight ? a.pair_weight[pair] : 1.f;
+      const float* b = a.bias + expert * a.bias_stride + h;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (h + j < a.hidden) v[j] += w * b[j];
+    }
   }
   const long long i = static_cast<long long>(token) * a.y_stride + h;
   const bool aligned = ((reinterpret_cast<uintptr_t>(a.y) + i * 2) & 7) == 0;

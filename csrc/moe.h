@@ -29,7 +29,8 @@ constexpr int kMoeMaxExperts = 1024;  // local experts per layer: the routing ke
 // longer calls run chunk by chunk. Python mirrors it as kernels/backends/native_moe_limits.py MOE_CHUNK_TOKENS.
 constexpr int kMoeChunkTokens = 1024;
 
-enum MoeActivation : int { kActSilu = 0, kActGelu = 1, kActGeluTanh = 2 };
+// kActSwigluOai: gpt-oss's clamped SwiGLU, min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, ±limit) + 1)
+enum MoeActivation : int { kActSilu = 0, kActGelu = 1, kActGeluTanh = 2, kActSwigluOai = 3 };
 
 // The key of an (expert, projection) weight: its kernel instantiation (bit width, codebook). A layer whose weights
 // share one key runs one GEMM launch per projection kind; mixed layers run one launch per key, each skipping the
@@ -108,6 +109,8 @@ struct MoeActArgs {
   int inter_padded;             // I
   int inter_offset, inter_size;  // this rank's columns of the intermediate dim; others are zeros
   int activation;               // MoeActivation
+  float limit, alpha;           // kActSwigluOai's clamp and sigmoid scale
+  const float* bias;            // fp32 [experts][2][I]: gate and up biases added before the activation, or null
   int pairs;
   const int* pair_expert;
   const void* suh;  // fp16 [experts][I]
@@ -158,6 +161,9 @@ struct MoeReduceArgs {
   int hidden_padded, hidden;
   int tokens, top_k;
   const int* pair_expert;
+  const float* bias;         // fp32 [experts][bias_stride]: the down projection's bias, or null
+  long long bias_stride;
+  const float* pair_weight;  // the bias's router weight per pair, or null (1: the weight was applied on the input)
   void* y;  // [tokens][hidden], act dtype, row stride y_stride
   int y_dtype;
   long long y_stride;

@@ -2,7 +2,8 @@
 // namespace next to the dense ops of bindings.cpp. Fake (shape-only) implementations live in the native backend.
 //
 //   native_moe(x, topk_weights, topk_ids, expert_map, w13_*, w2_*, w13_keys, w2_keys, w13_words, w2_words,
-//              codebooks, activation, router_weight_on_input, inter_offset, inter_size) -> y [M, hidden]
+//              codebooks, activation, router_weight_on_input, inter_offset, inter_size, w13_bias?, w2_bias?,
+//              swiglu_limit, swiglu_alpha) -> y [M, hidden]
 //   moe_expert_keys(words, codebooks) -> int32 CPU tensor: the kernel key of each (expert, projection)
 //   moe_reserve(device, tokens, top_k, experts, hidden_padded, inter_padded) -> workspace bytes
 //   moe_prepare(bits, codebook) -> raises the kernels' shared-memory limits (once per layer kind, at load)
@@ -15,6 +16,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -36,7 +38,8 @@ int activation_id(c10::string_view name) {
   if (name == "silu") return exl3::kActSilu;
   if (name == "gelu") return exl3::kActGelu;
   if (name == "gelu_tanh") return exl3::kActGeluTanh;
-  TORCH_CHECK(false, "vllm_exl3: unknown MoE activation '", std::string(name), "' (silu, gelu, gelu_tanh)");
+  if (name == "swigluoai") return exl3::kActSwigluOai;
+  TORCH_CHECK(false, "vllm_exl3: unknown MoE activation '", std::string(name), "' (silu, gelu, gelu_tanh, swigluoai)");
 }
 
 // Per-device workspace; leaked on purpose (a static tensor would be freed after the CUDA context at exit).
@@ -151,7 +154,8 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
                       const at::Tensor& w2_svh, const at::Tensor& w13_keys, const at::Tensor& w2_keys,
                       at::IntArrayRef w13_words, at::IntArrayRef w2_words, at::IntArrayRef codebooks,
                       c10::string_view activation, bool router_weight_on_input, int64_t inter_offset,
-                      int64_t inter_size) {
+                      int64_t inter_size, const std::optional<at::Tensor>& w13_bias,
+                      const std::optional<at::Tensor>& w2_bias, double swiglu_limit, double swiglu_alpha) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "vllm_exl3: x must be a 2-D CUDA tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kHalf || x_in.scalar_type() == at::kBFloat16,
               "vllm_exl3: activations must be fp16 or bf16");
@@ -186,6 +190,18 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
   TORCH_CHECK(inter_offset >= 0 && inter_size >= 0 && inter_offset + inter_size <= ip,
               "vllm_exl3: intermediate slice outside the stored block range");
   const int act = activation_id(activation);
+  auto fp32_of = [](const std::optional<at::Tensor>& t, std::vector<int64_t> shape, const char* name) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef(shape),
+                "vllm_exl3: ", name, " must be contiguous CUDA fp32 ", at::IntArrayRef(shape));
+    return t->data_ptr<float>();
+  };
+  const float* bias13 = fp32_of(w13_bias, {experts, 2, ip}, "w13_bias");
+  // the down bias: [experts][hidden], or as the layer stores it, padded to the block ([experts][hidden_padded])
+  const int64_t bias2_stride = w2_bias.has_value() && w2_bias->dim() == 2 ? w2_bias->size(1) : hidden;
+  TORCH_CHECK(bias2_stride == hidden || bias2_stride == hp, "vllm_exl3: w2_bias must have ", hidden, " or ", hp,
+              " columns, got ", bias2_stride);
+  const float* bias2 = fp32_of(w2_bias, {experts, bias2_stride}, "w2_bias");
   const bool has_map = expert_map.numel() > 0;
   if (has_map)
     TORCH_CHECK(expert_map.is_cuda() && expert_map.scalar_type() == at::kInt && expert_map.dim() == 1,
@@ -320,6 +336,9 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     aa.inter_offset = static_cast<int>(inter_offset);
     aa.inter_size = static_cast<int>(inter_size);
     aa.activation = act;
+    aa.limit = static_cast<float>(swiglu_limit);
+    aa.alpha = static_cast<float>(swiglu_alpha);
+    aa.bias = bias13;
     aa.pairs = pairs;
     aa.pair_expert = pair_expert;
     aa.suh = w2_suh.data_ptr();
@@ -339,6 +358,9 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     rd.tokens = tc;
     rd.top_k = static_cast<int>(top_k);
     rd.pair_expert = pair_expert;
+    rd.bias = bias2;
+    rd.bias_stride = bias2_stride;
+    rd.pair_weight = router_weight_on_input ? nullptr : pair_w;
     rd.y = static_cast<char*>(y.data_ptr()) + t0 * y.stride(0) * y.element_size();
     rd.y_dtype = xdt;
     rd.y_stride = y.stride(0);
@@ -353,7 +375,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("native_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor expert_map, Tensor w13_trellis, "
         "Tensor w13_suh, Tensor w13_svh, Tensor w2_trellis, Tensor w2_suh, Tensor w2_svh, Tensor w13_keys, "
         "Tensor w2_keys, int[] w13_words, int[] w2_words, int[] codebooks, str activation, "
-        "bool router_weight_on_input, int inter_offset, int inter_size) -> Tensor");
+        "bool router_weight_on_input, int inter_offset, int inter_size, Tensor? w13_bias, Tensor? w2_bias, "
+        "float swiglu_limit, float swiglu_alpha) -> Tensor");
   m.def("moe_expert_keys(int[] words, int[] codebooks) -> Tensor", &moe_expert_keys);
   m.def("moe_reserve(Device device, int tokens, int top_k, int experts, int hidden_padded, int inter_padded) -> int",
         &moe_reserve);

@@ -9,6 +9,8 @@ lent GPU machine, in as few device calls as its time allows. What it runs is ben
   quality  every fixture pack (ExLlamaV3-made, with golden logits) served by `vllm serve` with the appliance's
            preset flags on each kernel profile, side by side; prompt log-probabilities against the goldens with the
            CPU test's bounds
+  families the MoE families' packs (ExLlamaV3-made, and transformers-oracle ones made here by oracle_packs.py) the
+           same way, on each kernel profile, in rounds of a few servers
   switch   the compile-cache switch: one pack booted on each backend in turn with one VLLM_CACHE_ROOT (its first
            boot rides along with the quality round when both steps run)
   serve    each [[serve]] of the plan: `vllm serve` on a full-size pack (or vLLM's own GPTQ / fp16 on the same
@@ -63,6 +65,10 @@ EXL_STAGED = Path("/tmp/vgpu/exl")
 EXL_PREBUILT = WORK / "exl-prebuilt"
 EXL_ARCHS = "9.0"
 FIXTURES = ROOT / "tests" / "fixtures" / "exl3"
+# The families step's packs: too many bytes to travel with a work call beside tests/fixtures/exl3, so a staging call
+# may copy them onto the machine first and name the copies here.
+FAMILY_FIXTURES = Path(os.environ.get("VGPU_FAMILY_FIXTURES", ROOT / "tests" / "fixtures" / "exl3-families"))
+ORACLE = Path(os.environ.get("VGPU_ORACLE", ROOT / ".vgpu" / "oracle"))  # bench/gpu/oracle_packs.py's packs
 T0 = time.monotonic()
 BUDGET = 560.0
 
@@ -383,12 +389,12 @@ class Server:
 # ---------------------------------------------------------------------------------------------------------------
 # quality and the compile-cache switch
 # ---------------------------------------------------------------------------------------------------------------
-def parity(server: Server, pack: str) -> dict:
+def parity(server: Server, pack: Path, min_margin: float = 0.0) -> dict:
     from safetensors.torch import load_file
     from vllm_exl3.dev import golden_logprobs as P
 
-    golden = load_file(FIXTURES / pack / "golden" / "logits.safetensors")
-    r = P.compare(server.url, server.model, golden["input_ids"], golden["logits"])
+    golden = load_file(pack / "golden" / "logits.safetensors")
+    r = P.compare(server.url, server.model, golden["input_ids"], golden["logits"], min_margin)
     return {"positions": r.positions, "top1_agreement": r.top1_agreement,
             "median_abs_logprob_delta": r.median_abs_logprob_delta, "max_abs_logprob_delta": r.max_abs_logprob_delta}
 
@@ -401,29 +407,34 @@ def quality_flags(plan: dict) -> list[str]:
                                          "dtype": q["dtype"]})
 
 
-def run_round(plan: dict, boots: list[tuple[str, str, str, Path]], results: dict) -> None:
-    """Boot every (label, pack, kernel, cache root) side by side, check each against its goldens, stop them."""
+def run_round(plan: dict, boots: list[tuple], results: dict, result_file: str = "quality.json",
+              min_margin: float = 0.0) -> None:
+    """Boot every (label, pack, kernel, cache root[, setting]) side by side, check each against its goldens, stop
+    them. pack: a folder under FIXTURES, or a path; setting: that pack's own {"env": ..., "flags": [...]}."""
     q = plan["quality"]
-    servers = [Server(label, str(FIXTURES / pack), quality_flags(plan), {"VLLM_EXL3_KERNEL": kernel}, cache)
-               for label, pack, kernel, cache in boots]
+    boots = [(label, FIXTURES / pack, kernel, cache, rest[0] if rest else {})
+             for label, pack, kernel, cache, *rest in boots]
+    servers = [Server(label, str(pack), quality_flags(plan) + setting.get("flags", []),
+                      {"VLLM_EXL3_KERNEL": kernel, **setting.get("env", {})}, cache)
+               for label, pack, kernel, cache, setting in boots]
     deadline = time.monotonic() + max(30.0, min(300.0, left() - 20))  # one boot wait for the whole round
     try:
-        for (label, pack, kernel, cache), s in zip(boots, servers):
-            row = {"pack": pack, "kernel": kernel, "cache_root": str(cache), "argv": s.argv[3:]}
+        for (label, pack, kernel, cache, _), s in zip(boots, servers):
+            row = {"pack": pack.name, "kernel": kernel, "cache_root": str(cache), "argv": s.argv[3:]}
             if not s.wait(max(1.0, deadline - time.monotonic())):
                 row.update(ok=False, error="not healthy", log_tail=s.tail())
             else:
                 row.update(boot_s=s.boot_s, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "))
                 try:
-                    row.update(parity(s, pack))
+                    row.update(parity(s, pack, min_margin))
                     row["ok"] = (row["top1_agreement"] >= q["min-top1-agreement"]
                                  and row["median_abs_logprob_delta"] <= q["max-median-logprob-delta"])
                 except Exception as e:  # noqa: BLE001  (a failed check is a result to report)
                     row.update(ok=False, error=f"{type(e).__name__}: {e}", log_tail=s.tail())
             results[label] = row
-            log(f"quality {label}: ok={row['ok']} boot={row.get('boot_s')} "
+            log(f"{result_file.split('.')[0]} {label}: ok={row['ok']} boot={row.get('boot_s')} "
                 f"top1={row.get('top1_agreement')} median={row.get('median_abs_logprob_delta')}")
-            save("quality.json", results)
+            save(result_file, results)
     finally:
         for s in servers:
             s.stop()
@@ -444,6 +455,31 @@ def quality(plan: dict, exl_build, with_switch: bool) -> None:
         boots.append((f"switch-1-{q['switch-kernels'][0]}", q["switch-pack"], q["switch-kernels"][0],
                       WORK / "cache-switch"))
     run_round(plan, boots, results)
+
+
+def families(plan: dict, exl_build) -> None:
+    """The MoE families' packs ([families]: ExLlamaV3-made ones from tests/fixtures/exl3-families and the
+    transformers-oracle ones bench/gpu/oracle_packs.py made into ORACLE) on each kernel profile of [quality], in
+    rounds of `round-size` servers side by side, with the quality step's flags and bounds: families.json."""
+    f, q = plan["families"], plan["quality"]
+    results = load_result("families.json")
+    packs = [(FAMILY_FIXTURES, p) for p in f["packs"]] + [(ORACLE, p) for p in f["oracle"]]
+    missing = [str(where / p) for where, p in packs if not (where / p / "golden" / "logits.safetensors").exists()]
+    if missing:
+        results["missing"] = {"ok": False, "error": f"no pack or goldens at {', '.join(missing)}"}
+    packs = [(where, p) for where, p in packs if str(where / p) not in missing]
+    for kernel in q["kernels"]:
+        if kernel == "exllamav3" and not exl_ready(exl_build, max(0.0, min(420.0, left() - 260))):
+            results["exllamav3-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
+            continue
+        for i in range(0, len(packs), f["round-size"]):
+            if left() < 150:
+                results[f"{kernel}-cut"] = {"ok": False, "error": f"no time left for packs {i}.. of {len(packs)}"}
+                break
+            boots = [(f"{kernel}-{p}", where / p, kernel, WORK / "cache-families" / f"{kernel}-{p}",
+                      f.get("per-pack", {}).get(p, {})) for where, p in packs[i:i + f["round-size"]]]
+            run_round(plan, boots, results, "families.json", f["min-top2-margin"])
+    save("families.json", results)
 
 
 def switch(plan: dict, exl_build, first_done: bool) -> None:
@@ -760,7 +796,7 @@ def main() -> int:
     chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
     wants_exl = ("kernels" in steps or "exlgen" in steps or "exlbuild" in steps
                  or ("serve" in steps and any(e.get("env", {}).get("VLLM_EXL3_KERNEL") == "exllamav3" for e in chosen))
-                 or ("quality" in steps and "exllamav3" in plan["quality"]["kernels"])
+                 or ({"quality", "families"} & set(steps) and "exllamav3" in plan["quality"]["kernels"])
                  or ("switch" in steps and "exllamav3" in plan["quality"]["switch-kernels"]))
     if wants_exl:
         log(f"ExLlamaV3's prebuilt extension: {exl_prebuilt.install(EXL_STAGED, EXL_PREBUILT, exl_versions())}")
@@ -777,6 +813,8 @@ def main() -> int:
         quality(plan, exl_build, with_switch="switch" in steps)
     if "switch" in steps:
         switch(plan, exl_build, first_done="quality" in steps)
+    if "families" in steps:
+        families(plan, exl_build)
     if "serve" in steps:
         serve(plan, a.serve.split(",") if a.serve else None, writer, profiled="profile" in steps)
     if "exlgen" in steps:

@@ -91,3 +91,27 @@ def test_exlgen_reports_each_plan_pack_it_could_not_run(run, plan, monkeypatch):
     rows = {p: json.loads((run.RESULTS / f"exlgen-{p}.json").read_text()) for p in plan["exlgen"]["packs"]}
     assert set(rows) == {"qwen3-30b-a3b-4b", "qwen3-30b-a3b-2b"}
     assert all(r["error"] == "pack not written (see packs.log)" for r in rows.values())
+
+
+def test_the_families_step_names_packs_the_repository_has(run, plan):
+    """Every [families] pack is a fixture with goldens, every oracle one a family dev/family_oracle.py makes, and
+    every per-pack setting names one of them: a typo would cost a device call."""
+    from vllm_exl3.dev import family_oracle
+
+    f = plan["families"]
+    for name in f["packs"]:
+        assert (run.FAMILY_FIXTURES / name / "golden" / "logits.safetensors").is_file(), name
+    assert set(f["oracle"]) <= set(family_oracle.ORACLE_ARCHITECTURES)
+    assert set(f.get("per-pack", {})) <= set(f["packs"]) | set(f["oracle"])
+    assert f["round-size"] >= 1 and 0 <= f["min-top2-margin"] < 0.05
+
+
+def test_the_families_step_reports_missing_oracle_packs(run, plan, monkeypatch, tmp_path):
+    """Without bench/gpu/oracle_packs.py's folder the step says which packs it lacks and boots none of them."""
+    monkeypatch.setattr(run, "ORACLE", tmp_path / "none")
+    plan["families"]["packs"] = []
+    plan["quality"]["kernels"] = ["native"]
+    run.families(plan, None)
+    got = json.loads((run.RESULTS / "families.json").read_text())
+    assert got["missing"]["ok"] is False and "GptOssForCausalLM" in got["missing"]["error"]
+    assert [k for k in got if k.startswith("native-")] == []

@@ -2,7 +2,7 @@
 
 - ExLlamaV3's own goldens on the packs its converter made (tests/fixtures/exl3-families, PROVENANCE.md);
 - transformers' own model class on packs the plugin's writer makes in ExLlamaV3's layout, at another geometry
-  (16 experts, top-4, hidden 384; dev/family_oracle.py): the activation, biases, routing and attention variants are
+  (dev/family_oracle.py HELD_OUT): the activation, biases, routing and attention variants are
   transformers' implementation there, not ours.
 
 Bounds as tests/e2e/test_e2e_serving.py's: top-1 >= 0.97, median |Δ log p| <= 0.05, at fp32. vLLM's CPU build runs
@@ -23,7 +23,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server
@@ -39,15 +38,11 @@ BF16 = ("--dtype", "bfloat16", "--enforce-eager")
 HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # gated delta net: bf16 only on vLLM's CPU build
 TOP1, BF16_TOP1, MEDIAN = 0.97, 0.94, 0.05
 MLA_LATENT = 576  # the only latent width (kv_lora_rank + qk_rope_head_dim) vLLM's CPU MLA backend takes
-HELD_OUT = family_oracle.Geometry(hidden=384, heads=6, kv_heads=2, head_dim=64, layers=3, experts=16, top_k=4,
-                                  moe_inter=256, inter=768)
 
 # ExLlamaV3-made packs with goldens worth agreeing with (PROVENANCE.md: ERNIE's router ties everywhere, gpt-oss's
 # config asks for values vLLM ignores; both families are checked against transformers below)
 GOLDEN_PACKS = ["mixtral-a-exl3-mul1-b4", "minimaxm2-a-exl3-mcg-b3", "glm4moelite-a-exl3-mcg-b4",
                 "qwen3next-a-exl3-mul1-b4", "qwen35moe-a-exl3-mul1-b3.5"]
-ORACLE_ARCHITECTURES = ["Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "MiniMaxM2ForCausalLM",
-                        "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 def _server_env(pack: Path) -> dict[str, str]:
@@ -103,17 +98,15 @@ def oracle_packs(tmp_path_factory):
 
     def make(arch: str):
         if arch not in made:
-            root = tmp_path_factory.mktemp(arch)
-            pack = family_oracle.write_pack(arch, root / "pack", TOKENIZER, HELD_OUT, bits=3, codebook="mcg", seed=7)
-            ids = torch.randint(3, HELD_OUT.vocab, (2, 40), generator=torch.Generator().manual_seed(1))
-            ids[:, 0] = 1
-            made[arch] = pack, ids, family_oracle.oracle_logits(pack, ids, root / "decoded")
+            pack = family_oracle.oracle_fixture(arch, tmp_path_factory.mktemp(arch), TOKENIZER)
+            golden = load_file(pack / "golden" / "logits.safetensors")
+            made[arch] = pack, golden["input_ids"], golden["logits"]
         return made[arch]
 
     return make
 
 
-@pytest.mark.parametrize("arch", ORACLE_ARCHITECTURES)
+@pytest.mark.parametrize("arch", family_oracle.ORACLE_ARCHITECTURES)
 def test_plugin_matches_transformers(arch, oracle_packs, tmp_path):
     pack, ids, logits = oracle_packs(arch)
     _check(_agreement(pack, ids, logits, tmp_path), arch)

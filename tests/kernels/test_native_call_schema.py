@@ -39,6 +39,10 @@ def fits(value, arg) -> bool:
         return isinstance(value, bool)
     if kind == "str":
         return isinstance(value, str)
+    if kind == "float":
+        return isinstance(value, float)
+    if kind in ("Tensor?", "Optional[Tensor]"):
+        return value is None or isinstance(value, torch.Tensor)
     raise AssertionError(f"schema type {kind} not covered by this test")
 
 
@@ -88,3 +92,20 @@ def test_a_native_moe_binding_fits_native_moe(monkeypatch):
     assert named["codebooks"] == [1, 1, 1, 2, 2, 2]  # format.CODEBOOKS order, per (expert, projection)
     assert (named["activation"], named["router_weight_on_input"]) == ("silu", True)
     assert (named["inter_offset"], named["inter_size"]) == (stack.inter_offset, stack.inter_size)
+    assert named["w13_bias"] is None and named["w2_bias"] is None  # the stack has no biases
+    assert (named["swiglu_limit"], named["swiglu_alpha"]) == (7.0, 1.702)
+
+
+def test_a_biased_swigluoai_binding_passes_its_biases_and_clamp(monkeypatch):
+    fake_ops = types.SimpleNamespace(moe_prepare=lambda words, codebook: None,
+                                     moe_expert_keys=lambda words, codebooks: torch.zeros(len(words), dtype=torch.int32),
+                                     moe_reserve=lambda device, tokens, *rest: 0)
+    monkeypatch.setattr(torch.ops, "vllm_exl3", fake_ops, raising=False)
+    stack = expert_stack([[random_weights(128, 256, 4, "mul1", seed=p) for p in range(3)]], [0])
+    stack.w13_bias, stack.w2_bias = torch.randn(1, 2, 256), torch.randn(1, 128)
+    bound = native_moe.BoundNativeMoE(stack, MoECall("swigluoai", False, 1, 64, limit=5.0, alpha=1.5))
+    s = schema("moe_bindings.cpp", "native_moe")
+    assert_fits(bound.args, s, per_call=4)
+    named = dict(zip([a.name for a in s.arguments[4:]], bound.args))
+    assert named["w13_bias"] is stack.w13_bias and named["w2_bias"] is stack.w2_bias
+    assert (named["activation"], named["swiglu_limit"], named["swiglu_alpha"]) == ("swigluoai", 5.0, 1.5)

@@ -1,6 +1,9 @@
 """Routed-expert cases shared by the GPU tests of every MoE backend: random EXL3 experts on the GPU, routing, the
 fp32 reference forward of the same stack, and one checked call (`run_case`) of a backend against it.
 
+Biases (`bias=True`): fp32 gate/up biases over the stack's block range (zero outside its slice) and a down bias,
+added as gpt-oss adds them (before the activation; the down bias inside the router-weighted sum).
+
 Bounds (relative L2 against the fp32 forward of the same Ŵ): a backend rounds the transformed inputs of both
 projections to fp16, the gate/up outputs and the result to the activation dtype: about 4 roundings of ~3e-4
 (fp16) or ~2.3e-3 (bf16, two of them in bf16), so fp16 must stay under 3e-3 and bf16 under 1e-2.
@@ -36,14 +39,31 @@ def make_weights(hidden, inter, experts, widths, seed):
     return [[one(hidden, inter, e, 0), one(hidden, inter, e, 1), one(inter, hidden, e, 2)] for e in range(experts)]
 
 
-def _act(name, t):
-    if name == "silu":
-        return torch.nn.functional.silu(t)
-    return torch.nn.functional.gelu(t, approximate="tanh" if name == "gelu_tanh" else "none")
+def gated(call: MoECall, gate, up):
+    """act(gate) * up, or the clamped SwiGLU with the call's limit and alpha (kernels/specs.py ACTIVATIONS)."""
+    if call.activation == "swigluoai":
+        limit, alpha = call.clamp
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return gate * torch.sigmoid(alpha * gate) * (up + 1)
+    if call.activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.gelu(gate, approximate="tanh" if call.activation == "gelu_tanh" else "none") * up
 
 
-def reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi):
-    """fp32 forward of the same stack: per routed (token, k), w * down(act(gate(x)) * up(x))."""
+def add_biases(stack, seed, scale=1.0) -> None:
+    """Random fp32 expert biases on `stack` (ExpertStack.w13_bias / w2_bias): zero outside its intermediate slice."""
+    g = torch.Generator().manual_seed(seed)
+    e, inter, hidden = stack.num_experts, stack.w13_svh.shape[-1], stack.w2_svh.shape[-1]
+    b13 = torch.randn(e, 2, inter, generator=g) * scale
+    keep = torch.zeros(inter)
+    keep[stack.inter_offset:stack.inter_offset + stack.inter_size] = 1
+    stack.w13_bias = (b13 * keep).to(DEV).contiguous()
+    stack.w2_bias = (torch.randn(e, hidden, generator=g) * scale).to(DEV).contiguous()
+
+
+def reference(x, topk_weights, topk_ids, expert_map, stack, call: MoECall):
+    """fp32 forward of the same stack: per routed (token, k), w * (down(act(gate(x) + bg, up(x) + bu)) + bd)."""
+    rwoi = call.router_weight_on_input
     hidden = x.shape[1]
     io, isz = stack.inter_offset, stack.inter_size
     out = torch.zeros(x.shape, dtype=torch.float32, device=DEV)
@@ -69,8 +89,12 @@ def reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi):
         wt = topk_weights[tok, kk].float()[:, None]
         if rwoi:
             src = src * wt
-        h = _act(activation, lin(src, e, "gate", 0, io, isz)) * lin(src, e, "up", 0, io, isz)
-        y = lin(h, e, "down", io, 0, hidden)
+        gate, up = lin(src, e, "gate", 0, io, isz), lin(src, e, "up", 0, io, isz)
+        if stack.w13_bias is not None:
+            gate, up = gate + stack.w13_bias[e, 0, io:io + isz], up + stack.w13_bias[e, 1, io:io + isz]
+        y = lin(gated(call, gate, up), e, "down", io, 0, hidden)
+        if stack.w2_bias is not None:
+            y = y + stack.w2_bias[e, :hidden]
         out.index_add_(0, tok, y if rwoi else y * wt)
     return out
 
@@ -89,7 +113,8 @@ def routing(tokens, experts, top_k, seed, skew=None):
 
 
 def run_case(backend, *, hidden=256, inter=384, experts=8, top_k=2, tokens=7, widths=(("mcg", 4.0),), dtype=torch.float16,
-             activation="silu", rwoi=False, skew=None, ids_dtype=torch.int32, ep=None, tp=None, seed=0, note=None):
+             activation="silu", rwoi=False, skew=None, ids_dtype=torch.int32, ep=None, tp=None, seed=0, note=None,
+             bias=False, x_scale=1.0, limit=None, alpha=None):
     weights = make_weights(hidden, inter, experts if ep is None else ep[0], list(widths), seed)
     expert_map = None
     local = list(range(experts))
@@ -100,16 +125,19 @@ def run_case(backend, *, hidden=256, inter=384, experts=8, top_k=2, tokens=7, wi
     i0, i1 = tp if tp is not None else (0, inter)
     stack = expert_stack(weights, local, i0, i1)
     g = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(tokens, hidden, generator=g).to(DEV, dtype)
+    if bias:
+        add_biases(stack, seed + 3)
+    x = (torch.randn(tokens, hidden, generator=g) * x_scale).to(DEV, dtype)
     topk_weights, topk_ids = routing(tokens, experts if ep is None else ep[0], top_k, seed, skew)
     topk_ids = topk_ids.to(ids_dtype)
-    bound = backend.bind_moe(stack, MoECall(activation, rwoi, top_k, tokens))
+    call = MoECall(activation, rwoi, top_k, tokens, limit=limit, alpha=alpha)
+    bound = backend.bind_moe(stack, call)
     poison((tokens, hidden), dtype)
     y = bound(x, topk_weights, topk_ids, expert_map)
     torch.cuda.synchronize()
     assert y.shape == (tokens, hidden) and y.dtype == dtype
     assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite outputs"
-    ref = reference(x, topk_weights, topk_ids, expert_map, stack, activation, rwoi)
+    ref = reference(x, topk_weights, topk_ids, expert_map, stack, call)
     err = rel(y, ref)
     if note is not None:
         note(err)

@@ -276,6 +276,33 @@ def _model_shapes(config: dict[str, Any]) -> dict[str, torch.Size]:
     return {n: p.shape for n, p in model.state_dict().items()}
 
 
+# The geometry the oracle packs are checked at: another than the ExLlamaV3-made fixtures' (tests/fixtures/
+# exl3-families), with more experts than top-k routes to and a hidden width that is not a power of two.
+HELD_OUT = Geometry(hidden=384, heads=6, kv_heads=2, head_dim=64, layers=3, experts=16, top_k=4, moe_inter=256,
+                    inter=768)
+# The families checked against transformers (ERNIE's and gpt-oss's ExLlamaV3-made fixtures cannot be: their
+# PROVENANCE.md says why), in the order the suites run them.
+ORACLE_ARCHITECTURES = ("Ernie4_5_MoeForCausalLM", "GptOssForCausalLM", "MiniMaxM2ForCausalLM",
+                        "Glm4MoeLiteForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+
+
+def oracle_fixture(architecture: str, root: str | Path, tokenizer_dir: str | Path) -> Path:
+    """A pack of `architecture` at HELD_OUT (3-bit mcg) with transformers' logits in the fixtures' own layout
+    (`golden/logits.safetensors`: input_ids [2, 40], fp32 logits), so every golden check takes it as it takes an
+    ExLlamaV3-made pack. Deterministic: the same seeds each time."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    pack = write_pack(architecture, root / "pack", tokenizer_dir, HELD_OUT, bits=3, codebook="mcg", seed=7)
+    ids = torch.randint(3, HELD_OUT.vocab, (2, 40), generator=torch.Generator().manual_seed(1))
+    ids[:, 0] = 1
+    with tempfile.TemporaryDirectory() as work:
+        logits = oracle_logits(pack, ids, work)
+    (pack / "golden").mkdir(exist_ok=True)
+    save_file({"input_ids": ids.contiguous(), "logits": logits.contiguous()}, str(pack / "golden" / "logits.safetensors"))
+    return pack
+
+
 def oracle_logits(pack_root: str | Path, input_ids: torch.Tensor, work: str | Path) -> torch.Tensor:
     """transformers' fp32 logits [B, T, V] for `input_ids` on the pack's decoded weights."""
     import transformers

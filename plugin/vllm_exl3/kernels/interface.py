@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format.tensors import Exl3Weights
-from .specs import ExpertStack, LinearSpec, MoESpec
+from .specs import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, ExpertStack, LinearSpec, MoESpec
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,12 @@ class MoECall:
     max_tokens: int | None = None
     limit: float | None = None  # swigluoai's clamp (specs.ACTIVATIONS)
     alpha: float | None = None  # swigluoai's sigmoid scale
+
+    @property
+    def clamp(self) -> tuple[float, float]:
+        """swigluoai's (limit, alpha), the model's defaults where the call names none."""
+        return (SWIGLUOAI_LIMIT if self.limit is None else self.limit,
+                SWIGLUOAI_ALPHA if self.alpha is None else self.alpha)
 
 
 class BoundLinear:

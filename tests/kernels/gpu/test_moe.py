@@ -3,7 +3,9 @@
 Fresh random weights and inputs for every case, the output poisoned before each call: every codebook x bit width
 (at the three row-chunk sizes the op picks by rows per expert), mixed widths and codebooks in one layer, E in {8, 16,
 128}, top-k in {1, 2, 4, 8}, 1..4096 tokens (past the op's 1024-token chunk), skewed routing, expert parallelism
-with -1 entries, tensor-parallel slices inside a 128-block, the three activations, router weight on the input,
+with -1 entries, tensor-parallel slices inside a 128-block, every activation (gpt-oss's clamped SwiGLU with the
+clamp biting, its limit and alpha from the call), expert biases (gate/up and down, on every slice and rank), router
+weight on the input,
 fp16 / bf16, int32 / int64 ids; CUDA-graph replay bitwise equal to eager; two runs bitwise equal; no 16-bit copy
 of any expert.
 
@@ -25,7 +27,7 @@ from vllm_exl3.dev.synthetic import expert_stack
 from vllm_exl3.format.constants import CODEBOOKS
 
 from support.gpu import native_or_skip
-from support.moe_cases import DEV, make_weights, rel, routing, through_custom_op
+from support.moe_cases import DEV, add_biases, make_weights, rel, routing, through_custom_op
 from support.moe_cases import run_case as run_backend_case
 
 pytestmark = pytest.mark.gpu
@@ -90,6 +92,66 @@ def test_skewed_routing(skew, tokens):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_activations_and_dtypes(activation, dtype):
     run_case(activation=activation, dtype=dtype, tokens=33, seed=5, key=f"{dtype}-{activation}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 8, 100, 600], ids=["t1", "t8", "rows16", "rows64"])
+def test_clamped_swiglu_with_biases(tokens, dtype):
+    """gpt-oss's experts: inputs at 4x scale put ~16 % of gate/up outputs past the clamp of 7 (std ~5)."""
+    run_case(activation="swigluoai", bias=True, x_scale=4.0, dtype=dtype, tokens=tokens, experts=16, top_k=4,
+             seed=21, key=f"{dtype}-swigluoai-bias")
+
+
+def test_the_clamp_and_alpha_come_from_the_call():
+    run_case(activation="swigluoai", limit=1.0, alpha=1.0, tokens=40, seed=22, key="swigluoai-limit1")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_biases_with_plain_activations(activation):
+    run_case(activation=activation, bias=True, tokens=25, seed=23, key=f"{activation}-bias")
+
+
+def test_biases_with_router_weight_on_input():
+    run_case(activation="swigluoai", bias=True, top_k=1, rwoi=True, tokens=20, seed=24, key="swigluoai-bias-rwoi")
+
+
+@pytest.mark.parametrize("span", [(0, 192), (96, 288)])
+def test_biases_on_a_tensor_parallel_slice_and_an_expert_parallel_rank(span):
+    run_case(activation="swigluoai", bias=True, x_scale=4.0, inter=384, tokens=17, tp=span, seed=25)
+    run_case(activation="swigluoai", bias=True, experts=16, top_k=4, tokens=30, ep=(16, [0, 3, 7, 8, 15]), seed=26)
+
+
+def test_ranks_with_biases_sum_to_the_whole():
+    """The down bias lives on the first tensor-parallel rank only (integration/moe.py), so the ranks' sum is the
+    whole layer's output, as vLLM's all-reduce makes it."""
+    hidden, inter, experts, top_k, tokens = 256, 384, 8, 2, 24
+    weights = make_weights(hidden, inter, experts, [("mul1", 4.0)], seed=27)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=torch.float16) * 4
+    topk_weights, topk_ids = routing(tokens, experts, top_k, 27)
+    call = MoECall("swigluoai", top_k=top_k, max_tokens=tokens)
+    whole = expert_stack(weights, list(range(experts)))
+    add_biases(whole, 28)
+    full = BACKEND.bind_moe(whole, call)(x, topk_weights, topk_ids, None).float()
+    tp_sum = 0
+    for rank, (i0, i1) in enumerate(((0, 160), (160, 384))):
+        s = expert_stack(weights, list(range(experts)), i0, i1)
+        lo, hi = i0 // 128 * 128, -(-i1 // 128) * 128
+        keep = torch.zeros(inter, device=DEV)
+        keep[i0:i1] = 1
+        s.w13_bias = (whole.w13_bias * keep)[..., lo:hi].contiguous()
+        s.w2_bias = whole.w2_bias.clone() if rank == 0 else torch.zeros_like(whole.w2_bias)
+        tp_sum = tp_sum + BACKEND.bind_moe(s, call)(x, topk_weights, topk_ids, None).float()
+    assert rel(tp_sum, full) < 2e-3
+
+
+def test_swiglu_with_biases_graph_replay_bitwise_equal():
+    x, tw, ti, emap, stack, bound, y = run_case(activation="swigluoai", bias=True, x_scale=4.0, experts=16, top_k=4,
+                                                tokens=8, seed=29)
+    graph, out = capture(lambda: bound(x, tw, ti, emap))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y) and torch.equal(bound(x, tw, ti, emap), y)
 
 
 def test_router_weight_on_input_top1():

@@ -4,8 +4,9 @@ VLLM_EXL3_REQUIRE_EXLLAMAV3=1).
 
 Fresh random weights and inputs for every case, outputs poisoned: the three codebooks at every bit width ExLlamaV3
 has expert kernels for, on both sides of its 8-token decode tier; E, top-k and 1..513 tokens; expert parallelism
-with -1 entries; tensor-parallel slices inside a 128-block; both activations it implements; router weight on the
-input; fp16 and bf16; two eager runs bitwise equal; CUDA graphs at decode sizes (ExLlamaV3's own route) and above
+with -1 entries; tensor-parallel slices inside a 128-block; the activations it implements (gpt-oss's clamped
+SwiGLU with the clamp biting) and expert biases, on both sides of the decode tier, on slices and under graphs; router
+weight on the input; fp16 and bf16; two eager runs bitwise equal; CUDA graphs at decode sizes (ExLlamaV3's own route) and above
 (the capturable routes of exllamav3_moe.py), replayed on new inputs; no 16-bit copy of the experts; the custom op.
 Bounds: tests/support/moe_cases.py.
 """
@@ -75,6 +76,42 @@ def test_activations_and_dtypes(activation, dtype, tokens):
     case(activation=activation, dtype=dtype, tokens=tokens, seed=5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 6, 40], ids=["t1", "decode", "above-decode"])
+def test_clamped_swiglu_with_biases(tokens, dtype):
+    """gpt-oss's experts: inputs at 4x scale put ~16 % of gate/up outputs past the clamp of 7."""
+    case(activation="swigluoai", bias=True, x_scale=4.0, dtype=dtype, tokens=tokens, experts=16, top_k=4, seed=21)
+
+
+@pytest.mark.parametrize("tokens", [4, 17])
+@pytest.mark.parametrize("span", [(0, 192), (96, 288)])
+def test_biases_on_a_tensor_parallel_slice(span, tokens):
+    case(activation="swigluoai", bias=True, x_scale=4.0, inter=384, tokens=tokens, tp=span, seed=25)
+
+
+def test_biases_with_router_weight_on_input_and_expert_parallelism():
+    case(activation="swigluoai", bias=True, top_k=1, rwoi=True, tokens=20, seed=24)
+    case(activation="silu", bias=True, experts=16, top_k=4, tokens=30, ep=(16, [0, 3, 7, 8, 15]), seed=26)
+
+
+def test_a_limit_is_passed_and_another_alpha_refused():
+    case(activation="swigluoai", limit=1.0, tokens=12, seed=22)
+    with pytest.raises(ValueError, match="alpha"):
+        case(activation="swigluoai", alpha=1.0, tokens=4, seed=22)
+
+
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_swiglu_with_biases_under_a_cuda_graph(tokens):
+    x, tw, ti, emap, stack, bound, y = case(activation="swigluoai", bias=True, x_scale=4.0, experts=16, top_k=4,
+                                            tokens=tokens, seed=29)
+    graph, out = capture(lambda: bound(x, tw, ti, emap))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(x, tw, ti, emap, stack, MoECall("swigluoai"))
+    assert rel(out, ref) < BOUND[x.dtype]
+
+
 def test_router_weight_on_input_top1():
     case(top_k=1, rwoi=True, tokens=20, seed=6)
 
@@ -109,7 +146,7 @@ def test_graph_capture_and_replay(codebook, tokens):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref = reference(x, tw, ti, emap, stack, "silu", False)
+    ref = reference(x, tw, ti, emap, stack, MoECall("silu"))
     assert torch.isfinite(out).all() and rel(out, ref) < BOUND[torch.float16]
     if tokens <= exllamav3_moe.MAX_DECODE_TOKENS:
         assert torch.equal(out, y), "graph replay differs from eager on ExLlamaV3's own decode route"
@@ -123,7 +160,7 @@ def test_graph_capture_and_replay(codebook, tokens):
     static_i.copy_(ti2)
     graph.replay()
     torch.cuda.synchronize()
-    ref2 = reference(static_x, static_w, static_i, emap, stack, "silu", False)
+    ref2 = reference(static_x, static_w, static_i, emap, stack, MoECall("silu"))
     assert rel(out, ref2) < BOUND[torch.float16]
 
 

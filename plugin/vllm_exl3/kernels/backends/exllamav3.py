@@ -148,7 +148,7 @@ class _MoE(BoundMoE):
 
     def __init__(self, experts, call):
         super().__init__(experts, call)
-        self.module = exllamav3_moe.build(experts, call.top_k, call.activation)
+        self.module = exllamav3_moe.build(experts, call)
 
     def __call__(self, x, topk_weights, topk_ids, expert_map):
         return exllamav3_moe.forward(self.module, x, topk_weights, topk_ids, expert_map,

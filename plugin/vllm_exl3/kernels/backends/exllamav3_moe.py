@@ -18,6 +18,10 @@ Our interface mapped onto ExLlamaV3's:
   copied, and only for such slices.
 - ExLlamaV3's kernels read fp16 activations and fp16 routing weights and return fp32: bf16 is cast in and out.
 - Its `gelu` is the tanh form (exllamav3_ext/activation_kernels.cuh), so it serves our `gelu_tanh`, not `gelu`.
+- gpt-oss's clamped SwiGLU is its `swiglu_oai` with `act_limit` (its alpha is fixed in the kernel, EXLLAMAV3_ALPHA);
+  expert biases ride on each expert's LinearEXL3 (fp16, as ExLlamaV3 loads them), which routes such a layer through
+  its fused decode kernels up to MAX_DECODE_TOKENS tokens and its per-expert path above (its quantized batch tiers
+  take no biases).
 
 CUDA graphs: ExLlamaV3's forward above `MAX_DECODE_TOKENS` tokens reads expert counts back to the host (bincount,
 `tolist`), which a graph cannot hold. While a stream is capturing, such a call takes one of two capturable
@@ -38,15 +42,18 @@ import torch
 
 from ...format.constants import CODEBOOK_3INST, MARKER_VALUE
 from ...format.reference import zero_extend
+from ..interface import MoECall
 from ..specs import PROJECTIONS, W13, ExpertStack, MoESpec
 
 # ExLlamaV3's names for our activations (kernels.specs.ACTIVATIONS); an activation absent here is refused.
-ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu"}
+ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu", "swigluoai": "swiglu_oai"}
+EXLLAMAV3_ALPHA = 1.702  # swiglu_oai's sigmoid scale, a constant of exllamav3_ext/activation_kernels.cuh
 MAX_DECODE_TOKENS = 8  # exllamav3/modules/block_sparse_mlp.py MAX_BSZN: the fused decode kernels' batch
 MAX_TOP_K = 32  # ... TEMP_ROWS_GRAPH: BlockSparseMLP refuses more experts per token
 # What this adaptor calls, checked against the installed package before any layer is built.
 EXT_ENTRY_POINTS = ("BC_BlockSparseMLP", "BC_LinearEXL3", "exl3_moe", "exl3_moe_gather", "exl3_moe_max_concurrency")
-MODULE_KWARGS = ("num_local_experts", "activation_fn", "gates", "ups", "downs", "routing_first", "routing_last")
+MODULE_KWARGS = ("num_local_experts", "activation_fn", "act_limit", "gates", "ups", "downs", "routing_first",
+                 "routing_last")
 MODULE_METHODS = ("load_local", "forward")
 MODULE_ATTRS = ("routing_fn", "routing_gate", "bc", "fused_mode_buffers", "fused_rows", "support_fused", "multi_gate",
                 "multi_up", "multi_down", "activation_fn_idx", "act_limit", "experts_cfg")  # set by load_local
@@ -78,9 +85,7 @@ def api_reason() -> str | None:
 def unsupported_reason(spec: MoESpec) -> str | None:
     if spec.activation not in ACTIVATION:
         return (f"activation {spec.activation!r}: this adaptor passes ExLlamaV3's expert kernels "
-                f"{', '.join(ACTIVATION)} (its gelu is the tanh form; its swiglu_oai is not wired here)")
-    if spec.has_bias:
-        return "expert biases: this adaptor hands ExLlamaV3's expert tables no bias pointers"
+                f"{', '.join(ACTIVATION)} (its gelu is the tanh form)")
     if len(set(spec.codebooks)) > 1:
         return f"codebooks {sorted(set(spec.codebooks))} in one layer (ExLlamaV3's expert kernels take one per layer)"
     for p, proj in enumerate(PROJECTIONS):
@@ -96,16 +101,18 @@ def _marker(codebook: str, device) -> torch.Tensor:
     return torch.tensor(value - (1 << 32) if value >= 1 << 31 else value, dtype=torch.int32, device=device)
 
 
-def linear_exl3(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, out_dtype=None):
-    """ExLlamaV3's LinearEXL3 over our tensors (views: a contiguous trellis is not copied); building the first one
-    loads (or JIT-compiles) exllamav3_ext."""
+def linear_exl3(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, out_dtype=None,
+                bias: torch.Tensor | None = None):
+    """ExLlamaV3's LinearEXL3 over our tensors (views: a contiguous trellis is not copied; an fp32 bias becomes
+    fp16, as ExLlamaV3 keeps it); building the first one loads (or JIT-compiles) exllamav3_ext."""
     from exllamav3.modules.quant.exl3 import LinearEXL3
 
     markers = {"mcg": None, "mul1": None}
     if codebook != CODEBOOK_3INST:
         markers[codebook] = _marker(codebook, trellis.device)
     return LinearEXL3(None, suh.shape[-1], svh.shape[-1], suh=suh.contiguous(), svh=svh.contiguous(),
-                      trellis=trellis.contiguous(), mcg=markers["mcg"], mul1=markers["mul1"], out_dtype=out_dtype)
+                      trellis=trellis.contiguous(), mcg=markers["mcg"], mul1=markers["mul1"], bias=bias,
+                      out_dtype=out_dtype)
 
 
 def _slice_mask(stack: ExpertStack) -> torch.Tensor | None:
@@ -130,22 +137,31 @@ def _given_routing(bsz, routing_cfg, z, params):
     return params[SELECTED], params[WEIGHTS]
 
 
-def build(stack: ExpertStack, top_k: int, activation: str):
+def build(stack: ExpertStack, call: MoECall):
     """ExLlamaV3's BlockSparseMLP over the stack's tensors, loaded and ready (see the module docstring)."""
     from exllamav3.modules import Linear
     from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
 
+    top_k, activation = call.top_k, call.activation
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top-k {top_k}: ExLlamaV3's BlockSparseMLP takes 1..{MAX_TOP_K} experts per token")
+    limit, alpha = call.clamp
+    if activation == "swigluoai" and alpha != EXLLAMAV3_ALPHA:
+        raise ValueError(f"swigluoai alpha {alpha}: ExLlamaV3's swiglu_oai kernel computes with {EXLLAMAV3_ALPHA}")
     device = stack.w13_trellis.device
     experts, hidden, inter = stack.num_experts, stack.w13_suh.shape[-1], stack.w13_svh.shape[-1]
     up_svh = _slice_mask(stack)
+
+    def bias(e: int, proj: str) -> torch.Tensor | None:
+        if stack.w13_bias is None:
+            return None
+        return stack.w2_bias[e] if proj == "down" else stack.w13_bias[e, W13.index(proj)]
 
     def linear(e: int, proj: str, out_dtype, **kw):
         w = stack.weights(e, proj)
         svh = up_svh[e] if proj == "up" and up_svh is not None else w.svh
         lin = Linear(None, f"{KEY}.experts.{e}.{proj}", w.suh.shape[-1], svh.shape[-1], out_dtype=out_dtype, **kw)
-        lin.inner = linear_exl3(w.trellis, w.suh, svh, w.codebook, out_dtype)
+        lin.inner = linear_exl3(w.trellis, w.suh, svh, w.codebook, out_dtype, bias(e, proj))
         lin.quant_type = "exl3"
         lin.device = device
         return lin
@@ -158,7 +174,8 @@ def build(stack: ExpertStack, top_k: int, activation: str):
     downs = [linear(e, "down", torch.float, allow_input_padding=True, trim_padded_out=True) for e in range(experts)]
     module = BlockSparseMLP(None, KEY, hidden_size=hidden, intermediate_size=inter, num_experts=experts + 1,
                             num_experts_per_tok=top_k, num_local_experts=experts,
-                            activation_fn=ACTIVATION[activation], gates=gates, ups=ups, downs=downs,
+                            activation_fn=ACTIVATION[activation], act_limit=limit if activation == "swigluoai" else 0.0,
+                            gates=gates, ups=ups, downs=downs,
                             routing_first=0, routing_last=experts, interm_dtype=torch.half)
     module.device = device
     module.load_local()

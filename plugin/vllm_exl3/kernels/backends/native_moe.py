@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 def register_fakes() -> None:
     def moe_fake(x, topk_weights, topk_ids, expert_map, w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh,
                  w13_keys, w2_keys, w13_words, w2_words, codebooks, activation, router_weight_on_input, inter_offset,
-                 inter_size):
+                 inter_size, w13_bias, w2_bias, swiglu_limit, swiglu_alpha):
         return x.new_empty((x.shape[0], x.shape[1]))
 
     try:
@@ -37,15 +37,13 @@ def register_fakes() -> None:
             raise
 
 
-# The activations csrc/moe.h implements (the clamped SwiGLU and expert biases are the torch reference's only).
-NATIVE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# The activations csrc/moe.h implements (MoeActivation), expert biases included.
+NATIVE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 
 def unsupported_reason(spec: MoESpec) -> str | None:
     if spec.activation not in NATIVE_ACTIVATIONS:
         return f"activation {spec.activation!r}: the native expert kernels implement {', '.join(NATIVE_ACTIVATIONS)}"
-    if spec.has_bias:
-        return "expert biases: the native expert kernels add none"
     if not 1 <= spec.num_local_experts <= MAX_LOCAL_EXPERTS:
         return f"{spec.num_local_experts} local experts (the routing kernel takes 1..{MAX_LOCAL_EXPERTS})"
     return limits_reason(spec.device_type, spec.act_dtype, zip(spec.codebooks, spec.bits),
@@ -95,7 +93,7 @@ class BoundNativeMoE(BoundMoE):
         self.args = (experts.w13_trellis, experts.w13_suh, experts.w13_svh, experts.w2_trellis, experts.w2_suh,
                      experts.w2_svh, keys13, keys2, list(experts.w13_words), list(experts.w2_words),
                      codebook_indices(experts.codebooks), call.activation, call.router_weight_on_input,
-                     experts.inter_offset, experts.inter_size)
+                     experts.inter_offset, experts.inter_size, experts.w13_bias, experts.w2_bias, *call.clamp)
 
     def __call__(self, x, topk_weights, topk_ids, expert_map):
         if expert_map is None:

@@ -17,7 +17,7 @@ from ...format.tensors import Exl3Weights
 from ...format import reference
 from ...format.reference import decode_rotated
 from ..interface import Backend, BoundLinear, BoundLinearGroup, BoundMoE, MoECall, register_backend
-from ..specs import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, W13, W2, ExpertStack, LinearSpec, MoESpec
+from ..specs import W13, W2, ExpertStack, LinearSpec, MoESpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,7 @@ def gated(call: MoECall):
     """The experts' gated activation of `call` as (gate, up) -> intermediate (specs.ACTIVATIONS): the clamped SwiGLU
     in fp32, the others in their inputs' dtype."""
     if call.activation == "swigluoai":
-        alpha = SWIGLUOAI_ALPHA if call.alpha is None else call.alpha
-        limit = SWIGLUOAI_LIMIT if call.limit is None else call.limit
+        limit, alpha = call.clamp
 
         def swigluoai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             gate, up = gate.float().clamp(max=limit), up.float().clamp(-limit, limit)
