@@ -7,6 +7,7 @@ harness's families step: one folder per architecture under OUT (default .vgpu/or
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from pathlib import Path
 from vllm_exl3.dev import family_oracle
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / "tests" / "fixtures" / "exl3-families" / "mixtral-a-exl3-mul1-b4"
+TOKENIZER = Path(os.environ.get("ORACLE_TOKENIZER", ROOT / "tests" / "fixtures" / "exl3-families" / "mixtral-a-exl3-mul1-b4"))
 
 
 def main(argv: list[str]) -> int:

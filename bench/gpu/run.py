@@ -410,7 +410,8 @@ def quality_flags(plan: dict) -> list[str]:
 def run_round(plan: dict, boots: list[tuple], results: dict, result_file: str = "quality.json",
               min_margin: float = 0.0) -> None:
     """Boot every (label, pack, kernel, cache root[, setting]) side by side, check each against its goldens, stop
-    them. pack: a folder under FIXTURES, or a path; setting: that pack's own {"env": ..., "flags": [...]}."""
+    them. pack: a folder under FIXTURES, or a path; setting: that pack's own {"env": ..., "flags": [...],
+    "min-top2-margin": ...}."""
     q = plan["quality"]
     boots = [(label, FIXTURES / pack, kernel, cache, rest[0] if rest else {})
              for label, pack, kernel, cache, *rest in boots]
@@ -419,14 +420,14 @@ def run_round(plan: dict, boots: list[tuple], results: dict, result_file: str = 
                for label, pack, kernel, cache, setting in boots]
     deadline = time.monotonic() + max(30.0, min(300.0, left() - 20))  # one boot wait for the whole round
     try:
-        for (label, pack, kernel, cache, _), s in zip(boots, servers):
+        for (label, pack, kernel, cache, setting), s in zip(boots, servers):
             row = {"pack": pack.name, "kernel": kernel, "cache_root": str(cache), "argv": s.argv[3:]}
             if not s.wait(max(1.0, deadline - time.monotonic())):
                 row.update(ok=False, error="not healthy", log_tail=s.tail())
             else:
                 row.update(boot_s=s.boot_s, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "))
                 try:
-                    row.update(parity(s, pack, min_margin))
+                    row.update(parity(s, pack, setting.get("min-top2-margin", min_margin)))
                     row["ok"] = (row["top1_agreement"] >= q["min-top1-agreement"]
                                  and row["median_abs_logprob_delta"] <= q["max-median-logprob-delta"])
                 except Exception as e:  # noqa: BLE001  (a failed check is a result to report)

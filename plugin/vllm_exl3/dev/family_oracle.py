@@ -95,11 +95,12 @@ SOURCES: dict[str, tuple[str, Callable[[Geometry], dict[str, Any]], dict[str, An
         sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(g.layers)]), {}),
     "Glm4MoeLiteForCausalLM": ("Glm4MoeLiteConfig", lambda g: dict(
-        # GLM-4.7-Flash's latent (512 + 64 rope = 576: the width vLLM's MLA serves), one K/V head per query head
+        # GLM-4.7-Flash's latent (512 + 64 rope = 576: the width vLLM's MLA serves) and head dims (192 + 64 rope
+        # for q·k, 256 for v: dims vLLM's GPU MLA prefill kernels take), one K/V head per query head
         _attention(g, head_dim=False), num_key_value_heads=g.heads, intermediate_size=g.inter,
         moe_intermediate_size=g.moe_inter, n_routed_experts=g.experts, n_shared_experts=1,
-        num_experts_per_tok=g.top_k, kv_lora_rank=512, q_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
-        v_head_dim=64, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+        num_experts_per_tok=g.top_k, kv_lora_rank=512, q_lora_rank=128, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
         mlp_layer_types=["dense"] + ["sparse"] * (g.layers - 1)),
         {"first_k_dense_replace": 1}),
     "Qwen3NextForCausalLM": ("Qwen3NextConfig", lambda g: dict(

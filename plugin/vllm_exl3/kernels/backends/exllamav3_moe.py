@@ -116,13 +116,15 @@ def linear_exl3(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, cod
 
 
 def _slice_mask(stack: ExpertStack) -> torch.Tensor | None:
-    """The up projections' svh with zeros outside the stack's intermediate slice, or None for a whole block range."""
+    """The gate and up projections' svh [E, 2, I] with zeros outside the stack's intermediate slice, or None for a
+    whole block range. Both: the clamped SwiGLU of a zero gate and a zero up is 0 · σ(0) · (0 + 1) = 0, while a
+    live gate would give gate · σ(α · gate) · 1 there."""
     inter = stack.w13_svh.shape[-1]
     if (stack.inter_offset, stack.inter_size) == (0, inter):
         return None
     keep = torch.zeros(inter, dtype=stack.w13_svh.dtype, device=stack.w13_svh.device)
     keep[stack.inter_offset:stack.inter_offset + stack.inter_size] = 1
-    return (stack.w13_svh[:, W13.index("up")] * keep).contiguous()
+    return (stack.w13_svh * keep).contiguous()
 
 
 class _RoutedByVllm:
@@ -150,7 +152,7 @@ def build(stack: ExpertStack, call: MoECall):
         raise ValueError(f"swigluoai alpha {alpha}: ExLlamaV3's swiglu_oai kernel computes with {EXLLAMAV3_ALPHA}")
     device = stack.w13_trellis.device
     experts, hidden, inter = stack.num_experts, stack.w13_suh.shape[-1], stack.w13_svh.shape[-1]
-    up_svh = _slice_mask(stack)
+    w13_svh = _slice_mask(stack)
 
     def bias(e: int, proj: str) -> torch.Tensor | None:
         if stack.w13_bias is None:
@@ -159,7 +161,7 @@ def build(stack: ExpertStack, call: MoECall):
 
     def linear(e: int, proj: str, out_dtype, **kw):
         w = stack.weights(e, proj)
-        svh = up_svh[e] if proj == "up" and up_svh is not None else w.svh
+        svh = w13_svh[e, W13.index(proj)] if proj in W13 and w13_svh is not None else w.svh
         lin = Linear(None, f"{KEY}.experts.{e}.{proj}", w.suh.shape[-1], svh.shape[-1], out_dtype=out_dtype, **kw)
         lin.inner = linear_exl3(w.trellis, w.suh, svh, w.codebook, out_dtype, bias(e, proj))
         lin.quant_type = "exl3"
