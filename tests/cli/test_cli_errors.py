@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from vllm_exl3 import __version__, demo
 
 from support.fixtures import pack_dir
-from support.servers import cpu_env, free_port
+from support.servers import cpu_env, free_port, port_is_free, vllm_leftovers
 
 PACK = pack_dir("qwen3moe-a-exl3-mcg-b3")
 
@@ -212,11 +212,12 @@ def test_serve_a_pack_without_chat_template_answers_and_skips_chat(tmp_path):
     pack = tmp_path / "tiny"
     shutil.copytree(demo.PACK, pack)
     log = tmp_path / "vllm.log"
-    r = cli("serve", str(pack), "--once", "--port", str(free_port()), "--log", str(log), env=cpu_env(),
-            timeout=300)
+    port = free_port()
+    r = cli("serve", str(pack), "--once", "--port", str(port), "--log", str(log), env=cpu_env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "HTTP     completion (" in r.stdout and "chat: skipped" in r.stdout and "--chat-template" in r.stdout
     assert f"log: {log}" in r.stdout and "Application startup complete" in log.read_text()
     assert "backend  " in r.stdout and "next:" in r.stdout
-    text = log.read_text()
-    assert "force killing" not in text and "leaked" not in text  # a clean shutdown
+    # What serve guarantees when it returns: nothing of vLLM left, the port free (not how fast vLLM's engine
+    # exits: on a loaded machine vLLM may force-kill it after --shutdown-timeout, which is vLLM's business)
+    assert vllm_leftovers(log.read_text()) == [] and port_is_free(port)
