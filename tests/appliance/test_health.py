@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from support.health import MODELS, http_server, pid_file, run_check
+from support.health import DRAINING, MODELS, http_server, pid_file, run_check
 from vllm_exl3.appliance.health import (decode_address, group_members, process_state, stop_leftovers, stop_vllm,
                                         worker_connected)
 
@@ -55,6 +55,7 @@ def test_no_process_is_unhealthy_in_both_modes(tmp_path):
 @pytest.mark.parametrize("routes,live,ready,says", [
     ({"/health": (200, b""), "/v1/models": (200, MODELS)}, 0, 0, "serving 'demo'"),
     ({"/health": (503, b""), "/v1/models": (200, MODELS)}, 1, 1, "503"),
+    ({"/health": (503, DRAINING), "/v1/models": (200, MODELS)}, 0, 1, "draining"),  # an orderly stop: alive
     ({"/health": (200, b""), "/v1/models": (200, b'{"data": [{"id": "other"}]}')}, 0, 1, "['other'], not 'demo'"),
     (None, 0, 1, "booting"),  # nothing listens yet
 ])

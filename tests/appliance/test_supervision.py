@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.appliance import SUPERVISORD_CONF, appliance_env, required, tail, tool, wait_until
-from support.health import http_server, pid_file
+from support.health import DRAINING, http_server, pid_file
 from vllm_exl3.appliance.health import monitor
 from vllm_exl3.appliance.supervisor_listener import CrashPolicy, Listener
 
@@ -98,9 +98,10 @@ def test_liveness_monitor_ends_the_box_after_n_failures_in_a_row(tmp_path):
         assert monitor(env, lines.append, lambda: stops.append(1), sleep=lambda s: None, rounds=5) == 1
     assert stops == [1] and len([ln for ln in lines if "liveness failed" in ln]) == 3
     assert "3 of 3 in a row" in lines[2] and "ending the container" in lines[3]
-    with http_server({"/health": (200, b"")}) as port:  # healthy: never stopped
-        env["VLLM_EXL3_PORT"] = str(port)
-        assert monitor(env, lines.append, lambda: stops.append(1), sleep=lambda s: None, rounds=5) == 0
+    for answer in ((200, b""), (503, DRAINING)):  # healthy, or draining (an orderly stop): never stopped
+        with http_server({"/health": answer}) as port:
+            env["VLLM_EXL3_PORT"] = str(port)
+            assert monitor(env, lines.append, lambda: stops.append(1), sleep=lambda s: None, rounds=5) == 0
     assert stops == [1]
     # no process at all: supervisord's and the listener's business, not counted
     env = {"VLLM_EXL3_RUN_DIR": str(tmp_path / "none"), "VLLM_EXL3_ROLE": "single", "VLLM_EXL3_LIVENESS_FAILURES": "1"}

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from vllm_exl3 import __version__, demo
 
 from support.fixtures import pack_dir
-from support.servers import cpu_env, free_port
+from support.servers import cpu_env, free_port, port_is_free, vllm_leftovers
 
 PACK = pack_dir("qwen3moe-a-exl3-mcg-b3")
 
@@ -132,6 +132,27 @@ def test_serve_on_a_busy_port():
     assert "starting" not in r.stdout
 
 
+@pytest.mark.parametrize("args,says", [
+    (("serve", "--demo", "--port", "70000"), "argument --port: '70000' is not a TCP port"),
+    (("metrics", "--port", "99999"), "argument --port: '99999' is not a TCP port"),
+    (("load-bench", str(PACK), "--chunk-mib", "0"), "argument --chunk-mib: '0' is not a positive integer"),
+    (("load-bench", str(PACK), "--repeats", "0"), "argument --repeats: '0' is not a positive integer"),
+    (("load-bench", str(PACK), "--ring-mib", "-5"), "argument --ring-mib: '-5' is not a positive integer"),
+])
+def test_numbers_out_of_range_are_usage_errors(args, says):
+    """Each was an "internal error" (OverflowError, ZeroDivisionError, a negative size)."""
+    r = cli(*args)
+    assert r.returncode == 2 and says in r.stderr and "internal error" not in r.stderr, r.stderr
+
+
+def test_preflight_with_a_meminfo_that_is_not_one(tmp_path):
+    for name, content in (("text", b"hello\n"), ("binary", bytes(range(256)))):
+        (tmp_path / name).write_bytes(content)
+        r = cli("preflight", str(demo.PACK), "--meminfo", str(tmp_path / name))
+        assert r.returncode == 2 and "not a Linux meminfo file" in r.stderr, r.stderr
+        assert "internal error" not in r.stderr
+
+
 def test_launch_with_a_missing_meminfo_file(tmp_path):
     r = cli("launch", str(demo.PACK), "--role", "single", "--dry-run", "--meminfo", str(tmp_path / "spark.meminfo"))
     assert r.returncode == 2 and "no such file" in r.stderr and "/proc/meminfo" in r.stderr
@@ -212,11 +233,12 @@ def test_serve_a_pack_without_chat_template_answers_and_skips_chat(tmp_path):
     pack = tmp_path / "tiny"
     shutil.copytree(demo.PACK, pack)
     log = tmp_path / "vllm.log"
-    r = cli("serve", str(pack), "--once", "--port", str(free_port()), "--log", str(log), env=cpu_env(),
-            timeout=300)
+    port = free_port()
+    r = cli("serve", str(pack), "--once", "--port", str(port), "--log", str(log), env=cpu_env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "HTTP     completion (" in r.stdout and "chat: skipped" in r.stdout and "--chat-template" in r.stdout
     assert f"log: {log}" in r.stdout and "Application startup complete" in log.read_text()
     assert "backend  " in r.stdout and "next:" in r.stdout
-    text = log.read_text()
-    assert "force killing" not in text and "leaked" not in text  # a clean shutdown
+    # What serve guarantees when it returns: nothing of vLLM left, the port free (not how fast vLLM's engine
+    # exits: on a loaded machine vLLM may force-kill it after --shutdown-timeout, which is vLLM's business)
+    assert vllm_leftovers(log.read_text()) == [] and port_is_free(port)

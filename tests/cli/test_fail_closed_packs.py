@@ -210,3 +210,55 @@ def test_serve_refuses_a_pack_with_markup_in_a_name_as_text(tmp_path):
     _add("model.layers.0.[/]mlp.weight", "BF16", [4])(root)
     code, err = run_cli("serve", str(root))
     assert code == 1 and "refusing to serve" in err and "[/]" in err and "internal error" not in err, err
+
+
+# -- round 3: config values each family reads, checked against its table; dtypes the architecture implies --------
+def _config_of(**values):
+    def mutate(root):
+        edit_json(root / "config.json", lambda c: c.update(values))
+        return Expect("config.json", tuple(values))
+    return mutate
+
+
+def _without_sidecar(mutate):
+    def without(root):
+        (root / SIDECAR).unlink()  # packs usually come without it: the dtype is then checked from the architecture
+        return mutate(root)
+    return without
+
+
+GLM, QWEN = SOURCES[1], SOURCES[0]
+ROUND3_EXAMPLES = {  # (source, mutation): each passed every gate, then served wrong text, NaN or an HTTP 500
+    "GLM num_hidden_layers one below the layers stored": (GLM, lambda root: (
+        _config_of(num_hidden_layers=2)(root), Expect(ST, ("num_nextn_predict_layers",)))[1]),
+    "topk_group above n_group": (GLM, _config_of(topk_group=2)),
+    "n_group not dividing the experts": (GLM, _config_of(n_group=3, topk_group=1)),
+    "n_group 0": (GLM, _config_of(n_group=0)),
+    "more experts than the chosen groups hold": (GLM, _config_of(n_group=4, topk_group=1, num_experts_per_tok=3)),
+    "routed_scaling_factor 0": (GLM, _config_of(routed_scaling_factor=0)),
+    "no routed_scaling_factor": (GLM, lambda root: (
+        edit_json(root / "config.json", lambda c: c.pop("routed_scaling_factor")),
+        Expect("config.json", ("routed_scaling_factor",)))[1]),
+    "rms_norm_eps 0": (QWEN, _config_of(rms_norm_eps=0)),
+    "rms_norm_eps negative": (GLM, _config_of(rms_norm_eps=-1e-6)),
+    "rope_theta 0": (QWEN, _config_of(rope_theta=0)),
+    "rope_parameters.rope_theta 0": (GLM, _config_of(rope_parameters={"rope_theta": 0.0, "rope_type": "default"})),
+    "rope_parameters a string": (GLM, _config_of(rope_parameters="default")),
+    "rope_parameters a list": (QWEN, _config_of(rope_parameters=[10000.0])),
+    "BF16 norm relabelled F16 without the sidecar": (QWEN, _without_sidecar(
+        _relabel("model.layers.0.input_layernorm.weight", "F16"))),
+    "BF16 embeddings relabelled F16 without the sidecar": (GLM, _without_sidecar(
+        _relabel("model.embed_tokens.weight", "F16"))),
+    "F32 correction bias relabelled I32 without the sidecar": (GLM, _without_sidecar(
+        _relabel("model.layers.1.mlp.gate.e_score_correction_bias", "I32"))),
+}
+
+
+@pytest.mark.parametrize("example", ROUND3_EXAMPLES)
+def test_round3_examples_are_refused_by_every_gate_before_the_boot(tmp_path, example):
+    source, mutate = ROUND3_EXAMPLES[example]
+    root = copy_pack(source, tmp_path / "p")
+    mutant = Mutant("example", 0, root, mutate(root), source)
+    results = {gate: run_gate(gate, mutant) for gate in mutant.expect.gates}
+    wrong = {gate: f"{result}: {text[-1500:]}" for gate, (result, text) in results.items() if result != "refused"}
+    assert not wrong, f"{example} (expect {mutant.expect}): {wrong}"

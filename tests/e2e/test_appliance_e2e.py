@@ -54,6 +54,9 @@ def test_supervised_single_serves_recovers_from_a_crash(tmp_path, request):
         log = box.log.read_text()
         assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
         assert f"the previous vLLM (process group {first}) left" in log, tail(box.log)
+        # reaped before the new launch's preflight, whose memory plan would have counted the orphan's memory
+        assert log.index(f"the previous vLLM (process group {first}) left") < log.rindex("preflight: ok   pack"), \
+            tail(box.log)
         assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
 
 

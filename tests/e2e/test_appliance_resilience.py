@@ -45,7 +45,10 @@ def box(tmp_path_factory):
                         VLLM_EXL3_MEM_STOP_GRACE="90",  # above the preset's --shutdown-timeout: a whole drain
                         # the drain test must see the watchdog act while its 1000-token stream still runs: on a
                         # loaded 2-core machine, a 1 s reading plus a 1 s log poll once outlasted the stream
-                        VLLM_EXL3_WATCHDOG_INTERVAL="0.2")
+                        VLLM_EXL3_WATCHDOG_INTERVAL="0.2",
+                        # the liveness monitor checks often: a drain it counted as a death (3 x 0.5 s) would end the
+                        # box during the stop tests below instead of restarting vLLM
+                        VLLM_EXL3_LIVENESS_INTERVAL="0.5")
     with supervised(env, tmp / "supervisord.log") as b:
         b.wait_healthy()
         b.port = port
@@ -293,6 +296,7 @@ def test_a_memory_watchdog_stop_drains_and_new_requests_get_503(box):
     assert 503 in statuses and set(statuses) <= {200, 503}, (attempt, statuses)
     log = box.log.read_text()
     assert f"stopping vLLM (pid {pid})" in log and "did not finish" not in log, tail(box.log)
+    assert "liveness failed" not in log and box.proc.poll() is None, tail(box.log)  # a drain is not a death
 
 
 def test_a_stop_during_a_stream_lets_it_finish(box):
@@ -314,3 +318,5 @@ def test_a_stop_during_a_stream_lets_it_finish(box):
     wait_until("vLLM gone", lambda: not Path(f"/proc/{pid}").exists() or box.vllm_pid != pid, 30)
     log = box.log.read_text()
     assert "stopped: vllm (exit status 0)" in log or "stopped: vllm (terminated by SIGTERM)" in log, tail(box.log)
+    # the container stays: the liveness monitor did not count the drain's 503s as a dead engine
+    assert "liveness failed" not in log and box.proc.poll() is None, tail(box.log)

@@ -20,7 +20,8 @@ from support.fixtures import PACKS, pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.dev import golden_logprobs
 from support.appliance import alive
-from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server
+from support.servers import (BOOT_TIMEOUT_S, cpu_env, free_port, port_is_free, server_argv, stop, vllm_leftovers,
+                             vllm_server)
 from vllm_exl3.appliance.health import descendants
 
 pytestmark = pytest.mark.e2e
@@ -203,6 +204,36 @@ def test_cli_serve_stops_vllm_however_it_is_stopped(tmp_path, sig):
             assert "stopping vLLM ..." in "".join(lines)
     finally:
         for pid in [proc.pid, *tree]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+def test_cli_serve_killed_while_vllm_boots_leaves_nothing(tmp_path):
+    """A kill -9 of `vllm-exl3 serve` while vLLM boots: vLLM booted on and served with no parent (the kernel's
+    SIGTERM reaches a booting vLLM, which does not act on it). serve's guard stops what is left of it."""
+    port, log = free_port(), tmp_path / "vllm.log"
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--port", str(port), "--log",
+                             str(log)], env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    tree: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while "(EngineCore pid=" not in (log.read_text() if log.exists() else ""):  # its engine is loading
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        tree = descendants(proc.pid) - {proc.pid}
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 180  # the guard's grace, and a loaded machine
+        while (vllm_leftovers(log.read_text()) or [p for p in tree if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not vllm_leftovers(log.read_text()) and not [p for p in tree if alive(p)], log.read_text()[-3000:]
+        assert port_is_free(port)
+    finally:
+        for pid in [proc.pid, *tree, *vllm_leftovers(log.read_text() if log.exists() else "")]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -12,6 +12,7 @@ import threading
 from contextlib import contextmanager
 
 from .appliance import HEALTHCHECK
+from vllm_exl3.appliance.api_guard import DRAIN_MESSAGE
 
 
 def run_check(mode: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -53,3 +54,4 @@ def http_server(routes, key=None):
 
 
 MODELS = json.dumps({"data": [{"id": "demo"}]}).encode()
+DRAINING = json.dumps({"error": DRAIN_MESSAGE}).encode()  # the API guard's /health answer while vLLM drains

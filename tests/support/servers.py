@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on host:port (a server that bound it is gone)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _session(pid: int) -> int | None:
+    """The session id of a live (not zombie) process, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[3])
+
+
+def vllm_leftovers(log_text: str) -> list[int]:
+    """vLLM's processes still running, by its log (each line names one: `(APIServer pid=N)`, `(EngineCore pid=N)`):
+    what a stop should have ended. vLLM's API server is started as a session leader here, so a pid counts only
+    while it is still in that session (a pid the kernel has since given to another program is not vLLM's)."""
+    pids = {int(p) for p in re.findall(r"\((?:APIServer|EngineCore|Worker)[^ ]* pid=(\d+)\)", log_text)}
+    api = re.search(r"\(APIServer pid=(\d+)\)", log_text)
+    return sorted(p for p in pids if (s := _session(p)) is not None and (api is None or s == int(api.group(1))))
 
 
 def cpu_env(**extra: str) -> dict[str, str]:

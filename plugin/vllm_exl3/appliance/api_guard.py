@@ -33,6 +33,7 @@ from ..base import settings
 
 READ_METHODS = ("GET", "HEAD")
 DRAIN_RETRY_AFTER_S = 5
+DRAIN_MESSAGE = "the server is shutting down; retry on another server"
 SWEEP_INTERVAL_S = 1.0
 
 
@@ -88,7 +89,7 @@ class GuardAllPaths:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         if self.draining:
-            return await refuse(scope, send, 503, "the server is shutting down; retry on another server",
+            return await refuse(scope, send, 503, DRAIN_MESSAGE,
                                 [(b"retry-after", str(DRAIN_RETRY_AFTER_S).encode()), (b"connection", b"close")])
         if self.admitted(scope):
             return await self.app(scope, receive, send)
@@ -122,6 +123,17 @@ async def refuse(scope, send, status: int, message: str, headers: list[tuple[byt
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+def is_drain_answer(status: int | None, body: bytes) -> bool:
+    """The guard's 503 while vLLM drains after SIGTERM (an orderly stop under way), not vLLM's 503 of a dead
+    engine: the liveness checks must not count a drain as a death (health.py)."""
+    if status != 503:
+        return False
+    try:
+        return json.loads(body).get("error") == DRAIN_MESSAGE
+    except (ValueError, AttributeError):
+        return False
 
 
 def idle(connection) -> bool:

@@ -9,6 +9,7 @@ Python, and must not depend on anything that can be broken when the server is (v
               liveness (the process is worth keeping)          readiness (it is doing its job)
   single/head the vLLM process runs and /health is not 5xx    /health is 200 and /v1/models lists the model
               (connection refused = still booting = alive;
+              the API guard's 503 while it drains = alive;
               accepted but no answer = hung = not alive)
   worker      the vLLM process runs                           ... and its process tree holds an established TCP
                                                               connection to the head's rendezvous port
@@ -45,6 +46,7 @@ from pathlib import Path
 from ..base import settings
 from ..base.http import http_request
 from ..base.state import PEER_FILE, WATCHDOG_FILE, StateError, load, state_file
+from .api_guard import is_drain_answer
 
 HEALTHY, UNHEALTHY = 0, 1
 TCP_ESTABLISHED = "01"  # state column of /proc/net/tcp
@@ -201,8 +203,10 @@ def check(mode: str, env) -> tuple[int, str]:
 
     timeout = settings.get_float("VLLM_EXL3_HEALTH_TIMEOUT", env)
     base = f"http://{api_address(settings.get('VLLM_EXL3_HOST', env))}:{settings.get_int('VLLM_EXL3_PORT', env)}"
-    status, _ = http_request(base + "/health", timeout)
+    status, answer = http_request(base + "/health", timeout)
     if mode == "liveness":
+        if is_drain_answer(status, answer):  # an orderly stop: the stopper (supervisord, a watchdog) bounds it
+            return HEALTHY, f"{role}: vLLM pid {pid} is draining (stopping)"
         if status is not None and status >= 500:
             return UNHEALTHY, f"{role}: /health answers {status} (engine dead)"
         if status is None and accepts_connections(base, timeout):

@@ -334,19 +334,27 @@ def publish_plan(plan: Plan, env: Mapping[str, str]) -> Path | None:
         return None
 
 
-def replace_pid_file(env: Mapping[str, str], log) -> None:
-    """This process becomes vLLM: its pid goes in the pid file the health checks read. The vLLM the file named
-    before must be gone first, all of it: a restart beside the engine of a killed API server would need the
-    memory twice (health.stop_leftovers)."""
+def reap_previous(env: Mapping[str, str], log) -> None:
+    """Stop what is left of the vLLM the pid file names (health.stop_leftovers): the engine and workers of a
+    killed API server hold the weights and the KV cache. Before the preflight, whose memory plan would count that
+    memory as taken (and plan a smaller KV cache, or refuse), and before the new vLLM, which would need it twice."""
     run_dir = settings.lookup("VLLM_EXL3_RUN_DIR", env)  # unset (outside the appliance): no pid file
     if not run_dir:
         return
-    path = Path(run_dir) / PID_FILE
     try:
-        previous = int(path.read_text())
+        previous = int((Path(run_dir) / PID_FILE).read_text())
     except (OSError, ValueError):
-        previous = None
-    if previous is not None and previous != os.getpid():
+        return
+    if previous != os.getpid():
         stop_leftovers(previous, log)
+
+
+def replace_pid_file(env: Mapping[str, str], log) -> None:
+    """This process becomes vLLM: its pid goes in the pid file the health checks read, once nothing of the vLLM
+    the file named before is left (reap_previous, again: a cheap no-op when the launch already did it)."""
+    reap_previous(env, log)
+    run_dir = settings.lookup("VLLM_EXL3_RUN_DIR", env)
+    if not run_dir:
+        return
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{os.getpid()}\n")
+    (Path(run_dir) / PID_FILE).write_text(f"{os.getpid()}\n")

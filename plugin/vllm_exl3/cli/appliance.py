@@ -12,7 +12,8 @@ from pathlib import Path
 from ..appliance import exposure, preflight as checks
 from ..appliance.launch import (APPLIANCE_VARIABLES, DEFAULT_MODEL_DIR, EXIT_REFUSED, ROLES, LaunchError,
                                 available_presets, build_spec, check_options, exec_argv, load_preset, publish_plan,
-                                replace_pid_file, run_preflight)
+                                reap_previous, replace_pid_file, run_preflight)
+from ..appliance.memory_plan import MemoryFigures
 from ..appliance.vllm_options import VllmOptionsError
 from ..base import settings
 
@@ -78,10 +79,15 @@ def _run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     if not args.role:
         out(f"{me}: --role (or VLLM_EXL3_ROLE) is required: single, head or worker")
         return 2
-    if args.meminfo and not Path(args.meminfo).is_file():
-        out(f"{me}: --meminfo {args.meminfo}: no such file. Give a copy of the target machine's /proc/meminfo "
-            "(on the Spark: `cat /proc/meminfo > spark.meminfo`).")
-        return 2
+    if args.meminfo:
+        try:
+            MemoryFigures.from_meminfo(args.meminfo)  # read here too: a file that is not one is the user's mistake
+        except (OSError, ValueError):
+            why = "no such file" if not Path(args.meminfo).is_file() else \
+                "not a Linux meminfo file (no MemTotal, MemFree and MemAvailable lines)"
+            out(f"{me}: --meminfo {args.meminfo}: {why}. Give a copy of the target machine's /proc/meminfo "
+                "(on the Spark: `cat /proc/meminfo > spark.meminfo`).")
+            return 2
     if getattr(args, "pack", None):
         env["VLLM_EXL3_MODEL"] = args.pack
     extra = list(getattr(args, "vllm_args", None) or [])
@@ -113,6 +119,8 @@ def _run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     elif not spec.role.headless:
         out(f"{me}: {exposure.describe(host, env)}")
     refused = open_api is not None
+    if not args.dry_run:  # before the memory plan: it must not count a killed vLLM's engine as taken memory
+        reap_previous(env, lambda m: out(f"{me}: {m}"))
     if not args.no_preflight:
         try:
             report, spec = run_preflight(spec, options, env, args.meminfo, None if args.dry_run else head_wait)

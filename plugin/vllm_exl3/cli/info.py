@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from rich.table import Table
 
 from ..base import settings
+from ..base.argtypes import port_number
 from ..base.version import __version__
 from .common import console
 
@@ -95,7 +96,7 @@ def info(p: argparse.ArgumentParser):
     """Kernel backends this install can run (and why not), the native build's targets, the CUDA devices, and the
     parity gate's report of each server on this machine (--port: only the server on that API port)."""
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--port", type=int, help="only the parity report of the server on this API port")
+    p.add_argument("--port", type=port_number, help="only the parity report of the server on this API port")
 
     def run(a: argparse.Namespace) -> int:
         found = collect(a.port)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from ..base.argtypes import positive_int
 from ..format.units import format_bytes
 from .common import UsageError, console, err_console, worker_counts
 
@@ -19,14 +20,14 @@ def load_bench(p: argparse.ArgumentParser):
     pairs repeated round the worker counts, so a drifting disk moves both sides of each ratio."""
     p.add_argument("pack", help="model directory (or one .safetensors file)")
     p.add_argument("--workers", type=worker_counts, default=[1, 8], help="comma-separated worker counts (default 1,8)")
-    p.add_argument("--chunk-mib", type=int, help="read size per request")
-    p.add_argument("--ring-mib", type=int, help="read-ahead bound")
+    p.add_argument("--chunk-mib", type=positive_int, help="read size per request")
+    p.add_argument("--ring-mib", type=positive_int, help="read-ahead bound")
     p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
                    help="O_DIRECT reads (default on, or VLLM_EXL3_LOAD_DIRECT_IO)")
     p.add_argument("--limit-gb", type=float, help="measure only the first files holding this many GB")
     p.add_argument("--device", help="where tensors land (default: cuda if available, else cpu)")
     p.add_argument("--safetensors", action="store_true", help="also measure the safetensors (mmap) default")
-    p.add_argument("--repeats", type=int, default=3, help="pairs (raw reads, reader) per worker count; medians")
+    p.add_argument("--repeats", type=positive_int, default=3, help="pairs (raw reads, reader) per worker count; medians")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(a: argparse.Namespace) -> int:

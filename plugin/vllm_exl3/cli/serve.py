@@ -10,8 +10,8 @@ healthy server.
 It binds and guards like the appliance (appliance/exposure.py): vLLM's options are read by vLLM's own parser
 before anything starts (appliance/vllm_options.py; `-- --ho 0.0.0.0` is `--host 0.0.0.0`), a bind beyond loopback
 without VLLM_API_KEY is refused, and the API guard middleware is always in front. Every way out of it stops what
-it started: Ctrl-C, SIGTERM and SIGHUP stop vLLM before it exits, and vLLM gets SIGTERM from the kernel if this
-process dies without that chance (kill -9).
+it started: Ctrl-C, SIGTERM and SIGHUP stop vLLM before it exits; if this process dies without that chance
+(kill -9), vLLM gets SIGTERM from the kernel and a guard process (serve_guard.py) kills what is left of it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ..appliance import exposure
 from ..appliance.health import api_address
 from ..appliance.launch import EXTRA_AFTER_DASHES
 from ..appliance.vllm_options import VllmOptions, VllmOptionsError, read_options
+from ..base.argtypes import port_number
 from ..base.http import http_request
 from .common import UsageError, console, err_console, lit
 from .serve_report import demo_requests, has_chat_template, log_tail, plugin_summary, progress_printer
@@ -100,6 +101,7 @@ def _terminated(signum, frame):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+GUARD_GRACE_S = 30  # after serve is gone, vLLM's own stop (the kernel's SIGTERM) gets this long, then SIGKILL
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -184,7 +186,7 @@ def serve(p: argparse.ArgumentParser):
     p.add_argument("pack", nargs="?", help="EXL3 model directory (omit with --demo)")
     p.add_argument("--demo", action="store_true", help="serve the bundled tiny EXL3 pack")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--once", action="store_true", help="answer the smoke requests, then stop the server")
     p.add_argument("--boot-timeout", type=float, default=600, help="seconds to wait for /health")
     p.add_argument("--log", metavar="FILE", help="vLLM's log (default: a file in the temp folder, printed)")
@@ -239,12 +241,15 @@ def serve_main(a) -> int:
         f"{size / 2**20:.1f} MiB" + (" (bundled demo pack: random weights)" if a.demo else ""))
     say(f"vLLM     log: {log_path}")
     previous = {s: signal.signal(s, _terminated) for s in STOP_SIGNALS}
-    proc = None
+    proc = guard = None
     try:
         with log_file:
             proc = subprocess.Popen(server_command(opts, options), env=server_env(options), stdout=log_file,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=_die_with_parent(os.getpid()))
+            guard = subprocess.Popen([sys.executable, "-m", "vllm_exl3.cli.serve_guard", str(proc.pid),
+                                      str(GUARD_GRACE_S)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     stderr=log_file, start_new_session=True)
         progress = progress_printer(log_path)
         t0 = time.monotonic()
         try:
@@ -289,6 +294,12 @@ def serve_main(a) -> int:
             if proc.poll() is None:
                 say("stopping vLLM ...")
             stop(proc)
+        if guard is not None:  # vLLM is gone: the guard sees EOF and exits
+            guard.stdin.close()
+            try:
+                guard.wait(GUARD_GRACE_S + 10)
+            except subprocess.TimeoutExpired:
+                pass
         for s, handler in previous.items():
             signal.signal(s, handler)
 

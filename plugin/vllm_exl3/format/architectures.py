@@ -126,7 +126,9 @@ class Architecture:
     above `dense_after_key`'s and those listed under `dense_list_key` are dense; with `sparse_every_key`, only
     layers whose index plus `sparse_every_offset` is a multiple of its value route. `spare_layers_key`: that many
     layers after the last (multi-token prediction) may be stored; vLLM skips them, so are they here, as are the
-    tensors under `spare_prefixes` (a vision tower, MTP modules: another part of the model, not checked here)."""
+    tensors under `spare_prefixes` (a vision tower, MTP modules: another part of the model, not checked here).
+    `spare_layer_marks`: the modules only such a layer has (MTP's eh_proj, enorm, hnorm); a stored layer in that
+    range without one is a decoder layer that a num_hidden_layers one too small leaves out (vLLM would skip it)."""
 
     top: tuple[Module, ...]
     layer: tuple[Module, ...]
@@ -140,6 +142,7 @@ class Architecture:
     sparse_every_key: str | None = None
     sparse_every_offset: int = 0
     spare_layers_key: str | None = None
+    spare_layer_marks: tuple[str, ...] = ()
     layers: str = LAYERS
     experts_path: str = EXPERTS
     spare_prefixes: tuple[str, ...] = ()
@@ -175,6 +178,17 @@ class Architecture:
                 out += [(f"{self.layers}.{i}.{self.experts_path}.{e}.{p}", linear(p, may_bias=self.expert_may_bias))
                         for e in range(experts) for p in self.expert]
         return out
+
+    def spare_layers(self, config: Mapping[str, Any], names: Collection[str]) -> set[int]:
+        """The stored layers after the last that are spare (MTP): in `spare_layers_key`'s range, and holding one of
+        `spare_layer_marks` where the table names them."""
+        first = config["num_hidden_layers"]
+        count = config.get(self.spare_layers_key) or 0 if self.spare_layers_key else 0
+        found = {i for n in names if (i := self.layer_of(n)) is not None and first <= i < first + count}
+        if not self.spare_layer_marks:
+            return found
+        return {i for i in found if any(n.startswith(f"{self.layers}.{i}.{m}.") for n in names
+                                        for m in self.spare_layer_marks)}
 
     def layer_of(self, name: str) -> int | None:
         """The decoder layer a tensor name is in, None outside the layers."""
@@ -232,7 +246,7 @@ def completeness(root: Path, architecture: str, arch: Architecture | None, known
                 missing.append((f"{prefix}.bias", "the linear's bias"))
         elif not holds(module.optional, config):
             missing.append((prefix, f"an EXL3 linear ({prefix}.trellis, .suh, .svh) or a plain {prefix}.weight"))
-    spare = range(layers, layers + (config.get(arch.spare_layers_key) or 0 if arch.spare_layers_key else 0))
+    spare = arch.spare_layers(config, tensors)
     taken.update(n for n in tensors if arch.layer_of(n) in spare or n.startswith(arch.spare_prefixes))
 
     problems = [Exl3FormatError(root, name, f"{what}, {where}", "none in the pack")
@@ -269,7 +283,11 @@ def _why_unexpected(name: str, arch: Architecture, config: Mapping[str, Any],
     what = "an EXL3 linear" if name in exl3 else "a tensor"
     layer = arch.layer_of(name + ".")
     if layer is not None and layer >= config["num_hidden_layers"]:
-        return f"{what} of layer {layer}, beyond num_hidden_layers = {config['num_hidden_layers']}"
+        why = f"{what} of layer {layer}, beyond num_hidden_layers = {config['num_hidden_layers']}"
+        if arch.spare_layer_marks and config.get(arch.spare_layers_key):
+            why += (f" and not a {arch.spare_layers_key} (MTP) layer: it holds no "
+                    f"{', '.join(arch.spare_layer_marks)} (vLLM would skip a decoder layer)")
+        return why
     expert = arch.expert_of(name + ".")
     key, experts = arch.experts(config)
     if expert is not None and key and expert >= experts:

@@ -28,7 +28,8 @@ _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 class Key:
     """A config value the family's model reads. `kinds`: the JSON types it may have (an int is a float too);
     `least` / `above`: inclusive / exclusive lower bounds; `choices`: the values it may take; `required`: vLLM's
-    model reads it with no default (the config must carry it); `reads`: who reads it, for the message."""
+    model reads it with no default (the config must carry it); `reads`: who reads it, for the message; `within`: the
+    key is inside that object of the config (transformers 5 keeps rope_theta inside rope_parameters), when present."""
 
     name: str
     kinds: tuple[type, ...] = (int,)
@@ -37,8 +38,14 @@ class Key:
     choices: tuple[Any, ...] | None = None
     required: bool = False
     reads: str = ""
+    within: str | None = None
 
     def problem(self, config: Mapping[str, Any], path: Path, where: str) -> Exl3FormatError | None:
+        if self.within is not None:
+            inner = config.get(self.within)
+            if not isinstance(inner, Mapping):
+                return None  # absent, or not an object: its own Key says so
+            config, where = inner, f"{where}{self.within}."
         if self.name not in config or config[self.name] is None:
             if not self.required:
                 return None
@@ -77,10 +84,42 @@ MATH_KEYS = {
 
 
 @dataclass(frozen=True)
+class GroupedRouting:
+    """Routing by groups (vLLM's grouped_topk): the experts split into `groups` equal groups, the best `chosen`
+    groups are kept, and top-k experts are picked among theirs. Each group is scored by its best two experts when
+    the router has a correction bias. Out of these bounds vLLM's router raises on the first request (the engine dies:
+    HTTP 500) or picks experts it masked out."""
+
+    experts: str
+    groups: str = "n_group"
+    chosen: str = "topk_group"
+    top_k: str = "num_experts_per_tok"
+    group_least: int = 2
+
+    def problem(self, config: Mapping[str, Any], path: Path, where: str) -> Exl3FormatError | None:
+        e, g, k, top = (config.get(n) for n in (self.experts, self.groups, self.chosen, self.top_k))
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (e, g, k)):
+            return None  # absent or out of range: the Keys say so
+        found = f"{self.experts} = {e}, {self.groups} = {g}, {self.chosen} = {k}"
+        if k > g:
+            expected = f"{where}{self.chosen} at most {where}{self.groups} (the groups kept among the groups)"
+        elif e % g or e // g < self.group_least:
+            expected = (f"{where}{self.groups} dividing the {e} routed experts into groups of at least "
+                        f"{self.group_least} (each group is scored by its best {self.group_least})")
+        elif isinstance(top, int) and top > k * (e // g):
+            expected = (f"{where}{self.top_k} at most the {k * (e // g)} experts of the {k} groups kept")
+            found += f", {self.top_k} = {top}"
+        else:
+            return None
+        return Exl3FormatError(path, None, expected, found)
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: `architectures` maps each Hugging Face architecture name it covers to its tensor table.
     `examples`: packs users download (docs/packs.md); `config`: the values its model reads; `implements`: the
-    MATH_KEYS it computes; `notes`: what serving it means beyond the tables (said by `vllm-exl3 inspect`)."""
+    MATH_KEYS it computes; `notes`: what serving it means beyond the tables (said by `vllm-exl3 inspect`);
+    `rules`: checks across several of its config values (GroupedRouting), made once every value is in range."""
 
     name: str
     architectures: Mapping[str, Architecture]
@@ -88,11 +127,14 @@ class Family:
     implements: frozenset[str] = frozenset()
     examples: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    rules: tuple[GroupedRouting, ...] = ()
 
     def config_problems(self, config: Mapping[str, Any], path: Path, where: str = "") -> list[Exl3FormatError]:
         """Every value of `config` (the text config) this family's model reads that it lacks or that is out of
         range, and every math key it does not compute."""
         problems = [p for p in (key.problem(config, path, where) for key in self.config) if p]
+        if not problems:
+            problems = [p for p in (rule.problem(config, path, where) for rule in self.rules) if p]
         for key, asks in MATH_KEYS.items():
             if key not in self.implements and config.get(key) not in (None, False, 0, [], {}):
                 problems.append(Exl3FormatError(
@@ -109,5 +151,14 @@ KV_HEADS = Key("num_key_value_heads", least=1, reads="the attention")
 HEAD_DIM = Key("head_dim", least=1, reads="the attention")
 NORM_EPS = Key("rms_norm_eps", kinds=(float,), above=0, reads="every RMSNorm (0 or less divides by zero: NaN)")
 ROPE_THETA = Key("rope_theta", kinds=(float,), above=0, reads="the rotary embedding")
+ROPE = (ROPE_THETA, Key("rope_parameters", kinds=(dict,), reads="the rotary embedding"),
+        Key("rope_theta", kinds=(float,), above=0, reads="the rotary embedding", within="rope_parameters"),
+        Key("partial_rotary_factor", kinds=(float,), above=0, reads="the rotary embedding", within="rope_parameters"),
+        Key("rope_type", kinds=(str,), reads="the rotary embedding", within="rope_parameters"))
 TOP_K = Key("num_experts_per_tok", least=1, reads="the router")
-COMMON = (HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, NORM_EPS, ROPE_THETA)
+COMMON = (HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, NORM_EPS) + ROPE
+# DeepSeek-style routing (GLM): groups of experts, a scaled sum of the chosen experts' weights
+GROUPED = (Key("n_group", least=1, required=True, reads="the grouped router"),
+           Key("topk_group", least=1, required=True, reads="the grouped router"),
+           Key("routed_scaling_factor", kinds=(float,), above=0, required=True,
+               reads="the router (0 zeroes the experts)"))

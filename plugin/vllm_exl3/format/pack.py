@@ -197,7 +197,8 @@ class Pack:
         EXL3 linears (`finite`: their scales too), config values that break a model, the `quantization_config`
         contract against the tensors, the sidecar's ledger against the headers, and, when all of that holds, the
         tensors against the set the architecture has (`notes` says whether that could be checked)."""
-        problems = self.index_problems + self.linear_problems(finite) + self.config_problems() + self.ledger_problems()
+        problems = self.index_problems + self.linear_problems(finite) + self.config_problems() + \
+            self.ledger_problems() + self.dtype_problems()
         if self._linears is not None:
             problems += self.contract_problems(self._linears)
         self.notes = []
@@ -311,6 +312,39 @@ class Pack:
                                                 "tensor_storage ledger records", str(list(rec.shape))))
         return problems
 
+    def dtype_problems(self) -> list[Exl3FormatError]:
+        """Dtypes the architecture implies, with or without the sidecar's ledger (most packs come without one): a
+        header relabelled to another dtype of the same size reads the same bytes as other numbers. Norms,
+        embeddings and biases are floating point; the embeddings and the decoder's norms keep the checkpoint's
+        dtype (config.json's `dtype`: the converter copies them); and every tensor of a role (one name across the
+        layers and experts) has the dtype most of them have."""
+        problems: list[Exl3FormatError] = []
+        source = _SOURCE_DTYPES.get(self.config.get("dtype") or self.config.get("torch_dtype")
+                                    or self.text_config.get("dtype") or self.text_config.get("torch_dtype"))
+        roles: dict[str, list[TensorRecord]] = {}
+        for name, rec in sorted(self.tensors.items()):
+            roles.setdefault(_NUMBERS.sub(".N.", f".{name}")[1:], []).append(rec)
+            if _FLOATING_ROLE.search(name) and not DTYPES[rec.dtype].torch_name.startswith(("float", "bfloat")):
+                problems.append(Exl3FormatError(rec.file, name, "a floating-point dtype (a norm, an embedding or a "
+                                                "bias)", f"{rec.dtype} (the bytes would be read as integers)"))
+            elif source and _SOURCE_ROLE.search(name) and rec.dtype != source:
+                problems.append(Exl3FormatError(
+                    rec.file, name, f"{source}, the checkpoint's dtype (config.json dtype) that embeddings and norms "
+                    "keep", f"{rec.dtype} (the same bytes would be read as other numbers)"))
+        flagged = {p.tensor for p in problems}
+        for role, recs in roles.items():
+            counts: dict[str, int] = {}
+            for rec in recs:
+                counts[rec.dtype] = counts.get(rec.dtype, 0) + 1
+            common = max(counts, key=counts.__getitem__)
+            if len(counts) == 1 or counts[common] * 2 <= len(recs):
+                continue
+            problems += [Exl3FormatError(rec.file, rec.name, f"{common}, the dtype of the other {counts[common]} "
+                                         f"{role} tensors", f"{rec.dtype} (the same bytes would be read as other "
+                                         "numbers)")
+                         for rec in recs if rec.dtype != common and rec.name not in flagged]
+        return problems
+
     def _codebook_problems(self, linears: dict[str, Exl3Linear]) -> list[Exl3FormatError]:
         qc_file = self.quantization_config_file
         declared = self.quantization_config.get("codebook")
@@ -365,6 +399,14 @@ class Pack:
         elif ".self_attn." in prefix and tc.get("linear_num_key_heads") and tc.get("num_attention_heads"):
             dims.add(2 * tc["num_attention_heads"] * head_dim)  # their gated attention: q_proj holds q and its gate
         return {d for d in dims if isinstance(d, int) and d > 0}
+
+
+_SOURCE_DTYPES = {"bfloat16": "BF16", "float16": "F16"}  # config dtype -> what embeddings and norms are stored as
+# (a float32 checkpoint's may be narrowed to F16 by the converter: only the roles' agreement is checked then)
+_SOURCE_ROLE = re.compile(r"(?:^|\.)(?:embed_tokens|input_layernorm|post_attention_layernorm)\.weight$"
+                          r"|^model\.(?:language_model\.)?norm\.weight$")
+_FLOATING_ROLE = re.compile(r"(?:norm|embed_tokens)\.weight$|(?:^|[._])bias$")
+_NUMBERS = re.compile(r"\.\d+\.")
 
 
 def _int(value: Any) -> int:

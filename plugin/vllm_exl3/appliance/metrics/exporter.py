@@ -18,6 +18,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 
 from ...base import settings
+from ...base.argtypes import port_number
 from ...base.state import state_dir
 from .collector import Exl3Collector
 
@@ -33,7 +34,7 @@ def registry(state: str | os.PathLike, pack_dir: str, role: str) -> CollectorReg
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default=settings.get("VLLM_EXL3_METRICS_HOST"),
                    help="bind address (VLLM_EXL3_METRICS_HOST)")
-    p.add_argument("--port", type=int, default=settings.get("VLLM_EXL3_METRICS_PORT"),
+    p.add_argument("--port", type=port_number, default=settings.get("VLLM_EXL3_METRICS_PORT"),
                    help="port (VLLM_EXL3_METRICS_PORT)")
     p.add_argument("--state-dir", default=str(state_dir()), help="the state files' directory (VLLM_EXL3_STATE_DIR)")
     p.add_argument("--model", default=settings.get("VLLM_EXL3_MODEL"),

@@ -9,6 +9,7 @@ NORMS = (plain("input_layernorm"), plain("post_attention_layernorm"))
 MLP = (linear("mlp.gate_proj"), linear("mlp.up_proj"), linear("mlp.down_proj"))
 GATED = ("gate_proj", "up_proj", "down_proj")  # an expert's (or a shared expert's) projections
 ATTENTION_BIAS = Flag("attention_bias")
+MTP_MARKS = ("eh_proj", "enorm", "hnorm")  # what a GLM MTP layer (num_nextn_predict_layers) has beside a decoder's
 
 
 def attention(qkv_bias: Condition, o_bias: Condition, qk_norm: Condition = False,

@@ -8,8 +8,8 @@ served too (vLLM's MLA then gets its weight decoded once at load)."""
 from __future__ import annotations
 
 from ..architectures import Architecture, Flag, Not, linear, plain
-from ..family import COMMON, TOP_K, Family, Key
-from .common import GATED, HEAD, MLP, NORMS
+from ..family import COMMON, GROUPED, TOP_K, Family, GroupedRouting, Key
+from .common import GATED, HEAD, MLP, MTP_MARKS, NORMS
 
 _Q_LORA = Flag("q_lora_rank")
 MLA = (linear("self_attn.q_a_proj", present=_Q_LORA), plain("self_attn.q_a_layernorm", present=_Q_LORA),
@@ -23,11 +23,11 @@ FAMILY = Family(
         sparse_mlp=(linear("mlp.gate"), plain("mlp.gate", "e_score_correction_bias"),
                     *(linear(f"mlp.shared_experts.{p}", present=Flag("n_shared_experts")) for p in GATED)),
         expert=GATED, experts_keys=("n_routed_experts",), dense_first_key="first_k_dense_replace",
-        spare_layers_key="num_nextn_predict_layers")},
-    COMMON + (TOP_K, Key("first_k_dense_replace", least=0, required=True, reads="vLLM's Glm4MoeLite"),
+        spare_layers_key="num_nextn_predict_layers", spare_layer_marks=MTP_MARKS)},
+    COMMON + GROUPED + (TOP_K, Key("first_k_dense_replace", least=0, required=True, reads="vLLM's Glm4MoeLite"),
               Key("kv_lora_rank", least=1, required=True, reads="vLLM's MLA attention"),
               Key("qk_nope_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
               Key("qk_rope_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
-              Key("v_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
-              Key("routed_scaling_factor", kinds=(float,), above=0, reads="the router (0 zeroes the experts)")),
-    examples=("GLM-4.7-Flash",))
+              Key("v_head_dim", least=1, required=True, reads="vLLM's MLA attention")),
+    examples=("GLM-4.7-Flash",),
+    rules=(GroupedRouting("n_routed_experts"),))
