@@ -31,5 +31,4 @@ FAMILY = Family(
     examples=("gpt-oss-120b", "gpt-oss-20b"),
     notes=("experts run a clamped SwiGLU (swiglu_limit, alpha 1.702, up + 1); packs converted from bf16 sources hold "
            "no expert biases (ExLlamaV3 1.6.5 drops them): served as zero, as ExLlamaV3 serves them",
-           "the native and ExLlamaV3 expert kernels compute neither the clamped SwiGLU nor expert biases yet: on a "
-           "GPU the experts run on the torch reference, which decodes them on every call (correct, very slow)"))
+           "on Hopper vLLM serves it in bf16 only (FlashAttention 3 takes attention sinks in bf16)"))

@@ -12,10 +12,11 @@ Our interface mapped onto ExLlamaV3's:
 - Expert parallelism: the module is built with one phantom expert more than it holds, so ExLlamaV3 treats it as an
   expert-range slice [0, E) and drops every pick outside it (in-kernel on the decode path, as a sentinel bucket
   above); vLLM's `expert_map` turns global ids into local ones and other ranks' experts into -1.
-- A tensor-parallel slice that starts or ends inside a 128-block: the stack holds the whole block range; the up
-  projection's svh (its per-output-column scale) is copied with zeros outside the slice, so act(gate)·up is zero
-  there and the down projection sees a zero-filled input, as the interface asks. Only that [E, I] fp16 vector is
-  copied, and only for such slices.
+- A tensor-parallel slice that starts or ends inside a 128-block: the stack holds the whole block range; the gate
+  and up projections' svh (their per-output-column scales) are copied with zeros outside the slice, so the gated
+  activation is zero there (the clamped SwiGLU's `up + 1` included: its gate is zero too) and the down projection
+  sees a zero-filled input, as the interface asks. Only those [E, 2, I] fp16 vectors are copied, and only for such
+  slices.
 - ExLlamaV3's kernels read fp16 activations and fp16 routing weights and return fp32: bf16 is cast in and out.
 - Its `gelu` is the tanh form (exllamav3_ext/activation_kernels.cuh), so it serves our `gelu_tanh`, not `gelu`.
 - gpt-oss's clamped SwiGLU is its `swiglu_oai` with `act_limit` (its alpha is fixed in the kernel, EXLLAMAV3_ALPHA);
