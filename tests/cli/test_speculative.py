@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from support.mutants import copy_pack, edit_json, entries, rebuild, run_cli
 from support.servers import free_port
 from vllm_exl3 import demo

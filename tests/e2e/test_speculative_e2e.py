@@ -16,7 +16,6 @@ import re
 
 import pytest
 import requests
-
 from support.servers import vllm_server
 from vllm_exl3 import demo
 
@@ -46,7 +45,7 @@ def spec_counters(server) -> dict[str, float]:
     text = requests.get(f"{server.base_url}/metrics", timeout=30).text
     out: dict[str, float] = {}
     for name, value in re.findall(r"^vllm:(spec_decode_num_(?:drafts|draft_tokens|accepted_tokens)_total)\{[^}]*\} "
-                                  r"(\S+)$", text, re.M):
+                                  r"(\S+)$", text, re.MULTILINE):
         out[name] = out.get(name, 0.0) + float(value)
     return out
 
@@ -64,6 +63,7 @@ def test_ngram_drafts_are_lossless(plain_tokens, tmp_path):
         tokens = greedy_tokens(server)
         counters = spec_counters(server)
     assert tokens == plain_tokens
-    drafted, accepted = counters["spec_decode_num_draft_tokens_total"], counters["spec_decode_num_accepted_tokens_total"]
+    drafted = counters["spec_decode_num_draft_tokens_total"]
+    accepted = counters["spec_decode_num_accepted_tokens_total"]
     # Not vacuous: steps verified drafts and kept some (on the pack's loops), and threw some away.
     assert counters["spec_decode_num_drafts_total"] > 0 and 0 < accepted < drafted, counters

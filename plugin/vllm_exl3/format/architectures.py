@@ -208,8 +208,8 @@ class Architecture:
                 return None
             first = config["num_hidden_layers"]
             marks = f" holding {', '.join(self.spare_layer_marks)}" if self.spare_layer_marks else ""
-            return (f"it stores no MTP layer: no {self.layers}.{first}" + (f"..{first + count - 1}" if count > 1 else "")
-                    + f"{marks} (the converter left them out)")
+            span = f"{first}..{first + count - 1}" if count > 1 else f"{first}"
+            return f"it stores no MTP layer: no {self.layers}.{span}{marks} (the converter left them out)"
         if any(n.startswith(self.mtp_prefixes) for n in names):
             return None
         return f"it stores no MTP tensors: none under {', '.join(p + '*' for p in self.mtp_prefixes)} " \
