@@ -3,6 +3,7 @@ vLLM (CPU build) argument parser; the CLI's dry run and refusals."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from vllm_exl3.appliance.launch import (EXIT_REFUSED, EXTRA_AFTER_DASHES, EXTRA_
                                         exec_argv, load_preset, plan_request)
 from vllm_exl3.appliance.vllm_options import VllmOptions
 
-SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency")
+SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency", "spec-ngram")
 TWO_NODE_ENV = {"VLLM_EXL3_HEAD_ADDR": "192.168.100.10", "VLLM_EXL3_SERVED_NAME": "glm", "VLLM_EXL3_PORT": "8000",
                 "VLLM_EXL3_HOST": "0.0.0.0", "VLLM_EXL3_MODEL": "/model", "VLLM_EXL3_PEER_SECRET": "s" * 32}
 
@@ -153,6 +154,23 @@ def test_bad_preset_files_are_refused(tmp_path, text, message):
         load_preset(str(path), {})
     with pytest.raises(LaunchError, match="no preset 'nope'"):
         load_preset("nope", {})
+
+
+def test_a_preset_based_on_another_adds_to_it(tmp_path):
+    """spec-ngram is spark-1x plus the drafts: the base's tables, its own keys winning."""
+    base, ngram = load_preset("spark-1x", {}), load_preset("spec-ngram", {})
+    assert ngram.nodes == base.nodes == 1 and ngram.memory == base.memory
+    assert ngram.vllm == {**base.vllm, "speculative-config": ngram.vllm["speculative-config"]}
+    assert json.loads(ngram.vllm["speculative-config"])["method"] == "ngram"
+    (tmp_path / "mine.toml").write_text('base = "spark-1x"\nnodes = 2\n[vllm]\nmax-num-seqs = 2\n'
+                                        '[memory]\nheadroom-gib = 9.0\n')
+    mine = load_preset(str(tmp_path / "mine.toml"), {})
+    assert mine.nodes == 2 and mine.vllm["max-num-seqs"] == 2 and mine.vllm["max-model-len"] == 65536
+    assert mine.memory.headroom_gib == 9.0 and mine.memory.min_context == base.memory.min_context
+    (tmp_path / "a.toml").write_text('base = "b"\n')
+    (tmp_path / "b.toml").write_text('base = "a"\n')
+    with pytest.raises(LaunchError, match="leads back to this preset"):
+        load_preset("a", {"VLLM_EXL3_PRESET_DIR": str(tmp_path)})
 
 
 def test_preset_search_path_prefers_the_environment(tmp_path):

@@ -98,12 +98,13 @@ def deadline(what: str, seconds: float = RUN_TIMEOUT_S):
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_cli(*argv: str) -> tuple[int, str]:
-    """`vllm-exl3 ARGV` in process: (exit status, stderr). stdout is discarded."""
+def run_cli(*argv: str, seconds: float = RUN_TIMEOUT_S) -> tuple[int, str]:
+    """`vllm-exl3 ARGV` in process: (exit status, stderr). stdout is discarded. `seconds`: the hang detector's limit
+    (a command that asks vLLM's parser about options takes ~10 s, more on a loaded machine)."""
     from vllm_exl3.cli.main import main
 
     err = io.StringIO()
-    with deadline(f"vllm-exl3 {' '.join(argv)[:200]}"), contextlib.redirect_stderr(err), \
+    with deadline(f"vllm-exl3 {' '.join(argv)[:200]}", seconds), contextlib.redirect_stderr(err), \
             contextlib.redirect_stdout(io.StringIO()):
         code = main(list(argv))
     return code, err.getvalue()

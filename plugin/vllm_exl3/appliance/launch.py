@@ -77,7 +77,7 @@ ENV_FLAGS = (
     ("VLLM_EXL3_HEAD_ADDR", "master-addr", True, False),
     ("VLLM_EXL3_MASTER_PORT", "master-port", True, False),
 )
-PRESET_KEYS = {"description", "nodes", "vllm", "memory"}
+PRESET_KEYS = {"description", "nodes", "vllm", "memory", "base"}
 # The appliance's own variables, consumed by the launcher, supervisord and the health checks. They are taken out
 # of vLLM's environment because vLLM warns about every VLLM_* variable it does not know; the plugin's own
 # (VLLM_EXL3_KERNEL, ...) stay.
@@ -104,6 +104,7 @@ class Preset:
     nodes: int | None  # the topology it is tuned for; None = any
     vllm: dict[str, Any]
     memory: PlanSettings
+    memory_table: dict[str, Any] = field(default_factory=dict)  # as written (a preset based on this one starts there)
 
 
 def preset_dirs(env: Mapping[str, str]) -> list[Path]:
@@ -120,6 +121,13 @@ def available_presets(env: Mapping[str, str]) -> dict[str, Path]:
 
 
 def load_preset(name_or_path: str, env: Mapping[str, str]) -> Preset:
+    """A preset by name (the search path) or .toml file. `base = "NAME"` starts from that preset's tables: the
+    `[vllm]` and `[memory]` keys given here replace its keys, `nodes` is its unless given (spec-ngram is spark-1x
+    plus the drafts)."""
+    return _load_preset(name_or_path, env, ())
+
+
+def _load_preset(name_or_path: str, env: Mapping[str, str], seen: tuple[Path, ...]) -> Preset:
     path = Path(name_or_path)
     if not (path.suffix == ".toml" and path.is_file()):
         presets = available_presets(env)
@@ -135,11 +143,19 @@ def load_preset(name_or_path: str, env: Mapping[str, str]) -> Preset:
     if unknown:
         raise LaunchError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PRESET_KEYS))}")
     flags = {k.lstrip("-"): v for k, v in data.get("vllm", {}).items()}
+    memory_table, nodes = dict(data.get("memory", {})), data.get("nodes")
+    if "base" in data:
+        if path.resolve() in seen:
+            raise LaunchError(f"{path}: base = {data['base']!r} leads back to this preset")
+        base = _load_preset(str(data["base"]), env, (*seen, path.resolve()))
+        flags = {**base.vllm, **flags}
+        memory_table = {**base.memory_table, **memory_table}
+        nodes = base.nodes if nodes is None else nodes
     try:
-        memory = PlanSettings.from_table(data.get("memory", {}))
+        memory = PlanSettings.from_table(memory_table)
     except (TypeError, ValueError) as e:
         raise LaunchError(f"{path}: [memory]: {e}") from e
-    return Preset(path.stem, path, str(data.get("description", "")), data.get("nodes"), flags, memory)
+    return Preset(path.stem, path, str(data.get("description", "")), nodes, flags, memory, memory_table)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -300,6 +316,9 @@ def run_preflight(spec: LaunchSpec, options: VllmOptions, env: Mapping[str, str]
             report.checks.append(preflight.check_point_to_point(local, head if spec.role.headless else None, root))
     if pack is None:
         return report, spec
+    if (speculative := preflight.check_speculative(pack, options.value("speculative_config"),
+                                                   options.flag("speculative_config"))) is not None:
+        report.checks.append(speculative)
     if meminfo is None and not preflight.gpu_present(root):
         # vLLM's CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE, not from a memory fraction.
         report.notes.append("no NVIDIA GPU visible: unified-memory plan not enforced; context capped to the "

@@ -2,6 +2,8 @@
 
 - the pack verifies (format.verify_pack: every file and tensor header, codebook markers);
 - the kernel backend named in VLLM_EXL3_KERNEL is usable here (built for this GPU, installed);
+- a speculative method in --speculative-config has what it drafts from: `mtp` the pack's own MTP layers,
+  `suffix` the arctic-inference package;
 - the network names exist: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME interfaces, NCCL_IB_HCA devices, and
   VLLM_HOST_IP is an address of this machine on the interface NCCL was told to use;
 - two nodes: on the head, the head address is its own; on the worker, traffic to the head leaves through that
@@ -14,6 +16,7 @@ fixture packs, the machine's own loopback interface and fake sysfs trees or memi
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 import os
@@ -23,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..base import settings
 from ..format.pack import Pack, verify_pack
@@ -100,6 +104,38 @@ def pack_max_len(pack: Pack) -> int | None:
     except (OSError, ValueError):
         tok = None
     return model_max_len(pack.text_config, tok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------------------------
+def _drafts_from_own_mtp(method: str) -> bool:
+    """vLLM's `mtp`, and the per-model names it takes for it (glm4_moe_mtp, qwen3_5_mtp, ...: MTPModelTypes in
+    vLLM's config/speculative.py), all draft with the target's own MTP layers."""
+    return method == "mtp" or method.endswith("_mtp")
+
+
+def check_speculative(pack: Pack, config: Any, flag: str = "--speculative-config") -> Check | None:
+    """`config`: the speculative config vLLM's parser read (a dict; None without speculative decoding). Refuses
+    what would fail minutes into the boot or, worse, boot: `mtp` on a pack without MTP layers crashes vLLM's
+    worker (GLM: no num_nextn_predict_layers) or drafts with random weights; `suffix` without arctic-inference
+    stops vLLM with an ImportError."""
+    if not isinstance(config, dict):
+        return None
+    method = str(config.get("method") or "")
+    if _drafts_from_own_mtp(method) and config.get("model") in (None, str(pack.root)):
+        missing = pack.mtp_missing()
+        if missing:
+            return Check("speculative", False,
+                         f"{flag} asks for method {method!r}, a draft from the pack's own MTP layers, but "
+                         f"{pack.root} ({pack.architecture}) has none: {missing}. Method 'ngram' needs no draft "
+                         "weights")
+    if method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        return Check("speculative", False,
+                     f"{flag} asks for method 'suffix', which needs the arctic-inference package, not installed "
+                     "here (vLLM stops at boot without it). Use method 'ngram'")
+    tokens = config.get("num_speculative_tokens", "?")
+    return Check("speculative", True, f"method {method or '(vLLM detects it)'}, {tokens} draft token(s) a step")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import demo
-from ..appliance import exposure
+from ..appliance import exposure, preflight
 from ..appliance.health import api_address
 from ..appliance.launch import EXTRA_AFTER_DASHES
 from ..appliance.vllm_options import VllmOptions, VllmOptionsError, read_options
@@ -219,6 +219,10 @@ def serve_main(a) -> int:
         options = opts.read_options()
     except VllmOptionsError as e:
         raise UsageError(f"{e}. `vllm serve --help` lists vLLM's options.", 2) from None
+    speculative = preflight.check_speculative(pack, options.value("speculative_config"),
+                                              options.flag("speculative_config"))
+    if speculative is not None and not speculative.ok:
+        raise UsageError(f"refusing to serve: {speculative.detail}", 2)
     host, port = str(options.value("host") or ""), int(options.value("port"))
     refusal = exposure.refusal(host, os.environ, port, loopback_hint="--host 127.0.0.1")
     if refusal:

@@ -128,7 +128,9 @@ class Architecture:
     layers after the last (multi-token prediction) may be stored; vLLM skips them, so are they here, as are the
     tensors under `spare_prefixes` (a vision tower, MTP modules: another part of the model, not checked here).
     `spare_layer_marks`: the modules only such a layer has (MTP's eh_proj, enorm, hnorm); a stored layer in that
-    range without one is a decoder layer that a num_hidden_layers one too small leaves out (vLLM would skip it)."""
+    range without one is a decoder layer that a num_hidden_layers one too small leaves out (vLLM would skip it).
+    `mtp_prefixes`: where MTP modules stored outside the layers live (spare too), `mtp_key` the config key vLLM's
+    MTP drafter reads their number from; with `spare_layers_key`, that key."""
 
     top: tuple[Module, ...]
     layer: tuple[Module, ...]
@@ -147,6 +149,8 @@ class Architecture:
     experts_path: str = EXPERTS
     spare_prefixes: tuple[str, ...] = ()
     expert_may_bias: Condition = False
+    mtp_prefixes: tuple[str, ...] = ()
+    mtp_key: str | None = None
 
     def experts(self, config: Mapping[str, Any]) -> tuple[str | None, int]:
         """(the config key, the number of routed experts it gives); (None, 0) for a dense model."""
@@ -189,6 +193,27 @@ class Architecture:
             return found
         return {i for i in found if any(n.startswith(f"{self.layers}.{i}.{m}.") for n in names
                                         for m in self.spare_layer_marks)}
+
+    def mtp_missing(self, config: Mapping[str, Any], names: Collection[str]) -> str | None:
+        """What a pack with this config and these tensor `names` lacks for vLLM's `mtp` drafter (the pack's own
+        MTP layers), None when it has them. A draft layer without its tensors would be random weights: 0 % accepted."""
+        key = self.spare_layers_key or self.mtp_key
+        if key is None:
+            return "the plugin knows no MTP layers for this architecture"
+        count = config.get(key)
+        if not isinstance(count, int) or count < 1:
+            return f"its config declares no MTP layer ({key} = {count!r})"
+        if self.spare_layers_key:
+            if self.spare_layers(config, names):
+                return None
+            first = config["num_hidden_layers"]
+            marks = f" holding {', '.join(self.spare_layer_marks)}" if self.spare_layer_marks else ""
+            span = f"{first}..{first + count - 1}" if count > 1 else f"{first}"
+            return f"it stores no MTP layer: no {self.layers}.{span}{marks} (the converter left them out)"
+        if any(n.startswith(self.mtp_prefixes) for n in names):
+            return None
+        return f"it stores no MTP tensors: none under {', '.join(p + '*' for p in self.mtp_prefixes)} " \
+               "(the converter left them out)"
 
     def layer_of(self, name: str) -> int | None:
         """The decoder layer a tensor name is in, None outside the layers."""
@@ -247,7 +272,7 @@ def completeness(root: Path, architecture: str, arch: Architecture | None, known
         elif not holds(module.optional, config):
             missing.append((prefix, f"an EXL3 linear ({prefix}.trellis, .suh, .svh) or a plain {prefix}.weight"))
     spare = arch.spare_layers(config, tensors)
-    taken.update(n for n in tensors if arch.layer_of(n) in spare or n.startswith(arch.spare_prefixes))
+    taken.update(n for n in tensors if arch.layer_of(n) in spare or n.startswith(arch.spare_prefixes + arch.mtp_prefixes))
 
     problems = [Exl3FormatError(root, name, f"{what}, {where}", "none in the pack")
                 for name, what in missing[:MAX_LISTED]]

@@ -150,6 +150,15 @@ class Pack:
         """The model family whose tables cover this pack's architecture (format/families/), None if none does."""
         return family_of(self.architecture)
 
+    def mtp_missing(self) -> str | None:
+        """What this pack lacks for vLLM's `mtp` speculative method (a draft from the pack's own MTP layers), as
+        the architecture's table says (format/architectures.py); None when it has them, or when no table covers
+        its architecture (vLLM decides)."""
+        family = self.family
+        if family is None:
+            return None
+        return family.architectures[self.architecture].mtp_missing(self.text_config, self.tensors)
+
     # -- tensors --------------------------------------------------------------------------------------------
     @property
     def has_exl3_tensors(self) -> bool:

@@ -22,14 +22,17 @@ _SPARSE = (linear("mlp.gate"), *(linear(f"mlp.shared_expert.{p}", present=_SHARE
            linear("mlp.shared_expert_gate", present=_SHARED))
 
 
-def _hybrid(head_prefix: str, layers: str, in_proj: tuple[str, ...], spare: tuple[str, ...]) -> Architecture:
+def _hybrid(head_prefix: str, layers: str, in_proj: tuple[str, ...], spare: tuple[str, ...],
+            mtp_key: str) -> Architecture:
+    """`mtp_key`: where vLLM's MTP drafter (Qwen3NextMTP, Qwen3_5MoeMTP) reads the number of the `mtp.` layers."""
     head = (plain(f"{head_prefix}.embed_tokens"), plain(f"{head_prefix}.norm"),
             linear("lm_head", optional=Flag("tie_word_embeddings")))
     return Architecture(
         head, NORMS + attention(False, False, qk_norm=True, present=_FULL)
         + tuple(linear(f"linear_attn.{p}", present=_LINEAR) for p in in_proj) + _DELTA_NET, MLP,
         sparse_mlp=_SPARSE, expert=GATED, experts_keys=("num_experts",), dense_list_key="mlp_only_layers",
-        sparse_every_key="decoder_sparse_step", sparse_every_offset=1, layers=layers, spare_prefixes=spare)
+        sparse_every_key="decoder_sparse_step", sparse_every_offset=1, layers=layers, spare_prefixes=spare,
+        mtp_prefixes=("mtp.",), mtp_key=mtp_key)
 
 
 _LINEAR_KEYS = tuple(Key(k, least=1, required=True, reads="vLLM's gated delta net") for k in (
@@ -39,11 +42,13 @@ _MOE_KEYS = (TOP_K, Key("num_experts", least=1, required=True, reads="vLLM's Qwe
              Key("moe_intermediate_size", least=1, required=True, reads="vLLM's Qwen3-Next MoE"))
 
 QWEN3_NEXT = Family(
-    "Qwen3-Next", {"Qwen3NextForCausalLM": _hybrid("model", "model.layers", ("in_proj_qkvz", "in_proj_ba"), ("mtp.",))},
+    "Qwen3-Next", {"Qwen3NextForCausalLM": _hybrid("model", "model.layers", ("in_proj_qkvz", "in_proj_ba"), (),
+                                             "num_nextn_predict_layers")},
     COMMON + _LINEAR_KEYS + _MOE_KEYS, examples=("Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Thinking"))
 
 _QWEN35 = _hybrid("model.language_model", "model.language_model.layers",
-                  ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"), ("mtp.", "model.visual."))
+                  ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"), ("model.visual.",),
+                  "mtp_num_hidden_layers")
 QWEN3_5_MOE = Family(
     "Qwen3.5-MoE", {"Qwen3_5MoeForCausalLM": _QWEN35, "Qwen3_5MoeForConditionalGeneration": _QWEN35},
     COMMON + _LINEAR_KEYS + _MOE_KEYS, examples=("Qwen3.5-35B-A3B", "Qwen3.6-35B-A3B", "Qwen3.5-122B-A10B"),

@@ -1,0 +1,90 @@
+"""A speculative method the pack or the environment cannot serve is refused before the boot, in `vllm-exl3 serve`
+and the launcher's preflight alike, with one message naming the pack and what is missing.
+
+Without the check, vLLM takes minutes to fail or does not fail at all: `mtp` on the GLM-4.7-Flash fixture (no
+num_nextn_predict_layers) crashes vLLM's worker with an AttributeError; on a pack whose config declares MTP layers
+it does not store, vLLM's drafter would load with random weights and accept nothing; `suffix` without
+arctic-inference stops vLLM's API server with an ImportError. The lossless n-gram serving test is in
+tests/e2e/test_speculative_e2e.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from support.mutants import copy_pack, edit_json, entries, rebuild, run_cli
+from support.servers import free_port
+from vllm_exl3 import demo
+from vllm_exl3.appliance.preflight import check_speculative
+from vllm_exl3.format.pack import Pack
+
+FAMILIES = Path(__file__).resolve().parents[1] / "fixtures" / "exl3-families"
+GLM_LITE, QWEN35 = FAMILIES / "glm4moelite-a-exl3-mcg-b4", FAMILIES / "qwen35moe-a-exl3-mul1-b3.5"
+ST = "model.safetensors"
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+PARSE_S = 180  # these commands ask vLLM's own parser (a child process importing vLLM): seconds on a busy box
+
+
+def spec_args(config: dict) -> list[str]:
+    return ["--", "--speculative-config", json.dumps(config)]
+
+
+def add_tensors(root: Path, names: list[str], shape=(256,)) -> None:
+    """Plain BF16 tensors (zeros): the check reads names, never values."""
+    t = entries(root / ST)
+    for name in names:
+        t[name] = ("BF16", list(shape), bytes(2 * shape[0]))
+    rebuild(root / ST, t)
+
+
+def test_serve_refuses_mtp_for_an_architecture_without_mtp_layers():
+    code, err = run_cli("serve", "--demo", "--once", "--port", str(free_port()), *spec_args(MTP), seconds=PARSE_S)
+    assert code == 2, err
+    assert "refusing to serve: --speculative-config asks for method 'mtp'" in err, err
+    assert f"{demo.PACK} (Qwen3MoeForCausalLM) has none: the plugin knows no MTP layers for this architecture" in err
+    assert "Method 'ngram' needs no draft weights" in err
+
+
+def test_preflight_refuses_mtp_on_a_pack_whose_config_declares_none():
+    """The GLM-4.7-Flash fixture: vLLM's worker crashes on it (no num_nextn_predict_layers); refused in seconds."""
+    code, err = run_cli("preflight", str(GLM_LITE), *spec_args({**MTP, "method": "glm4_moe_lite_mtp"}), seconds=PARSE_S)
+    assert code == 78, err
+    assert "FAIL speculative: --speculative-config asks for method 'glm4_moe_lite_mtp'" in err, err
+    assert "its config declares no MTP layer (num_nextn_predict_layers = None)" in err
+
+
+@pytest.mark.parametrize("source,declare,stored,missing", [
+    (GLM_LITE, {"num_nextn_predict_layers": 1}, ["model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight",
+                                                 "model.layers.3.hnorm.weight"],
+     "it stores no MTP layer: no model.layers.3 holding eh_proj, enorm, hnorm (the converter left them out)"),
+    (QWEN35, {"mtp_num_hidden_layers": 1}, ["mtp.fc.weight", "mtp.norm.weight"],
+     "it stores no MTP tensors: none under mtp.* (the converter left them out)"),
+], ids=["glm-layers-after-the-last", "qwen3.5-mtp-prefix"])
+def test_mtp_needs_the_layers_the_config_declares_stored(tmp_path, source, declare, stored, missing):
+    """The family tables (format/families/) say where each family keeps its MTP layers: a config that declares
+    them is not enough, and a pack that stores them passes the check (and verifies complete)."""
+    root = copy_pack(source, tmp_path / "declared")
+    edit_json(root / "config.json", lambda c: c.update(declare))
+    check = check_speculative(Pack.open(root), MTP)
+    assert not check.ok and missing in check.detail, check.detail
+    add_tensors(root, stored)
+    pack = Pack.open(root)
+    assert check_speculative(pack, MTP).ok
+    assert pack.problems() == [], pack.problems()
+
+
+def test_serve_refuses_suffix_without_arctic_inference():
+    if importlib.util.find_spec("arctic_inference") is not None:
+        pytest.skip("arctic-inference is installed here")
+    code, err = run_cli("serve", "--demo", "--once", "--port", str(free_port()),
+                        *spec_args({"method": "suffix", "num_speculative_tokens": 3}), seconds=PARSE_S)
+    assert code == 2 and "method 'suffix', which needs the arctic-inference package" in err, err
+
+
+def test_ngram_and_no_speculation_pass(tmp_path):
+    pack = Pack.open(demo.PACK)
+    assert check_speculative(pack, None) is None
+    check = check_speculative(pack, {"method": "ngram", "num_speculative_tokens": 3})
+    assert check.ok and check.detail == "method ngram, 3 draft token(s) a step"
