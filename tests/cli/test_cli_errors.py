@@ -198,6 +198,19 @@ def test_preflight_and_serve_refuse_a_context_above_the_models_own_limit():
     assert "vLLM     log" not in r.stdout  # nothing started
 
 
+def test_preflight_and_serve_refuse_a_delegate_method_vllm_does_not_have(tmp_path):
+    """`non_routed_quantization` naming a method this vLLM lacks passed every gate; the load failed minutes later."""
+    pack = Path(shutil.copytree(demo.PACK, tmp_path / "pack"))
+    config = json.loads((pack / "config.json").read_text())
+    config["quantization_config"]["non_routed_quantization"] = {"quant_method": "fp9"}
+    (pack / "config.json").write_text(json.dumps(config))
+    says = "config.json: quantization_config: non_routed_quantization: quant_method 'fp9' is not a quantization method"
+    r = cli("preflight", str(pack))
+    assert r.returncode == 78 and f"FAIL vLLM model config: {says}" in r.stderr, r.stderr
+    r = cli("serve", str(pack), "--once", "--port", str(free_port()))
+    assert r.returncode == 2 and f"refusing to serve: {says}" in r.stderr.replace("\n", " "), r.stderr
+
+
 def test_serve_checks_vllms_options_before_starting_anything():
     r = cli("serve", str(demo.PACK), "--once", "--port", str(free_port()), "--", "--bogus-flag", "3")
     assert r.returncode == 2 and "unrecognized arguments: --bogus-flag 3" in r.stderr, r.stderr

@@ -36,7 +36,7 @@ class VllmOptions:
     given: Mapping[str, Mapping[str, Any]]  # group -> {dest: value} that group sets by itself
     flags: Mapping[str, str]  # dest -> its long flag, e.g. max_model_len -> --max-model-len
     # vLLM's ModelConfig built from the options and the pack's config (integration/vllm_cli.py _model_check):
-    # {"problem", "length_only", "max_model_len"}; None when the model is not a local pack
+    # {"problem", "length_only", "max_model_len", "pack"}; None when the model is not a local pack
     model: Mapping[str, Any] | None = None
 
     def value(self, dest: str) -> Any:
@@ -56,6 +56,8 @@ class VllmOptions:
         """Why vLLM would refuse these options against the model's config, in its first minute of booting; None
         when it would not. length_final=False: the --max-model-len read here is not the one vLLM will get (the
         launcher's plan replaces a preset's), so a problem with the length alone is not one."""
+        if (self.model or {}).get("pack"):
+            return self.model["pack"]
         problem = (self.model or {}).get("problem")
         if not problem:
             return None

@@ -147,7 +147,7 @@ def _model_check(model: str, ns: argparse.Namespace) -> dict | None:
     None when the model is not a local pack (the pack check says why; vLLM would go to the Hub for it). Else
     {"problem": vLLM's reason or None, "length_only": the problem goes away without --max-model-len,
     "max_model_len": the model's own maximum as vLLM derives it (config.json, tokenizer_config.json, RoPE
-    scaling), None when it cannot be derived}."""
+    scaling), None when it cannot be derived, "pack": what the plugin will refuse in the EXL3 contract}."""
     if not os.path.isfile(os.path.join(model, "config.json")):
         return None
     os.environ["HF_HUB_OFFLINE"] = "1"  # a local pack: nothing to fetch, and no retries against an unreachable Hub
@@ -160,7 +160,23 @@ def _model_check(model: str, ns: argparse.Namespace) -> dict | None:
         ns.max_model_len = None  # the model's own maximum: vLLM's default
         auto, without_length = _model_config(ns)
     return {"problem": problem, "length_only": problem is not None and without_length is None,
-            "max_model_len": getattr(auto, "max_model_len", None)}
+            "max_model_len": getattr(auto, "max_model_len", None), "pack": _contract_problem(config or auto)}
+
+
+def _contract_problem(config: Any) -> str | None:
+    """The EXL3 contract as the plugin will read it at load time, vLLM's side included (a delegate method this
+    vLLM does not have); the rest of it the pack check has already read."""
+    raw = getattr(getattr(config, "hf_config", None), "quantization_config", None)
+    if not isinstance(raw, dict) or str(raw.get("quant_method", "")).lower() != "exl3":
+        return None
+    from ..format.errors import Exl3ConfigError
+    from .config import parse_contract
+
+    try:
+        parse_contract(raw)
+    except Exl3ConfigError as e:
+        return f"config.json: quantization_config: {e}"
+    return None
 
 
 def _answer_parse_request() -> int:
