@@ -30,7 +30,7 @@ from .geometry import ceil_to
 from .headers import DTYPES, SafetensorsFile, TensorRecord, read_safetensors_header
 from .records import (EXPERT_RE, Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem,
                       scale_problem, tensor_group, unknown_suffix_problems)
-from .strict import check_readable, expect_type, optional, read_json_object
+from .strict import expect_type, optional, read_json_object, read_pack_file
 
 __all__ = ["Pack", "tensor_group", "verify_pack"]
 
@@ -244,7 +244,7 @@ class Pack:
                 if name in SIDE_JSON_FILES:
                     read_json_object(path, pack_integers=False)
                 else:
-                    check_readable(path)
+                    read_pack_file(path, 0)  # its first byte: the tokenizer libraries parse the rest
             except Exl3FormatError as e:
                 problems.append(e)
         return problems

@@ -162,34 +162,27 @@ def loads(raw: bytes | str, file: str | os.PathLike | None, what: str = "valid J
     return value
 
 
-def read_json_object(path: Path, pack_integers: bool = True) -> dict[str, Any]:
-    """A JSON object file of the pack (config.json, the index, the sidecar), read strictly (pack_integers: see
-    `loads`)."""
+def read_pack_file(path: Path, limit: int, what: str = "a regular file") -> bytes:
+    """Up to limit + 1 bytes of a regular file of the pack; a missing, special or unreadable one is an
+    `Exl3FormatError` naming it."""
     try:
-        fd = open_regular(path, "a regular JSON file")
+        fd = open_regular(path, what)
     except FileNotFoundError as e:
         raise Exl3FormatError(path, None, "this file in the pack", "missing file") from e
     try:
         with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
+            return f.read(limit + 1)
     except OSError as e:
-        raise Exl3FormatError(path, None, "a readable JSON file", f"{type(e).__name__}: {e}") from e
+        raise Exl3FormatError(path, None, f"{what} this process can read", f"{type(e).__name__}: {e}") from e
+
+
+def read_json_object(path: Path, pack_integers: bool = True) -> dict[str, Any]:
+    """A JSON object file of the pack (config.json, the index, the sidecar), read strictly (pack_integers: see
+    `loads`)."""
+    raw = read_pack_file(path, MAX_JSON_BYTES, "a regular JSON file")
     if len(raw) > MAX_JSON_BYTES:
         raise Exl3FormatError(path, None, f"a JSON file of at most {MAX_JSON_BYTES} bytes", "a larger file")
     return expect_type(loads(raw, path, pack_integers=pack_integers), dict, path, "a JSON object")
-
-
-def check_readable(path: Path) -> None:
-    """A regular file this process can read (its first byte), else an `Exl3FormatError` naming it."""
-    try:
-        fd = open_regular(path, "a regular, readable file")
-    except FileNotFoundError as e:
-        raise Exl3FormatError(path, None, "this file in the pack", "missing file (a dangling link?)") from e
-    try:
-        with os.fdopen(fd, "rb") as f:
-            f.read(1)
-    except OSError as e:
-        raise Exl3FormatError(path, None, "a readable file", f"{type(e).__name__}: {e}") from e
 
 
 _TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
