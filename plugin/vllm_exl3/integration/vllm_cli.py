@@ -150,7 +150,6 @@ def _model_check(model: str, ns: argparse.Namespace) -> dict | None:
     scaling), None when it cannot be derived, "pack": what the plugin will refuse in the EXL3 contract}."""
     if not os.path.isfile(os.path.join(model, "config.json")):
         return None
-    os.environ["HF_HUB_OFFLINE"] = "1"  # a local pack: nothing to fetch, and no retries against an unreachable Hub
     ns = argparse.Namespace(**vars(ns))
     ns.model = model  # `vllm serve MODEL` does the same with its positional (vllm/entrypoints/cli/serve.py)
     config, problem = _model_config(ns)
