@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import random
 import socket
 import subprocess
@@ -253,3 +254,64 @@ def test_idle_connections_are_closed_and_busy_ones_are_not():
             time.sleep(0.5)
         for s in [*idle, slow, busy]:
             s.close()
+
+
+# --- sequences per request ----------------------------------------------------------------------------------------
+def post(guard: GuardAllPaths, path: str, body: bytes, chunk: int = 7):
+    """POST body in small pieces, as uvicorn may deliver it; (status, what the app received or the refusal)."""
+    sent, received = [], []
+    pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] or [b""]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            received.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    guard.app = app
+    scope = {"type": "http", "path": path, "method": "POST", "root_path": "", "headers": []}
+    asyncio.run(guard(scope, receive, send))
+    if sent:
+        return sent[0]["status"], json.loads(sent[1]["body"])
+    return 200, b"".join(received)
+
+
+@pytest.mark.parametrize("prompt,n,allowed", [
+    (["Hello"] * 1024, 8, False),  # the issue's 8,192 sequences: each prompt's n 8 was within the bound
+    (["Hello"] * 3, 3, False),
+    (["Hello"] * 2, 4, True),
+    ("Hello", 8, True),
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 8, True),  # one prompt as token ids
+    ([[1, 2], [3, 4], [5]], 3, False),  # three prompts as token ids
+])
+def test_the_guard_bounds_sequences_per_request_not_per_prompt(prompt, n, allowed):
+    guard = GuardAllPaths(None, key="", opened="", max_seqs=8)
+    body = json.dumps({"model": "m", "prompt": prompt, "n": n, "max_tokens": 4}).encode()
+    status, answer = post(guard, "/v1/completions", body)
+    if allowed:
+        assert status == 200 and answer == body  # the app reads the body the guard read, whole
+    else:
+        assert status == 400 and answer["error"]["param"] == "n", answer
+        assert f"asks for {len(prompt) * n} sequences" in answer["error"]["message"]
+        assert "at most 8 per request (its --max-num-seqs)" in answer["error"]["message"]
+
+
+def test_the_sequence_bound_comes_from_vllms_own_variable(monkeypatch):
+    """One limit: exposure.api_environment sets VLLM_MAX_N_SEQUENCES for vLLM's per-prompt check; the guard reads
+    the same variable. Bodies that are not completion requests pass to vLLM, which answers them."""
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "4")
+    guard = GuardAllPaths(None, key="", opened="")
+    assert post(guard, "/v1/completions", json.dumps({"prompt": ["a"] * 5}).encode())[0] == 400
+    assert post(guard, "/v1/completions", b"{not json")[0] == 200
+    assert post(guard, "/v1/chat/completions", json.dumps({"prompt": ["a"] * 5}).encode())[0] == 200
+    monkeypatch.delenv("VLLM_MAX_N_SEQUENCES")
+    assert post(GuardAllPaths(None, key="", opened=""), "/v1/completions",
+                json.dumps({"prompt": ["a"] * 5000}).encode())[0] == 200

@@ -174,6 +174,9 @@ def test_launch_and_preflight_take_the_pack_as_an_argument():
     (["--max-num-seqs"], "argument --max-num-seqs: expected one argument"),
     (["--kv-cache-dtype", "fp7"], "argument --kv-cache-dtype: invalid choice: 'fp7'"),
     (["--max-num", "4"], "ambiguous option: --max-num could match"),
+    # vLLM's parser itself failed (IndexError: list index out of range, reported as its traceback's last line)
+    (["--hf-overrides.x"], "vLLM's parser could not read --hf-overrides.x (IndexError: list index out of range): "
+                           "a dotted option takes a value"),
 ])
 def test_preflight_checks_vllms_options_with_vllms_parser(args, reason):
     """Before: "internal error ... please include it in a bug report", or "ok" and a command vLLM rejects."""
@@ -181,6 +184,31 @@ def test_preflight_checks_vllms_options_with_vllms_parser(args, reason):
     assert r.returncode == 78, r.stderr
     assert f"REFUSED: vLLM refuses the options: the arguments after `--`: {reason}" in r.stderr, r.stderr
     assert "internal error" not in r.stderr and r.stdout == ""  # no command vLLM would reject
+
+
+def test_preflight_and_serve_refuse_a_context_above_the_models_own_limit():
+    """vLLM's own ModelConfig, built from the options and the pack: preflight said ok and serve failed a minute
+    into the boot with a pydantic traceback. The preset's longer context is not a problem (the plan caps it)."""
+    r = cli("preflight", str(demo.PACK), "--", "--max-model-len", "100000")
+    assert r.returncode == 78, r.stderr
+    assert ("FAIL vLLM model config: --max-model-len 100000 is above the model's maximum context, 1024 tokens"
+            in r.stderr), r.stderr
+    r = cli("serve", str(demo.PACK), "--once", "--port", str(free_port()), "--", "--max-model-len", "100000")
+    assert r.returncode == 2 and "refusing to serve: --max-model-len 100000 is above" in r.stderr, r.stderr
+    assert "vLLM     log" not in r.stdout  # nothing started
+
+
+def test_preflight_and_serve_refuse_a_delegate_method_vllm_does_not_have(tmp_path):
+    """`non_routed_quantization` naming a method this vLLM lacks passed every gate; the load failed minutes later."""
+    pack = Path(shutil.copytree(demo.PACK, tmp_path / "pack"))
+    config = json.loads((pack / "config.json").read_text())
+    config["quantization_config"]["non_routed_quantization"] = {"quant_method": "fp9"}
+    (pack / "config.json").write_text(json.dumps(config))
+    says = "config.json: quantization_config: non_routed_quantization: quant_method 'fp9' is not a quantization method"
+    r = cli("preflight", str(pack))
+    assert r.returncode == 78 and f"FAIL vLLM model config: {says}" in r.stderr, r.stderr
+    r = cli("serve", str(pack), "--once", "--port", str(free_port()))
+    assert r.returncode == 2 and f"refusing to serve: {says}" in r.stderr.replace("\n", " "), r.stderr
 
 
 def test_serve_checks_vllms_options_before_starting_anything():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 from support.fixtures import PACKS, pack_dir
@@ -149,6 +150,33 @@ def _huge(file):
     return mutate
 
 
+def _side_file(name, change):
+    """A file beside the weights that vLLM or transformers reads at boot, copied from the source pack and changed
+    (copy_pack leaves them out: the gates did not read them)."""
+    def mutate(root):
+        source = SOURCES[0] / name
+        (root / name).write_bytes(source.read_bytes() if source.exists() else b"{}")
+        change(root / name)
+        return Expect(name)
+    return mutate
+
+
+def _huge_in(path):
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data)[:-1] + ', "x_huge": ' + "1" + "0" * 5000 + "}")
+
+
+def _unreadable(path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads a mode-000 file")
+    path.chmod(0)
+
+
+def _a_folder(path):
+    path.unlink()
+    path.mkdir()
+
+
 def _long_shard_name(root):
     weight_map = {n: ST for n in entries(root / ST)}
     weight_map["model.norm.weight"] = "x" * 300 + ".safetensors"
@@ -190,6 +218,12 @@ ISSUE_EXAMPLES = {
     "markup in a config string": _config("codebook", "[/]", qc=True),
     "shard name longer than the filesystem allows": _long_shard_name,
     "non-finite max_position_embeddings": _config("max_position_embeddings", float("inf")),
+    "huge integer in generation_config.json": _side_file("generation_config.json", _huge_in),
+    "huge integer in tokenizer_config.json": _side_file("tokenizer_config.json", _huge_in),
+    "tokenizer.json of mode 000": _side_file("tokenizer.json", _unreadable),
+    "tokenizer.json that is a folder": _side_file("tokenizer.json", _a_folder),
+    "generation_config.json cut short": _side_file("generation_config.json",
+                                                    lambda p: p.write_text(p.read_text()[:-2])),
 }
 
 
@@ -262,3 +296,12 @@ def test_round3_examples_are_refused_by_every_gate_before_the_boot(tmp_path, exa
     results = {gate: run_gate(gate, mutant) for gate in mutant.expect.gates}
     wrong = {gate: f"{result}: {text[-1500:]}" for gate, (result, text) in results.items() if result != "refused"}
     assert not wrong, f"{example} (expect {mutant.expect}): {wrong}"
+
+
+def test_a_tokenizer_config_with_transformers_very_large_model_max_length_is_accepted(tmp_path):
+    """transformers writes model_max_length int(1e30) when a tokenizer has no limit: beyond 64 bits, but no mistake
+    (the files beside the weights are held to Python's integer limit, not the pack's)."""
+    root = copy_pack(SOURCES[0], tmp_path / "p")
+    (root / "tokenizer_config.json").write_text('{"model_max_length": 1000000000000000019884624838656}')
+    code, err = run_cli("verify", str(root))
+    assert code == 0, err

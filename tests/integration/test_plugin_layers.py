@@ -357,6 +357,14 @@ def test_contract_errors(raw, message):
         cfg.get_quant_method(None, "model.layers.0.self_attn.o_proj")
 
 
+def test_a_delegate_method_vllm_does_not_have_is_refused_by_name():
+    """It passed every gate, then vLLM's "Invalid quantization method" ended the load at the first dense layer."""
+    cfg = Exl3Config({"quant_method": "exl3", "non_routed_quantization": {"quant_method": "fp9"}})
+    with pytest.raises(Exl3ConfigError, match="non_routed_quantization: quant_method 'fp9' is not a quantization "
+                                              "method of this vLLM"):
+        cfg.maybe_update_config(str(pack_dir("qwen3moe-a-exl3-mcg-b3")))
+
+
 @pytest.mark.parametrize("layer", [0, 7])
 def test_layer_bits_declaration_is_checked_for_every_layer(layer):
     """`layer_bits` keys are layer indices; layer 0 is a key like any other."""

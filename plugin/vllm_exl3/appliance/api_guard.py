@@ -14,6 +14,10 @@ it runs inside vLLM's API server but never imports vLLM.
   the executors new requests need: they fail with 500 ("cannot schedule new futures after shutdown") while
   /health still says 200. From the moment vLLM starts shutting its engine client down, every new request gets
   503 with Retry-After, so clients and load balancers go elsewhere; running streams continue.
+- Sequences per request. vLLM bounds `n` per prompt (VLLM_MAX_N_SEQUENCES, which the launcher and `vllm-exl3
+  serve` set to --max-num-seqs, exposure.py), but a completion request takes a list of prompts: 1024 prompts
+  with n 8 are 8,192 sequences in one request. The guard reads a completion request's body and answers 400 when
+  prompts x n exceeds the same bound.
 - Idle connections. uvicorn closes a kept-alive connection some seconds after a response, but a connection that
   never sends a complete request head stays open for ever (thousands of them hold thousands of descriptors). A
   connection without a request in progress for VLLM_EXL3_HTTP_IDLE_TIMEOUT seconds is closed.
@@ -35,6 +39,53 @@ READ_METHODS = ("GET", "HEAD")
 DRAIN_RETRY_AFTER_S = 5
 DRAIN_MESSAGE = "the server is shutting down; retry on another server"
 SWEEP_INTERVAL_S = 1.0
+
+
+COMPLETIONS_PATH = "/v1/completions"  # the one OpenAI route that takes many prompts in one request
+MAX_SEQUENCES_ENV = "VLLM_MAX_N_SEQUENCES"  # vLLM's own per-prompt bound on n (vllm/envs.py); 0 or unset: none
+
+
+def max_sequences(value: str | None) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0  # vLLM itself refuses to start on a malformed value
+
+
+async def read_body(receive):
+    """The whole request body, and a receive() that hands it to the app as if unread."""
+    chunks, pending = [], []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            pending.append(message)  # the client went away: the app sees that as it would have
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    body = b"".join(chunks)
+    pending.insert(0, {"type": "http.request", "body": body, "more_body": False})
+
+    async def replay():
+        return pending.pop(0) if pending else await receive()
+
+    return body, replay
+
+
+def sequences_asked(body: bytes) -> tuple[int, int] | None:
+    """(prompts, n) of a completion request; None when the body is not one (vLLM answers that itself)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    prompt, n = request.get("prompt"), request.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt), n  # a list of prompts (texts or token lists); a flat token list is one prompt
+    return 1, n
 
 
 def open_paths(value: str) -> tuple[str, ...]:
@@ -59,12 +110,13 @@ def is_cors_preflight(scope) -> bool:
 
 class GuardAllPaths:
     def __init__(self, app, key: str | None = None, opened: str | None = None,
-                 idle_timeout: float | None = None) -> None:
+                 idle_timeout: float | None = None, max_seqs: int | None = None) -> None:
         self.app = app
         key = os.environ.get("VLLM_API_KEY", "") if key is None else key
         self.digest = hashlib.sha256(key.encode()).digest() if key else None
         self.opened = open_paths(settings.get("VLLM_EXL3_OPEN_PATHS", keep_empty=True) if opened is None else opened)
         self.idle_timeout = settings.get_float("VLLM_EXL3_HTTP_IDLE_TIMEOUT") if idle_timeout is None else idle_timeout
+        self.max_sequences = max_sequences(os.environ.get(MAX_SEQUENCES_ENV)) if max_seqs is None else max_seqs
         self.draining = False
         self.sweeper: asyncio.Task | None = None
 
@@ -91,10 +143,19 @@ class GuardAllPaths:
         if self.draining:
             return await refuse(scope, send, 503, DRAIN_MESSAGE,
                                 [(b"retry-after", str(DRAIN_RETRY_AFTER_S).encode()), (b"connection", b"close")])
-        if self.admitted(scope):
-            return await self.app(scope, receive, send)
-        return await refuse(scope, send, 401, "Unauthorized: send `Authorization: Bearer <key>`",
-                            [(b"www-authenticate", b"Bearer")])
+        if not self.admitted(scope):
+            return await refuse(scope, send, 401, "Unauthorized: send `Authorization: Bearer <key>`",
+                                [(b"www-authenticate", b"Bearer")])
+        if self.max_sequences and scope.get("method") == "POST" and scope["path"].endswith(COMPLETIONS_PATH):
+            body, receive = await read_body(receive)
+            asked = sequences_asked(body)
+            if asked is not None and asked[0] * asked[1] > self.max_sequences:
+                prompts, n = asked
+                return await refuse(scope, send, 400, f"this request asks for {prompts * n} sequences ({prompts} "
+                                    f"prompts x n {n}); this server runs at most {self.max_sequences} per request "
+                                    "(its --max-num-seqs): send fewer prompts or a smaller n per request", [],
+                                    openai_param="n")
+        return await self.app(scope, receive, send)
 
     # --- the server around the app: vLLM's engine client and uvicorn's connections -------------------------------
     def start(self, app) -> None:
@@ -115,10 +176,14 @@ class GuardAllPaths:
             self.sweeper = asyncio.get_running_loop().create_task(sweep_idle(server, self.idle_timeout))
 
 
-async def refuse(scope, send, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+async def refuse(scope, send, status: int, message: str, headers: list[tuple[bytes, bytes]],
+                 openai_param: str | None = None) -> None:
+    """openai_param: a refused request's value, answered in vLLM's (OpenAI's) error shape so clients show it."""
     if scope["type"] == "websocket":
         return await send({"type": "websocket.close", "code": 1013 if status == 503 else 1008})
-    body = json.dumps({"error": message}).encode()
+    error = {"message": message, "type": "BadRequestError", "param": openai_param, "code": status} \
+        if openai_param else message
+    body = json.dumps({"error": error}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})

@@ -11,9 +11,10 @@ vLLM binds every interface unless told otherwise, and its `--api-key` / `VLLM_AP
   every path needs it except GET/HEAD of `VLLM_EXL3_OPEN_PATHS` (default /health and /metrics, for Docker's
   health check and Prometheus); with or without a key it answers 503 once vLLM is draining and closes
   connections that send no request (VLLM_EXL3_HTTP_IDLE_TIMEOUT);
-- one request may ask for at most --max-num-seqs sequences (`n`): vLLM's own bound is 16384
+- one request may ask for at most --max-num-seqs sequences: vLLM's own bound on `n` is 16384 per prompt
   (VLLM_MAX_N_SEQUENCES, vllm/envs.py), and a stream that large starves the API server's event loop, /health
-  included, past the health check's timeout.
+  included, past the health check's timeout. vLLM applies the variable per prompt; the guard applies the same
+  value to prompts x n of a whole completion request (api_guard.py).
 """
 
 from __future__ import annotations

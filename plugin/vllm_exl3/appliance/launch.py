@@ -319,6 +319,11 @@ def run_preflight(spec: LaunchSpec, options: VllmOptions, env: Mapping[str, str]
     if (speculative := preflight.check_speculative(pack, options.value("speculative_config"),
                                                    options.flag("speculative_config"))) is not None:
         report.checks.append(speculative)
+    # A length the user set reaches vLLM as it is (a preset's is replaced by the plan's, within the model's maximum)
+    model_refusal = options.model_refusal(length_final=plan_request(spec, options).max_model_len_pinned)
+    if model_refusal:
+        report.checks.append(preflight.Check("vLLM model config", False, model_refusal))
+        return report, spec
     if meminfo is None and not preflight.gpu_present(root):
         # vLLM's CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE, not from a memory fraction.
         report.notes.append("no NVIDIA GPU visible: unified-memory plan not enforced; context capped to the "

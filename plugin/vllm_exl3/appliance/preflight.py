@@ -4,6 +4,8 @@
 - the kernel backend named in VLLM_EXL3_KERNEL is usable here (built for this GPU, installed);
 - a speculative method in --speculative-config has what it drafts from: `mtp` the pack's own MTP layers,
   `suffix` the arctic-inference package;
+- vLLM's own model config accepts the options against the pack (a --max-model-len above the model's maximum, a
+  `non_routed_quantization` method this vLLM lacks: launch.py, from vllm_options.VllmOptions.model_refusal);
 - the network names exist: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME interfaces, NCCL_IB_HCA devices, and
   VLLM_HOST_IP is an address of this machine on the interface NCCL was told to use;
 - two nodes: on the head, the head address is its own; on the worker, traffic to the head leaves through that

@@ -35,6 +35,9 @@ class VllmOptions:
     effective: Mapping[str, Any]  # dest -> the value vLLM will use for the whole command
     given: Mapping[str, Mapping[str, Any]]  # group -> {dest: value} that group sets by itself
     flags: Mapping[str, str]  # dest -> its long flag, e.g. max_model_len -> --max-model-len
+    # vLLM's ModelConfig built from the options and the pack's config (integration/vllm_cli.py _model_check):
+    # {"problem", "length_only", "max_model_len", "pack"}; None when the model is not a local pack
+    model: Mapping[str, Any] | None = None
 
     def value(self, dest: str) -> Any:
         return self.effective.get(dest)
@@ -48,6 +51,25 @@ class VllmOptions:
 
     def flag(self, dest: str) -> str:
         return self.flags.get(dest) or "--" + dest.replace("_", "-")
+
+    def model_refusal(self, length_final: bool = True) -> str | None:
+        """Why vLLM would refuse these options against the model's config, in its first minute of booting; None
+        when it would not. length_final=False: the --max-model-len read here is not the one vLLM will get (the
+        launcher's plan replaces a preset's), so a problem with the length alone is not one."""
+        if (self.model or {}).get("pack"):
+            return self.model["pack"]
+        problem = (self.model or {}).get("problem")
+        if not problem:
+            return None
+        if not self.model.get("length_only"):
+            return f"vLLM refuses the model with these options: {problem}"
+        if not length_final:
+            return None
+        limit = self.model.get("max_model_len")
+        return (f"{self.flag('max_model_len')} {self.value('max_model_len')} is above the model's maximum context"
+                + (f", {limit} tokens" if limit else "") + ", which vLLM derives from the pack's config.json and "
+                "tokenizer_config.json and refuses to exceed: lower it, or leave it out to get the maximum "
+                f"(vLLM: {problem.split('. ')[0]})")
 
 
 def read_options(model: str, command: Sequence[str], groups: Mapping[str, Sequence[str]] | None = None,
@@ -76,4 +98,4 @@ def read_options(model: str, command: Sequence[str], groups: Mapping[str, Sequen
                                "or a virtualenv made by scripts/bootstrap") from None
     if "error" in answer:
         raise VllmOptionsError(f"vLLM refuses the options: {answer['error']}")
-    return VllmOptions(answer["effective"], answer["given"], answer["flags"])
+    return VllmOptions(answer["effective"], answer["given"], answer["flags"], answer.get("model"))

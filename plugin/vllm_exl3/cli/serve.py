@@ -9,7 +9,9 @@ healthy server.
 
 It binds and guards like the appliance (appliance/exposure.py): vLLM's options are read by vLLM's own parser
 before anything starts (appliance/vllm_options.py; `-- --ho 0.0.0.0` is `--host 0.0.0.0`), a bind beyond loopback
-without VLLM_API_KEY is refused, and the API guard middleware is always in front. Every way out of it stops what
+without VLLM_API_KEY is refused, and the API guard middleware is always in front. Refusals that need no vLLM come
+first: asking vLLM's parser costs 10-30 s (it imports vLLM), so the pack, the kernel setting and, when the
+arguments after `--` cannot move the bind, the address and port are checked before it. Every way out of it stops what
 it started: Ctrl-C, SIGTERM and SIGHUP stop vLLM before it exits; if this process dies without that chance
 (kill -9), vLLM gets SIGTERM from the kernel and a guard process (serve_guard.py) kills what is left of it.
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from .. import demo
 from ..appliance import exposure, preflight
+from ..appliance.preflight import check_kernel
 from ..appliance.health import api_address
 from ..appliance.launch import EXTRA_AFTER_DASHES
 from ..appliance.vllm_options import VllmOptions, VllmOptionsError, read_options
@@ -65,9 +68,29 @@ class ServeOptions:
             argv += ["--chat-template", str(self.chat_template)]
         return argv + list(self.own_args)
 
+    def bind_before_parsing(self) -> tuple[str, int] | None:
+        """The address and port vLLM will bind, when that is known without vLLM's parser: None when the user's
+        options might set them (any spelling vLLM's parser could read as --host, --port or --config, a short
+        or malformed option). Only decides how early the bind is checked; the parsed options are checked too."""
+        return None if any(_may_set_bind(arg) for arg in self.extra_args) else (self.host, self.port)
+
     def read_options(self) -> VllmOptions:
         """The whole command read by vLLM's parser; the user's own options as a group, so errors name them."""
         return read_options(str(self.pack), [*self.flags(), *self.extra_args], {EXTRA_AFTER_DASHES: self.extra_args})
+
+
+# What could set the bind in vLLM's serve parser: the options themselves, by any unique prefix (argparse), and a
+# --config file of options (vllm/utils/argparse_utils.py, FlexibleArgumentParser).
+BIND_OPTIONS = ("host", "port", "config")
+
+
+def _may_set_bind(arg: str) -> bool:
+    if not arg.startswith("-"):
+        return False  # a value
+    if not arg.startswith("--"):
+        return True  # short forms, -O..., a negative number: left to vLLM's parser
+    name = arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    return not name or any(option.startswith(name) for option in BIND_OPTIONS)
 
 
 def server_command(opts: ServeOptions, options: VllmOptions) -> list[str]:
@@ -159,6 +182,17 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def check_bind(host: str, port: int) -> None:
+    """UsageError when vLLM must not (an open API without a key) or cannot (a busy port) listen there."""
+    refusal = exposure.refusal(host, os.environ, port, loopback_hint="--host 127.0.0.1")
+    if refusal:
+        raise UsageError(f"refusing to serve: {refusal}", 2)
+    busy = port_problem(host, port)
+    if busy:
+        raise UsageError(f"cannot serve on {host}:{port}: {busy}. Another server (an earlier "
+                         "`vllm-exl3 serve`?) may hold the port: stop it, or choose another with --port N.")
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
     """Stop vLLM as Ctrl-C would: SIGINT to the API server only, which shuts its engine down in order (signalling
     the whole group at once leaves vLLM force-killing its engine and leaking semaphores); the group is killed
@@ -215,6 +249,11 @@ def serve_main(a) -> int:
         err_console.print(f"[red]refusing to serve:[/] {lit(e)}", highlight=False, soft_wrap=True)
     if problems:
         return 1
+    kernel = check_kernel(os.environ)  # preflight's check: the plugin would refuse it minutes into the boot
+    if kernel is not None and not kernel.ok:
+        raise UsageError(f"refusing to serve: {kernel.name}: {kernel.detail}", 2)
+    if (known := opts.bind_before_parsing()) is not None:
+        check_bind(*known)
     try:
         options = opts.read_options()
     except VllmOptionsError as e:
@@ -223,14 +262,10 @@ def serve_main(a) -> int:
                                               options.flag("speculative_config"))
     if speculative is not None and not speculative.ok:
         raise UsageError(f"refusing to serve: {speculative.detail}", 2)
-    host, port = str(options.value("host") or ""), int(options.value("port"))
-    refusal = exposure.refusal(host, os.environ, port, loopback_hint="--host 127.0.0.1")
-    if refusal:
+    if (refusal := options.model_refusal()) is not None:
         raise UsageError(f"refusing to serve: {refusal}", 2)
-    busy = port_problem(host, port)
-    if busy:
-        raise UsageError(f"cannot serve on {host}:{port}: {busy}. Another server (an earlier "
-                         "`vllm-exl3 serve`?) may hold the port: stop it, or choose another with --port N.")
+    host, port = str(options.value("host") or ""), int(options.value("port"))
+    check_bind(host, port)
     log_path = Path(a.log) if a.log else default_log_path(port)
     try:
         log_file = open(log_path, "w")
@@ -284,10 +319,10 @@ def serve_main(a) -> int:
         say(f"total    {time.monotonic() - t_start:.1f} s")
         failed = [ans for ans in answers if ans.text is None and not ans.note.startswith("skipped")]
         if a.once:
-            _next_steps(say, a, base, model)
+            _next_steps(say, a, base, model, key is not None)
             return 1 if failed else 0
         say(f"serving  {base}/v1 (Ctrl-C to stop)")
-        _next_steps(say, a, base, model, serving=True)
+        _next_steps(say, a, base, model, key is not None, serving=True)
         return proc.wait()
     except Terminated as e:
         return 128 + e.signum
@@ -308,12 +343,19 @@ def serve_main(a) -> int:
             signal.signal(s, handler)
 
 
-def _next_steps(say, a, base: str, model: str, serving: bool = False) -> None:
+def curl_line(base: str, model: str, keyed: bool) -> str:
+    """A completion request to copy; with a key set, the guard answers 401 without the header (the key itself is
+    not printed: the shell fills it in from the variable)."""
+    auth = ' -H "Authorization: Bearer $VLLM_API_KEY"' if keyed else ""
+    return (f"curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+
+
+def _next_steps(say, a, base: str, model: str, keyed: bool, serving: bool = False) -> None:
     say("next:")
     if not serving:
         say("  keep it serving:    .venv/bin/vllm-exl3 serve --demo" if a.demo else
             f"  keep it serving:    vllm-exl3 serve {a.pack}")
-    say(f"  ask it yourself:    curl {base}/v1/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+    say(f"  ask it yourself:    {curl_line(base, model, keyed)}")
     if a.demo:
         say("  serve your own pack: vllm-exl3 serve /path/to/exl3-pack -- --max-model-len 4096")

@@ -30,7 +30,7 @@ from .geometry import ceil_to
 from .headers import DTYPES, SafetensorsFile, TensorRecord, read_safetensors_header
 from .records import (EXPERT_RE, Exl3Linear, build_linear, group_exl3_tensors, ledger_codebook, marker_problem,
                       scale_problem, tensor_group, unknown_suffix_problems)
-from .strict import expect_type, optional, read_json_object
+from .strict import expect_type, optional, read_json_object, read_pack_file
 
 __all__ = ["Pack", "tensor_group", "verify_pack"]
 
@@ -40,6 +40,13 @@ MAX_FILE_NAME_BYTES = 255
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 _TORCH_TO_DTYPE = {f"torch.{d.torch_name}": name for name, d in DTYPES.items()}  # the ledger's names -> ours
 _LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+# Files beside the weights that vLLM and transformers read at boot (when present): JSON objects, and others that
+# need only be readable here (the tokenizer libraries parse them).
+SIDE_JSON_FILES = ("generation_config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "preprocessor_config.json", "chat_template.json")
+SIDE_TEXT_FILES = ("tokenizer.model", "merges.txt", "vocab.txt", "chat_template.jinja")
 
 
 @dataclass
@@ -207,7 +214,7 @@ class Pack:
         contract against the tensors, the sidecar's ledger against the headers, and, when all of that holds, the
         tensors against the set the architecture has (`notes` says whether that could be checked)."""
         problems = self.index_problems + self.linear_problems(finite) + self.config_problems() + \
-            self.ledger_problems() + self.dtype_problems()
+            self.ledger_problems() + self.dtype_problems() + self.side_file_problems()
         if self._linears is not None:
             problems += self.contract_problems(self._linears)
         self.notes = []
@@ -232,6 +239,24 @@ class Pack:
         """The file `quantization_config` comes from: config.json, or the sidecar when config.json has none."""
         in_config = isinstance(self.config.get("quantization_config"), dict)
         return self.root / ("config.json" if in_config else SIDECAR_FILE)
+
+    def side_file_problems(self) -> list[Exl3FormatError]:
+        """The files beside the weights that vLLM and transformers read while booting (the tokenizer, the generation
+        defaults): each one present is read as they will read it, so one they cannot read (unreadable, not a
+        file, broken JSON, an integer of thousands of digits) is refused here, not minutes into the boot."""
+        problems = []
+        for name in SIDE_JSON_FILES + SIDE_TEXT_FILES:
+            path = self.root / name
+            if not os.path.lexists(path):
+                continue
+            try:
+                if name in SIDE_JSON_FILES:
+                    read_json_object(path, pack_integers=False)
+                else:
+                    read_pack_file(path, 0)  # its first byte: the tokenizer libraries parse the rest
+            except Exl3FormatError as e:
+                problems.append(e)
+        return problems
 
     def config_problems(self) -> list[Exl3FormatError]:
         """Config values that type-check but make a model this pack cannot be: expert counts that disagree, a top-k

@@ -101,6 +101,19 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
+# Python's own int-digit limit (sys.int_info.default_max_str_digits): the readers of the files beside the weights
+# (transformers' json.load of generation_config.json, tokenizer_config.json) stop on a longer integer.
+PYTHON_INT_DIGITS = 4300
+
+
+def _parse_int_of_python(text: str) -> int:
+    digits = text.lstrip("-")
+    if len(digits) > PYTHON_INT_DIGITS:
+        raise _BadNumber(text, f"integers of at most {PYTHON_INT_DIGITS} digits (Python's limit)",
+                         f"a {len(digits)}-digit integer")
+    return int(text)
+
+
 def _parse_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -127,13 +140,14 @@ def _surrogate_free(value: Any) -> bool:
 
 
 def loads(raw: bytes | str, file: str | os.PathLike | None, what: str = "valid JSON", noun: str = "JSON",
-          keys_are_tensors: bool = False) -> Any:
+          keys_are_tensors: bool = False, pack_integers: bool = True) -> Any:
     """JSON text -> value; duplicate keys, bad UTF-8 (lone surrogate escapes included), bad syntax, nesting too deep
     and numbers that are not finite or beyond 64 bits are `Exl3FormatError`s (`keys_are_tensors`: a safetensors
-    header, whose repeated key is named as the tensor)."""
+    header, whose repeated key is named as the tensor). pack_integers=False: integers up to Python's limit (the
+    files beside the weights: tokenizer_config.json's model_max_length is often int(1e30), beyond 64 bits)."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        value = json.loads(text, object_pairs_hook=_no_duplicates(file, keys_are_tensors), parse_int=_parse_int,
+        value = json.loads(text, object_pairs_hook=_no_duplicates(file, keys_are_tensors), parse_int=_parse_int if pack_integers else _parse_int_of_python,
                            parse_float=_parse_float, parse_constant=_parse_constant)
     except UnicodeDecodeError as e:
         raise Exl3FormatError(file, None, what, f"bytes that are not UTF-8 ({e})") from e
@@ -148,20 +162,27 @@ def loads(raw: bytes | str, file: str | os.PathLike | None, what: str = "valid J
     return value
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON object file of the pack (config.json, the index, the sidecar), read strictly."""
+def read_pack_file(path: Path, limit: int, what: str = "a regular file") -> bytes:
+    """Up to limit + 1 bytes of a regular file of the pack; a missing, special or unreadable one is an
+    `Exl3FormatError` naming it."""
     try:
-        fd = open_regular(path, "a regular JSON file")
+        fd = open_regular(path, what)
     except FileNotFoundError as e:
         raise Exl3FormatError(path, None, "this file in the pack", "missing file") from e
     try:
         with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_JSON_BYTES + 1)
+            return f.read(limit + 1)
     except OSError as e:
-        raise Exl3FormatError(path, None, "a readable JSON file", f"{type(e).__name__}: {e}") from e
+        raise Exl3FormatError(path, None, f"{what} this process can read", f"{type(e).__name__}: {e}") from e
+
+
+def read_json_object(path: Path, pack_integers: bool = True) -> dict[str, Any]:
+    """A JSON object file of the pack (config.json, the index, the sidecar), read strictly (pack_integers: see
+    `loads`)."""
+    raw = read_pack_file(path, MAX_JSON_BYTES, "a regular JSON file")
     if len(raw) > MAX_JSON_BYTES:
         raise Exl3FormatError(path, None, f"a JSON file of at most {MAX_JSON_BYTES} bytes", "a larger file")
-    return expect_type(loads(raw, path), dict, path, "a JSON object")
+    return expect_type(loads(raw, path, pack_integers=pack_integers), dict, path, "a JSON object")
 
 
 _TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer"}

@@ -43,6 +43,7 @@ from vllm.model_executor.layers.linear import (  # noqa: E402
     UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.quantization import (  # noqa: E402
+    QUANTIZATION_METHODS,
     get_quantization_config,
     register_quantization_config,
 )
@@ -52,7 +53,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  
 __all__ = [
     "FusedMoEConfig", "FusedMoEMethodBase", "RoutedExperts", "LinearBase", "LinearMethodBase",
     "UnquantizedLinearMethod", "QuantizationConfig", "ParallelLMHead", "get_quantization_config",
-    "register_quantization_config",
+    "register_quantization_config", "QUANTIZATION_METHODS",
 ]
 
 

@@ -35,6 +35,21 @@ logger = logging.getLogger(__name__)
 
 
 
+def parse_contract(raw: Any) -> Contract:
+    """The contract (format/contract.py), and what only vLLM can say of it: the `non_routed_quantization`
+    delegate names a method this vLLM has. Otherwise the first layer it serves fails minutes into the load with
+    vLLM's "Invalid quantization method"; preflight and `vllm-exl3 serve` ask this before the boot
+    (integration/vllm_cli.py)."""
+    contract = Contract.parse(raw)
+    delegate = contract.non_routed_quantization
+    if delegate is not None:
+        method = str(delegate["quant_method"]).lower()
+        if method not in compat.QUANTIZATION_METHODS:
+            raise Exl3ConfigError(f"non_routed_quantization: quant_method {method!r} is not a quantization method "
+                                  "of this vLLM (`vllm serve --help` lists them under --quantization)")
+    return contract
+
+
 class Exl3Config(compat.QuantizationConfig):
     """`quant_method: exl3`. Registered by `vllm_exl3.register()`; vLLM picks it from config.json."""
 
@@ -44,7 +59,7 @@ class Exl3Config(compat.QuantizationConfig):
         # A malformed contract is reported by `maybe_update_config`, which vLLM calls right after this and which
         # knows the pack: for a local pack the same problem comes out of the pack check naming the file.
         try:
-            self.contract, self._contract_error = Contract.parse(self.raw), None
+            self.contract, self._contract_error = parse_contract(self.raw), None
         except Exl3ConfigError as e:
             self.contract, self._contract_error = Contract(), e
         self.index: PackIndex | None = None

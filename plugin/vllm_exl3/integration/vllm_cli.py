@@ -70,6 +70,12 @@ def _parse(parser: argparse.ArgumentParser, args: Sequence[str]) -> argparse.Nam
         raise VllmArgsError("--help / --version ask vLLM to print something and exit; they start no server") from None
     except (ValueError, TypeError, AssertionError, OSError) as e:  # vLLM's own checks, --config FILE
         raise VllmArgsError(str(e) or type(e).__name__) from None
+    except (IndexError, KeyError) as e:
+        # vLLM's parser itself fails on a dotted option with nothing after it (`--hf-overrides.x` last: it reads
+        # the next argument unchecked)
+        dotted = [a for a in args if a.startswith("-") and "." in a.split("=", 1)[0]]
+        raise VllmArgsError(f"vLLM's parser could not read {' '.join(dotted) or ' '.join(args[1:])} "
+                            f"({type(e).__name__}: {e}): a dotted option takes a value, `--name.key VALUE`") from None
 
 
 def _plain(value: Any) -> Any:
@@ -115,7 +121,61 @@ def parse_serve_args(model: str, command: Sequence[str], groups: Mapping[str, Se
     except (ValueError, TypeError, KeyError, OSError) as e:
         raise VllmArgsError(str(e)) from None
     flags = {a.dest: max(a.option_strings, key=len) for a in serve._actions if a.option_strings}
-    return {"effective": {k: _plain(v) for k, v in vars(ns).items()}, "given": given, "flags": flags}
+    return {"effective": {k: _plain(v) for k, v in vars(ns).items()}, "given": given, "flags": flags,
+            "model": _model_check(model, ns)}
+
+
+def _model_config(ns: argparse.Namespace) -> tuple[Any, str | None]:
+    """vLLM's ModelConfig for these options (the model's config against the options: --max-model-len within the
+    model's maximum, dtype, quantization, ...), or vLLM's reason for refusing it."""
+    from pydantic import ValidationError
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        return EngineArgs.from_cli_args(ns).create_model_config(), None
+    except ValidationError as e:
+        return None, "; ".join(str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors())
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError) as e:
+        return None, f"{type(e).__name__}: {e}" if not str(e) else str(e)
+
+
+def _model_check(model: str, ns: argparse.Namespace) -> dict | None:
+    """What vLLM's API server would refuse in its first minute, once it reads the model (vllm/engine/arg_utils.py
+    create_model_config; the length rule is vllm/config/model.py _get_and_verify_max_len). Building vLLM's
+    ModelConfig here costs ~0.3 s after the parser's import of vLLM, and it is vLLM's own rule, not a copy.
+
+    None when the model is not a local pack (the pack check says why; vLLM would go to the Hub for it). Else
+    {"problem": vLLM's reason or None, "length_only": the problem goes away without --max-model-len,
+    "max_model_len": the model's own maximum as vLLM derives it (config.json, tokenizer_config.json, RoPE
+    scaling), None when it cannot be derived, "pack": what the plugin will refuse in the EXL3 contract}."""
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    ns = argparse.Namespace(**vars(ns))
+    ns.model = model  # `vllm serve MODEL` does the same with its positional (vllm/entrypoints/cli/serve.py)
+    config, problem = _model_config(ns)
+    if ns.max_model_len in (None, -1):
+        auto, without_length = config, problem
+    else:
+        ns.max_model_len = None  # the model's own maximum: vLLM's default
+        auto, without_length = _model_config(ns)
+    return {"problem": problem, "length_only": problem is not None and without_length is None,
+            "max_model_len": getattr(auto, "max_model_len", None), "pack": _contract_problem(config or auto)}
+
+
+def _contract_problem(config: Any) -> str | None:
+    """The EXL3 contract as the plugin will read it at load time, vLLM's side included (a delegate method this
+    vLLM does not have); the rest of it the pack check has already read."""
+    raw = getattr(getattr(config, "hf_config", None), "quantization_config", None)
+    if not isinstance(raw, dict) or str(raw.get("quant_method", "")).lower() != "exl3":
+        return None
+    from ..format.errors import Exl3ConfigError
+    from .config import parse_contract
+
+    try:
+        parse_contract(raw)
+    except Exl3ConfigError as e:
+        return f"config.json: quantization_config: {e}"
+    return None
 
 
 def _answer_parse_request() -> int:
