@@ -289,6 +289,8 @@ def post(guard: GuardAllPaths, path: str, body: bytes, chunk: int = 7):
     (["Hello"] * 3, 3, False),
     (["Hello"] * 2, 4, True),
     ("Hello", 8, True),
+    ("Hello", 9, True),  # one prompt: vLLM's own bound refuses it, with its own message
+    (["Hello"], 9, True),
     ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 8, True),  # one prompt as token ids
     ([[1, 2], [3, 4], [5]], 3, False),  # three prompts as token ids
 ])

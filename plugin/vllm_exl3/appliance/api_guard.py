@@ -16,8 +16,8 @@ it runs inside vLLM's API server but never imports vLLM.
   503 with Retry-After, so clients and load balancers go elsewhere; running streams continue.
 - Sequences per request. vLLM bounds `n` per prompt (VLLM_MAX_N_SEQUENCES, which the launcher and `vllm-exl3
   serve` set to --max-num-seqs, exposure.py), but a completion request takes a list of prompts: 1024 prompts
-  with n 8 are 8,192 sequences in one request. The guard reads a completion request's body and answers 400 when
-  prompts x n exceeds the same bound.
+  with n 8 are 8,192 sequences in one request. The guard reads a completion request's body and answers 400 when a
+  request of several prompts asks for more sequences in all than the same bound.
 - Idle connections. uvicorn closes a kept-alive connection some seconds after a response, but a connection that
   never sends a complete request head stays open for ever (thousands of them hold thousands of descriptors). A
   connection without a request in progress for VLLM_EXL3_HTTP_IDLE_TIMEOUT seconds is closed.
@@ -149,7 +149,8 @@ class GuardAllPaths:
         if self.max_sequences and scope.get("method") == "POST" and scope["path"].endswith(COMPLETIONS_PATH):
             body, receive = await read_body(receive)
             asked = sequences_asked(body)
-            if asked is not None and asked[0] * asked[1] > self.max_sequences:
+            # One prompt: vLLM's own per-prompt bound answers it, with its own message.
+            if asked is not None and asked[0] > 1 and asked[0] * asked[1] > self.max_sequences:
                 prompts, n = asked
                 return await refuse(scope, send, 400, f"this request asks for {prompts * n} sequences ({prompts} "
                                     f"prompts x n {n}); this server runs at most {self.max_sequences} per request "
