@@ -480,6 +480,14 @@ def families(plan: dict, exl_build) -> None:
             boots = [(f"{kernel}-{p}", where / p, kernel, WORK / "cache-families" / f"{kernel}-{p}",
                       f.get("per-pack", {}).get(p, {})) for where, p in packs[i:i + f["round-size"]]]
             run_round(plan, boots, results, "families.json", f["min-top2-margin"])
+    # vLLM's own layers on the decoded weights, no quantization: how far vLLM itself lands from the fp32 goldens at
+    # the dtype the family must run in (each with its architecture's settings)
+    controls = [(ORACLE / f"{p}-unquantized", p) for p in f.get("unquantized", [])]
+    controls = [(pack, p) for pack, p in controls if (pack / "golden" / "logits.safetensors").exists()]
+    if controls and left() >= 150:
+        run_round(plan, [(f"vllm-unquantized-{p}", pack, "torch", WORK / "cache-families" / f"unquantized-{p}",
+                          f.get("per-pack", {}).get(p, {})) for pack, p in controls],
+                  results, "families.json", f["min-top2-margin"])
     save("families.json", results)
 
 
