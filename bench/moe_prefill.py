@@ -6,11 +6,12 @@ sorted by expert, no host sync).
 
     PYTHONPATH=plugin python bench/moe_prefill.py [--tokens 512,1024,...] [--out FILE.json]
 
-Answered on the H200 (bench/NOTES.md "Fourth run"): no; the tier takes 1.1-12x the op's time at 256-8192 tokens.
+Answered on the H200 (bench/notes/serving-run-04.md "Fourth run"): no; the tier takes 1.1-12x the op's time at 256-8192
+tokens.
 
 Random 4-bit mcg trellis and random routing, as bench/moe.py. Per row: the op's eager time, the tier's reconstruct
 and GEMM times (CUDA events, medians), their ratio, and the tier's relative difference from the op's output (a
-wrong tier is no answer). Writes JSON and prints a table; the crossover goes to bench/NOTES.md.
+wrong tier is no answer). Writes JSON and prints a table; the crossover goes to a record under bench/notes/.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def moe_rows(cal: dict) -> list[dict]:
     `moe_current` (a later run at fewer token counts) where that names a file. A row the later run measured is taken
     as measured; one between two of its token counts keeps the sweep's shape, scaled by the later/earlier ratio
     interpolated over log2(tokens) between those two (a plain interpolation of the later points alone misses the
-    sweep's own 4- and 32-token rows by 12 % and 7 %: bench/NOTES.md "Seventh run")."""
+    sweep's own 4- and 32-token rows by 12 % and 7 %: bench/notes/serving-run-07.md "Seventh run")."""
     rows = json.loads((HERE / cal["moe_results"]).read_text())["rows"]
     if not cal.get("moe_current"):
         return rows

@@ -58,11 +58,11 @@ constexpr int kMoeMaxSplits = 4;
 constexpr int kMoeSplitMaxPairs = 256;
 int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 
-// The GEMMs that run the kDup form (3inst/mcg codebooks, 8/16-row chunks): their input, written by the transforms
-// with `dup` set, holds each activation row in duplicated fragment order, twice the bytes of the plain row
-// (moe_gemm.cuh says why; it took the Qwen3-30B-A3B layer from 91 to 83 µs at 8 tokens and 196 to 178 at 64 on the
-// H200, bench/NOTES.md "Sixth run"). The plain layout stays for the others; a layer that mixes mul1 with 3inst/mcg
-// experts gets both copies (MoeWorkspace xh13_dup, xh2_dup).
+// The GEMMs that run the kDup form (3inst/mcg codebooks, 8/16-row chunks): their input, written by the transforms with
+// `dup` set, holds each activation row in duplicated fragment order, twice the bytes of the plain row (moe_gemm.cuh
+// says why; it took the Qwen3-30B-A3B layer from 91 to 83 µs at 8 tokens and 196 to 178 at 64 on the H200,
+// bench/notes/serving-run-06.md "Sixth run"). The plain layout stays for the others; a layer that mixes mul1 with
+// 3inst/mcg experts gets both copies (MoeWorkspace xh13_dup, xh2_dup).
 __host__ __device__ constexpr bool moe_xdup(int codebook, int rows) { return codebook != kCbMul1 && rows <= 16; }
 
 // The router's choice: which expert each (token, k) pair goes to, and which experts are this rank's.

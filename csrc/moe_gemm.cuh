@@ -45,16 +45,16 @@ struct MoeGemmTraits {
   static constexpr int kTileBytes = kTilesPerHad * kTilesPerHad * TB::kBytes;  // 8 k-tiles x 8 n-tiles
   // kXDup (the kDup instantiations): the stage's activation rows are twice as wide. With four stages that costs a
   // resident block per SM at 4 bits (sm_90, by shared memory: 8-row chunks 5 -> 4, 16-row 4 -> 3); three keep
-  // main's counts, and that is the form measured and adopted (bench/NOTES.md "Sixth run").
+  // main's counts, and that is the form measured and adopted (bench/notes/serving-run-06.md "Sixth run").
   static constexpr int kXRowBytes = kXDup ? kMoeXDupRowBytes : kMoeXRowBytes;  // pitch of an activation row
   static constexpr int kXRowHalves = (kXDup ? 2 : 1) * kHadBlock;              // fp16 of a row per stage
   static constexpr int kXBytes = kRows * kXRowBytes;
   static constexpr int kStageBytes = kTileBytes + kXBytes;
   // Up to kMaxStages stages in flight, within 96 KB (under sm_12x's 99 KB per block); at least two. 64-row chunks
-  // (prefill) keep two: at 25 KB a stage, a third cost a block per SM (2 -> 3 resident: 747 -> 629 µs per Qwen3
-  // layer at 1024 tokens on the H200, bench/NOTES.md); decode chunks keep up to four (no gain from fewer). On sm_12x
-  // (100 KB of shared memory per SM) one 64-row block fits either way, so there this only shortens the ring: not
-  // measured (no GB10 lent).
+  // (prefill) keep two: at 25 KB a stage, a third cost a block per SM (2 -> 3 resident: 747 -> 629 µs per Qwen3 layer
+  // at 1024 tokens on the H200, bench/notes/serving-run-04.md "Fourth run"); decode chunks keep up to four (no gain
+  // from fewer). On sm_12x (100 KB of shared memory per SM) one 64-row block fits either way, so there this only
+  // shortens the ring: not measured (no GB10 lent).
   static constexpr int kMaxStages =
       kRows >= 64 ? EXL3_MOE_WIDE_STAGES : kXDup ? EXL3_MOE_XDUP_STAGES : EXL3_MOE_MAX_STAGES;
   static constexpr int kStagesFit = 96 * 1024 / kStageBytes;
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kMoeThreads) moe_gemm_kernel(const MoeGemmArgs
   constexpr bool kDup = !kMul1 && kRows <= 16;
   // The rounded-pair form takes its activation fragments through ldmatrix, four 32-bit fragments per instruction
   // instead of one: Nsight Compute found 64-row chunks waiting on these shared-memory loads, and ldmatrix took the
-  // Qwen3 layer at 1024 tokens from 625 to 579 µs on the H200 (bench/NOTES.md "Fifth run").
+  // Qwen3 layer at 1024 tokens from 625 to 579 µs on the H200 (bench/notes/serving-run-05.md "Fifth run").
   constexpr bool kLdmatrix = !kDup && kRows % 16 == 0;
   static_assert(kDup == moe_xdup(kMul1 ? kCbMul1 : kCb3Inst, kRows), "the host writes duplicated rows for these");
   using T = MoeGemmTraits<kBits2, kRows, kDup>;

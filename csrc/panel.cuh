@@ -2,7 +2,7 @@
 // on sm_12x): y = x · W with each EXL3 tile decoded once per 64 activation rows (the skinny kernel decodes it once
 // per 16). Included by panel.cu only.
 //
-// Design (bench/NOTES.md has the numbers behind it):
+// Design (the numbers behind it: bench/notes/kernels-v3.md "v3 (same session): the panel kernel"):
 // * A block computes a panel of one 128-column group x 64 rows over a stream-K range of k-tiles (the same units and
 //   split-K partial slots as the skinny kernel, stream_k.cuh). Warp w owns tile column w of the group for the whole
 //   range, so no cross-warp reduction: its sums go straight to the block's fp32 panel at the end of a segment.

@@ -110,10 +110,10 @@ __global__ void __launch_bounds__(kXfThreads) reconstruct_kernel(const Reconstru
 // kReconInputScale) multiplies to give y directly (the reconstruct + cuBLAS path: no output transform, no
 // intermediate). H128 = H8 (x) H16 (Sylvester order) and the two factors commute, so W' = Ŵ (H8 (x) I16) .
 // (I8 (x) H16 diag(svh) / 8): first an 8-point butterfly across the 8 tiles of a column group on the decoded fp16
-// pairs (packed half2 adds; three roundings, bench/NOTES.md), then per tile one tensor-core product whose B operand
-// is H16 with svh / 8 folded in (+-svh * 2^-3: exact in fp16). A warp owns whole 128-column rows: it walks down
-// `rows_per_warp` k-tile rows of one column group, the next rows' words arriving through its own cp.async ring, so
-// nothing crosses warps.
+// pairs (packed half2 adds; three roundings, bench/notes/kernels-v4.md "v4c"), then per tile one tensor-core product
+// whose B operand is H16 with svh / 8 folded in (+-svh * 2^-3: exact in fp16). A warp owns whole 128-column rows: it
+// walks down `rows_per_warp` k-tile rows of one column group, the next rows' words arriving through its own cp.async
+// ring, so nothing crosses warps.
 // movmatrix turns the decoded fragment of Ŵ^T (an A operand) into the A operand of Ŵ; a per-warp shared tile turns
 // the MMA result layout into whole 256-byte rows for the stores.
 // ------------------------------------------------------------------------------------------------------------

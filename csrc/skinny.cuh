@@ -1,7 +1,7 @@
 // Skinny GEMM for decode batches: y = x · W for 1..16 activation rows per row chunk, EXL3 tiles decoded in
 // registers and fed to tensor cores. Included by one translation unit per codebook family.
 //
-// Design (bench/NOTES.md has the numbers behind it):
+// Design (the numbers behind it: bench/notes/kernels-v1.md "Design choices and why", kernels-v2.md):
 // * Transposed product: each decoded 16x16 tile is the *A* operand (W^T, m16 x k16) of mma.m16n8k16 and eight
 //   activation rows are B (k16 x n8). The format's tile order is exactly the A-fragment order (§1.4), so a lane
 //   decodes the 8 weights it feeds and nothing moves between lanes.
@@ -33,7 +33,8 @@ namespace exl3 {
 #ifndef EXL3_SKINNY_INFLIGHT
 #define EXL3_SKINNY_INFLIGHT 4096
 #endif
-constexpr int kSkinnyInFlight = EXL3_SKINNY_INFLIGHT;  // bytes of trellis per warp in flight (NOTES)
+// Bytes of trellis per warp in flight (bench/notes/kernels-v2.md "v2-run2", "v2-run4").
+constexpr int kSkinnyInFlight = EXL3_SKINNY_INFLIGHT;
 // Blocks per SM for 1-8 rows (9-16 rows: 2). Two blocks (16 warps, up to 128 registers) beat three (24 warps, 80
 // registers) on the H200: with 80 registers ptxas serializes the decode of one tile into a single chain of four
 // codewords per MMA, and the longer per-warp runs amortize the prologue (bench/NOTES.md, "Kernel design

@@ -1,8 +1,8 @@
 """ExLlamaV3's extension, built once on a GPU machine, carried to later machines from the same working tree.
 
 ExLlamaV3 compiles its extension when it is first imported (529-679 s on the H200 machine's 16 cores beside the
-harness's other work, bench/NOTES.md "Fifth run"), and every lent machine starts bare, so each session paid that
-again before any row that needs ExLlamaV3 could run. Now:
+harness's other work, bench/notes/serving-run-05.md "Fifth run"), and every lent machine starts bare, so each session
+paid that again before any row that needs ExLlamaV3 could run. Now:
 
 1. the run that built it exports the library, xz-compressed, in parts the device tool returns (at most 16 MiB a
    file), with a manifest naming the torch and ExLlamaV3 it was built against and the archive's SHA-256;

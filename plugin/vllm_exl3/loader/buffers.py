@@ -11,9 +11,10 @@ from ..format.geometry import ceil_to
 from ..format.units import MIB
 from .plan import ALIGN
 
-# Fresh host destinations of at least two huge pages are advised MADV_HUGEPAGE (the 2 MiB-aligned part of them)
-# before their first byte is written: the page faults of 4 KiB pages, not the reads, capped a hot-cache load on
-# the 2-core guest at ~4.8 GB/s (14 GB/s with huge pages; bench/NOTES.md). A hint: ignored where THP is off.
+# Fresh host destinations of at least two huge pages are advised MADV_HUGEPAGE (the 2 MiB-aligned part of them) before
+# their first byte is written: the page faults of 4 KiB pages, not the reads, capped a hot-cache load on the 2-core
+# guest at ~4.8 GB/s (14 GB/s with huge pages; bench/notes/loader.md "Host destinations read in place"). A hint: ignored
+# where THP is off.
 HUGE_PAGE = 2 * MIB
 _MADV_HUGEPAGE = 14  # Linux
 _madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if os.name == "posix" else None

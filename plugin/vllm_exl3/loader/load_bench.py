@@ -76,7 +76,8 @@ def _timed(method: str, paths: Sequence[Path], run: Callable[[], int], cold: boo
 def raw_sequential(paths: Sequence[Path], cold: bool = True, fadvise: bool = False) -> Measurement:
     """One thread reading every file front to back in 16 MiB blocks through the page cache (`dd bs=16M`);
     `fadvise`: after posix_fadvise(SEQUENTIAL), which doubles the kernel's read-ahead window (2.9 vs 0.9 GB/s on
-    the 2-core guest's virtio disk, where the host may also cache: see bench/NOTES.md)."""
+    the 2-core guest's virtio disk, where the host may also cache: see bench/notes/loader.md "Where the loader lost
+    time")."""
     def run() -> int:
         buf = bytearray(RAW_BLOCK_BYTES)
         view = memoryview(buf)

@@ -9,9 +9,9 @@ skinny tensor-core kernel that decodes tiles in registers once per 16 rows, up t
 kernel that decodes them once per 64 rows, above that the weight with its output-side Hadamard and svh applied
 (W' = Ŵ H diag(svh), Hadamard on tensor cores) times the transformed input in one cuBLAS GEMM, and from
 VLLM_EXL3_ORIGINAL_MIN_ROWS rows (default: a quarter of the active output columns) the weight in its original basis
-times x itself, with no input transform. Defaults (measured crossovers in bench/NOTES.md): 16 / 64 rows, 8 / 16 when the
-layer's fp16 W' fits in the L2 (the GEMM then reads it back from there), 16 / 256 on sm_12x (an unmeasured
-estimate). All are CUDA-graph safe: no host syncs, workspace sized by shape, current stream.
+times x itself, with no input transform. Defaults (measured crossovers: bench/NOTES.md "Path crossovers"): 16 / 64 rows,
+8 / 16 when the layer's fp16 W' fits in the L2 (the GEMM then reads it back from there), 16 / 256 on sm_12x (an
+unmeasured estimate). All are CUDA-graph safe: no host syncs, workspace sized by shape, current stream.
 """
 
 from __future__ import annotations
