@@ -7,9 +7,10 @@
 Every panel's queries use only the metrics of vLLM, the EXL3 exporter (plugin/vllm_exl3/appliance/metrics/
 collector.py), the node exporter and the recording rules (deploy/prometheus/rules/recording.yml). A panel that can
 only have data on some hosts says so in `needs`: "gpu" (NVIDIA GPUs and nvidia-smi, or the parity gate, which has
-nothing to check where the torch reference is the only backend) or "psi" (a kernel with pressure stall
-information, /proc/pressure). tests/e2e/test_observability_e2e.py runs every other query against a real
-Prometheus scraping a real server and requires data. Standard library only.
+nothing to check where the torch reference is the only backend), "psi" (a kernel with pressure stall
+information, /proc/pressure) or "spec" (a server with speculative decoding on: vLLM exports its spec-decode
+counters only then). tests/e2e/test_observability_e2e.py runs every other query against a real Prometheus scraping
+a real server and requires data. Standard library only.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Panel:
     width: int = 8
     height: int = 8
     description: str = ""
-    needs: str | None = None  # None | "gpu" | "psi": where the data can exist (see the module docstring)
+    needs: str | None = None  # None | "gpu" | "psi" | "spec": where the data can exist (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,23 @@ OVERVIEW = Dashboard("vllm-exl3-overview", "vLLM EXL3: overview",
               description="4xx and 5xx are client and server errors (vLLM's HTTP instrumentation)."),
         Panel("Tokens / s", (q("sum(vllm_exl3:generation_tokens_per_second:rate1m)", "generated"),
                              q("sum(vllm_exl3:prompt_tokens_per_second:rate1m)", "prompt")), "short"),
+    )),
+    # Beside the tokens per second: how much of it the drafts bought (docs/speculative.md). Empty without
+    # --speculative-config, and in a minute without drafts (the rules record no ratio of nothing).
+    Row("Speculative decoding (with --speculative-config)", (
+        Panel("Draft acceptance rate", (q("max(vllm_exl3:spec_decode_acceptance_ratio:rate1m)", "accepted / drafted"),),
+              "percentunit", needs="spec",
+              description="Share of the proposed draft tokens the target model kept."),
+        Panel("Mean acceptance length", (q("max(vllm_exl3:spec_decode_acceptance_length_tokens:mean1m)",
+                                           "tokens per verify step"),), "short", needs="spec",
+              description="Tokens one verify step yields per request: the accepted drafts plus the target's own "
+                          "token. 1 means the drafts bought nothing."),
+        Panel("Acceptance by draft position",
+              (q("max by (position) (vllm_exl3:spec_decode_position_acceptance_ratio:rate1m)",
+                 "position {{position}}"),),
+              "percentunit", needs="spec",
+              description="Share of drafts whose token at this position was kept (0 is the first); a token is kept "
+                          "only if every one before it was."),
     )),
     Row("Latency", (
         Panel("Time to first token", (q("max(vllm_exl3:time_to_first_token_seconds:p50_5m)", "p50"),
