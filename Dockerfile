@@ -53,12 +53,14 @@ ARG PIP_CONFIG_FILE=/run/secrets/pip-conf
 # hadolint ignore=DL3008
 RUN rm -f /etc/apt/apt.conf.d/docker-clean \
     && echo 'Binary::apt::APT::Keep-Downloaded-Packages "true";' > /etc/apt/apt.conf.d/keep-cache
-# Python (bookworm's 3.11) and the shared library vLLM's CPU kernels load that its wheel does not bundle.
+# Python (bookworm's 3.11), the shared library vLLM's CPU kernels load that its wheel does not bundle, and a C++
+# compiler: torch's inductor compiles some of vLLM's CPU code even with --enforce-eager (tensor parallel 2 fails
+# on its first request without one).
 # hadolint ignore=DL3008
 RUN --mount=type=cache,target=/var/cache/apt,sharing=locked --mount=type=cache,target=/var/lib/apt,sharing=locked \
     apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-         python3 python3-venv ca-certificates libnuma1
+         python3 python3-venv python3-dev ca-certificates libnuma1 g++
 
 # The kernel backend by default: the torch reference (no CUDA kernels on this base).
 ENV VLLM_EXL3_KERNEL=torch \

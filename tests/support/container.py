@@ -119,10 +119,11 @@ class Appliance:
         """Containers and volumes gone; 30 s for a drain (compose's stop_grace_period would wait 150 s)."""
         self.run("down", "--volumes", "--timeout", "30", check=False, timeout=180)
 
-    def logs(self, service: str | None = None) -> str:
+    def logs(self, service: str | None = None, last: int | None = 8000) -> str:
+        """The last `last` characters of the services' log (all of it with None)."""
         r = subprocess.run([*self.base_cmd, "logs", "--no-color", *([service] if service else [])],
                            capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
-        return (r.stdout + r.stderr)[-8000:]
+        return (r.stdout + r.stderr)[-last:] if last else r.stdout + r.stderr
 
     def container(self, service: str) -> str:
         return self.compose.get_container(service, include_all=True).ID
