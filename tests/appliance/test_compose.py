@@ -175,3 +175,24 @@ def test_an_invalid_file_fails(compose, tmp_path):
     r = subprocess.run([compose, "-f", str(bad), "--profile", "single", "config", "-q"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode != 0 and "start_intervall" in r.stderr
+
+
+CPU_FILE = ROOT / "docker-compose.cpu.yml"
+
+
+@pytest.mark.parametrize("profile", [*VLLM_PROFILES, *(f"{p}-exllamav3" for p in VLLM_PROFILES)])
+def test_the_cpu_override_keeps_each_service_but_what_needs_a_spark(compose, env_file, profile):
+    """docker-compose.cpu.yml over docker-compose.yml: the same service and role, the CPU image, no GPU, RDMA or
+    memlock, no start_interval (engines before Docker 25 refuse it); the plain profiles serve on the torch
+    reference, the -exllamav3 twins keep their backend (and so refuse on a CPU, as the preflight says)."""
+    r = subprocess.run([compose, "-f", str(COMPOSE_FILE), "-f", str(CPU_FILE), "--env-file", str(env_file),
+                        "--profile", profile, "config", "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cpu = json.loads(r.stdout)["services"][profile]
+    assert cpu["image"] == "vllm-exl3:cpu" and "build" not in cpu and "deploy" not in cpu and "devices" not in cpu
+    assert cpu["ulimits"] == {"stack": 67108864} and "start_interval" not in cpu["healthcheck"]
+    env = cpu["environment"]
+    assert env["VLLM_EXL3_KERNEL"] == ("exllamav3" if profile.endswith("-exllamav3") else "torch")
+    assert env["VLLM_EXL3_EXTRA_ARGS"] == "--max-model-len 32768"  # the user's VLLM_EXTRA_ARGS still win
+    (model,) = [v for v in cpu["volumes"] if v["target"] == "/model"]
+    assert model["read_only"] is True and Path(model["source"]).name == "GLM-exl3"
