@@ -234,4 +234,6 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=15s --start-period=45m --retries=3 \
     CMD ["python3", "/opt/vllm-exl3/healthchecks/healthcheck.py", "readiness"]
 
-ENTRYPOINT ["supervisord", "-c", "/etc/vllm-exl3/supervisord.conf"]
+# PID 1: supervisord under a small init that gives the container the failed program's exit code (78 for a refused
+# preflight) where supervisord alone would exit 0 (plugin/vllm_exl3/appliance/container_init.py).
+ENTRYPOINT ["python3", "-m", "vllm_exl3.appliance.container_init", "-c", "/etc/vllm-exl3/supervisord.conf"]

@@ -25,6 +25,7 @@ def test_head_and_worker_on_one_host_serve_and_the_head_turns_red_without_its_wo
         try:
             app.up()  # both report healthy: the head only while its worker's heartbeat says ready
             assert app.health("head") == app.health("worker") == "healthy"
+            assert app.exec("head", "id", "-u").stdout.strip() == "2000"  # the image's own non-root user
             reply = app.post("/v1/completions", prompt="Hello", max_tokens=4)
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
             assert "--nnodes 2 --node-rank 1 --headless" in app.logs("worker", last=None)

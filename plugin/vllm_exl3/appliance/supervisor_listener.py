@@ -9,8 +9,9 @@ So `[program:vllm]` has `autorestart=false` and this listener restarts it instea
 - PROCESS_STATE_EXITED of vllm (it ended without supervisord asking): restart it after a backoff that doubles
   with every exit in the window (VLLM_EXL3_RESTART_BACKOFF, capped at VLLM_EXL3_RESTART_BACKOFF_MAX seconds);
   the VLLM_EXL3_CRASH_LIMIT-th exit within VLLM_EXL3_CRASH_WINDOW seconds gives up instead;
-- giving up, or PROCESS_STATE_FATAL of any program (supervisord gave up starting it): stop supervisord, so the
-  container exits and Docker's restart policy and `docker ps` status, which operators watch, take over.
+- giving up, or PROCESS_STATE_FATAL of any program (supervisord gave up starting it): record the code the
+  container is to end with (container_init.py says whose) and stop supervisord, so the container exits with it
+  and Docker's restart policy and `docker ps` status, which operators watch, take over.
 
 A graceful stop (`supervisorctl stop`, container stop) ends in STOPPED, not EXITED, and is not restarted.
 Protocol (supervisor's docs, "Event Listeners"): write READY, read one header line and a payload of `len`
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..base import settings
+from .container_init import record_exit_status, recorded_status
 
 SUPERVISED = "vllm"  # the program this listener restarts
 
@@ -96,7 +98,7 @@ def log(message: str) -> None:
 
 
 class Listener:
-    def __init__(self, policy: CrashPolicy, start: Callable[[str], None], stop_supervisord: Callable[[], None],
+    def __init__(self, policy: CrashPolicy, start: Callable[[str], None], stop_supervisord: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic,
                  later: Callable[[float, Callable[[], None]], None] | None = None):
         self.policy, self.start, self.stop_supervisord, self.clock = policy, start, stop_supervisord, clock
@@ -107,14 +109,14 @@ class Listener:
         name = info.get("processname", "?")
         if event == "PROCESS_STATE_FATAL":
             log(f"program {name} is FATAL (gave up restarting it); stopping supervisord so the container exits")
-            self.stop_supervisord()
+            self.stop_supervisord(name)
         elif event == "PROCESS_STATE_EXITED" and name == SUPERVISED:
             delay = self.policy.on_exit(self.clock())
             if delay is None:
                 log(f"program {name} exited (pid {info.get('pid', '?')}): {self.policy.limit} exits within "
                     f"{self.policy.window:.0f}s (VLLM_EXL3_CRASH_LIMIT): crash loop, giving up; stopping supervisord "
                     "so the container exits")
-                self.stop_supervisord()
+                self.stop_supervisord(name)
                 return
             log(f"program {name} exited (pid {info.get('pid', '?')}, exit {len(self.policy.exits)} of "
                 f"{self.policy.limit - 1} allowed in {self.policy.window:.0f}s); restarting it in {delay:g}s")
@@ -131,7 +133,18 @@ def main() -> None:
         except (OSError, xmlrpc.client.Error) as e:  # shutting down, or already started by hand
             log(f"could not restart {name}: {e}")
 
-    listener = Listener(CrashPolicy.from_env(env), start, lambda: os.kill(supervisord, signal.SIGTERM))
+    def stop_supervisord(name: str) -> None:
+        """The container's code: the program's last exit status where supervisord kept it, else the launcher's
+        record of a refusal, else 1."""
+        try:
+            status = int(supervisor_rpc(env).supervisor.getProcessInfo(name)["exitstatus"])
+        except (OSError, xmlrpc.client.Error, KeyError, ValueError) as e:
+            log(f"could not read {name}'s exit status: {e}")
+            status = 0
+        record_exit_status(env, status or recorded_status(env) or 1)
+        os.kill(supervisord, signal.SIGTERM)
+
+    listener = Listener(CrashPolicy.from_env(env), start, stop_supervisord)
     while True:
         sys.stdout.write("READY\n")
         sys.stdout.flush()

@@ -9,10 +9,25 @@ import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..appliance import exposure, preflight as checks
-from ..appliance.launch import (APPLIANCE_VARIABLES, DEFAULT_MODEL_DIR, EXIT_REFUSED, ROLES, LaunchError,
-                                available_presets, build_spec, check_options, exec_argv, load_preset, publish_plan,
-                                reap_previous, replace_pid_file, run_preflight)
+from ..appliance import exposure
+from ..appliance import preflight as checks
+from ..appliance.container_init import record_exit_status
+from ..appliance.launch import (
+    APPLIANCE_VARIABLES,
+    DEFAULT_MODEL_DIR,
+    EXIT_REFUSED,
+    ROLES,
+    LaunchError,
+    available_presets,
+    build_spec,
+    check_options,
+    exec_argv,
+    load_preset,
+    publish_plan,
+    reap_previous,
+    replace_pid_file,
+    run_preflight,
+)
 from ..appliance.memory_plan import MemoryFigures
 from ..appliance.vllm_options import VllmOptionsError
 from ..base import settings
@@ -21,7 +36,20 @@ from ..base import settings
 def launch(p: argparse.ArgumentParser):
     """Check the pack, network and memory, then run `vllm serve` for a role (single, head, worker) and preset."""
     _arguments(p)
-    return _run
+    return _launch
+
+
+def _launch(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """_run, with the container's record of why this attempt ended (appliance/container_init.py): cleared as it
+    starts, its code when it refuses (a vLLM it execs leaves the record empty)."""
+    env = dict(os.environ if env is None else env)
+    if args.dry_run or args.list_presets:
+        return _run(args, env)
+    record_exit_status(env, None)
+    code = _run(args, env)
+    if code:
+        record_exit_status(env, code)
+    return code
 
 
 def preflight(p: argparse.ArgumentParser):
