@@ -469,25 +469,24 @@ def families(plan: dict, exl_build) -> None:
     if missing:
         results["missing"] = {"ok": False, "error": f"no pack or goldens at {', '.join(missing)}"}
     packs = [(where, p) for where, p in packs if str(where / p) not in missing]
+    # vLLM's own layers on the decoded weights, no quantization: how far vLLM itself lands from the fp32 goldens at
+    # the dtype the family must run in (each with its architecture's settings); booted in the first profile's rounds
+    controls = [(ORACLE / f"{p}-unquantized", p) for p in f.get("unquantized", [])]
+    controls = [(pack, p) for pack, p in controls if (pack / "golden" / "logits.safetensors").exists()]
     for kernel in q["kernels"]:
         if kernel == "exllamav3" and not exl_ready(exl_build, max(0.0, min(420.0, left() - 260))):
             results["exllamav3-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
             continue
-        for i in range(0, len(packs), f["round-size"]):
+        boots = [(f"{kernel}-{p}", where / p, kernel, WORK / "cache-families" / f"{kernel}-{p}",
+                  f.get("per-pack", {}).get(p, {})) for where, p in packs]
+        boots += [(f"vllm-unquantized-{p}", pack, kernel, WORK / "cache-families" / f"unquantized-{p}",
+                   f.get("per-pack", {}).get(p, {})) for pack, p in controls]
+        controls = []
+        for i in range(0, len(boots), f["round-size"]):
             if left() < 150:
-                results[f"{kernel}-cut"] = {"ok": False, "error": f"no time left for packs {i}.. of {len(packs)}"}
+                results[f"{kernel}-cut"] = {"ok": False, "error": f"no time left for boots {i}.. of {len(boots)}"}
                 break
-            boots = [(f"{kernel}-{p}", where / p, kernel, WORK / "cache-families" / f"{kernel}-{p}",
-                      f.get("per-pack", {}).get(p, {})) for where, p in packs[i:i + f["round-size"]]]
-            run_round(plan, boots, results, "families.json", f["min-top2-margin"])
-    # vLLM's own layers on the decoded weights, no quantization: how far vLLM itself lands from the fp32 goldens at
-    # the dtype the family must run in (each with its architecture's settings)
-    controls = [(ORACLE / f"{p}-unquantized", p) for p in f.get("unquantized", [])]
-    controls = [(pack, p) for pack, p in controls if (pack / "golden" / "logits.safetensors").exists()]
-    if controls and left() >= 150:
-        run_round(plan, [(f"vllm-unquantized-{p}", pack, "torch", WORK / "cache-families" / f"unquantized-{p}",
-                          f.get("per-pack", {}).get(p, {})) for pack, p in controls],
-                  results, "families.json", f["min-top2-margin"])
+            run_round(plan, boots[i:i + f["round-size"]], results, "families.json", f["min-top2-margin"])
     save("families.json", results)
 
 
