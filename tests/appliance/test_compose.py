@@ -196,3 +196,28 @@ def test_the_cpu_override_keeps_each_service_but_what_needs_a_spark(compose, env
     assert env["VLLM_EXL3_EXTRA_ARGS"] == "--max-model-len 32768"  # the user's VLLM_EXTRA_ARGS still win
     (model,) = [v for v in cpu["volumes"] if v["target"] == "/model"]
     assert model["read_only"] is True and Path(model["source"]).name == "GLM-exl3"
+
+
+def test_the_cpu_override_runs_metrics_from_debian_images_but_grafana(compose, env_file, tmp_path):
+    """On the CPU path Prometheus and the node exporter come from scripts/build-image --metrics (Debian's packages,
+    no registry), even with .env.example's upstream PROMETHEUS_IMAGE / NODE_EXPORTER_IMAGE in .env; CPU_* names
+    others. Grafana, which Debian does not package, stays on upstream's image. The commands are compose's own."""
+    def services(env: Path) -> dict:
+        r = subprocess.run([compose, "-f", str(COMPOSE_FILE), "-f", str(CPU_FILE), "--env-file", str(env),
+                            "--profile", "metrics", "config", "--format", "json"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["services"]
+
+    cpu, spark = services(env_file), config(compose, env_file, "metrics")["services"]
+    assert cpu["prometheus"]["image"] == "vllm-exl3-prometheus:debian"
+    assert cpu["node-exporter"]["image"] == "vllm-exl3-node-exporter:debian"
+    assert cpu["grafana"]["image"] == spark["grafana"]["image"] == "grafana/grafana:12.1.1"
+    for name in ("prometheus", "node-exporter"):
+        assert cpu[name]["command"] == spark[name]["command"] and cpu[name]["volumes"] == spark[name]["volumes"]
+    other = tmp_path / ".env"
+    other.write_text(env_file.read_text() + "CPU_PROMETHEUS_IMAGE=prom/prometheus:v3.5.0\n"
+                     "CPU_NODE_EXPORTER_IMAGE=prom/node-exporter:v1.9.1\n")
+    overridden = services(other)
+    assert overridden["prometheus"]["image"] == "prom/prometheus:v3.5.0"
+    assert overridden["node-exporter"]["image"] == "prom/node-exporter:v1.9.1"

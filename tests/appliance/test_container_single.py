@@ -1,10 +1,12 @@
 """`single` in a real Docker engine (the CPU image, docker-compose.yml + docker-compose.cpu.yml, the bundled demo
 pack), one container for the module, checked from outside as a user would: Docker's health, the API, the key,
 metrics, the user and mounts, then faults inside it (kill -9 of vLLM's API server and of its engine core) and
-last `docker stop`.
+last `docker stop`. Beside it the `metrics` profile: Prometheus and the node exporter from Debian's packages
+(scripts/build-image --metrics), Grafana left out (tests/appliance/metrics-without-grafana.yml).
 
 Needs a Docker engine (BuildKit builds, host networking); without one the tests skip, and fail in CI
-(VLLM_EXL3_REQUIRE_TOOLS=1). Every address used is 127.0.0.1 on this host. The image: conftest.py's cpu_image.
+(VLLM_EXL3_REQUIRE_TOOLS=1). Every address used is 127.0.0.1 on this host. The images: conftest.py's cpu_image
+and metrics_images.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import time
 
 import pytest
 import requests
+import yaml
 
-from support.container import Appliance, compose_plugin_config, demo_chat_template, docker, wait_for
+from support.appliance import ROOT, SERVED_NAME
+from support.container import (Appliance, compose_plugin_config, demo_chat_template, docker, prometheus_config,
+                               wait_for)
+from support.servers import free_port
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
 KEY = "container-test-key-0123456789"
@@ -29,14 +35,21 @@ ENGINE_PIDS = ("import os\n"
 
 
 @pytest.fixture(scope="module")
-def single(cpu_image, tmp_path_factory):
-    """`single` with an API key: every interface, key required (docs/appliance.md, Network exposure)."""
+def single(cpu_image, metrics_images, tmp_path_factory):
+    """`single` with an API key: every interface, key required (docs/appliance.md, Network exposure); and the
+    `metrics` profile scraping it (Prometheus reads a copy of deploy/prometheus with this test's ports)."""
+    tmp = tmp_path_factory.mktemp("single")
     with compose_plugin_config():
         # under a uid the image does not know, in group 0 (OpenShift's rule; the image's own user 2000 runs the
         # pair, test_container_pair.py): one container for both, each boot costs a minute of CI
-        app = Appliance(tmp_path_factory.mktemp("single"), ["single"], files=("tests/appliance/arbitrary-uid.yml",),
+        app = Appliance(tmp, ["single", "metrics"],
+                        files=("tests/appliance/arbitrary-uid.yml", "tests/appliance/metrics-without-grafana.yml"),
                         VLLM_API_KEY=KEY,
-                        VLLM_EXTRA_ARGS=f"--enforce-eager --chat-template {demo_chat_template()}")
+                        VLLM_EXTRA_ARGS=f"--enforce-eager --chat-template {demo_chat_template()}",
+                        PROMETHEUS_PORT=str(free_port()), NODE_EXPORTER_PORT=str(free_port()),
+                        PROMETHEUS_TEST_CONFIG=str(tmp / "prometheus"))
+        prometheus_config(tmp / "prometheus", {"vllm": app.port, "vllm-exl3": app.metrics_port,
+                                               "node": int(app.settings["NODE_EXPORTER_PORT"])})
         try:
             app.up()
             yield app
@@ -77,6 +90,53 @@ def test_the_api_refuses_without_the_key_and_metrics_are_open(single):
     assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
     exl3 = requests.get(f"http://127.0.0.1:{single.metrics_port}/metrics", timeout=30).text
     assert 'vllm_exl3_backend_info{' in exl3 and 'backend="torch"' in exl3  # the CPU image's backend
+
+
+def prometheus(app: Appliance, path: str, **params) -> dict:
+    reply = requests.get(f"http://127.0.0.1:{app.settings['PROMETHEUS_PORT']}/api/v1/{path}", params=params,
+                         timeout=30).json()
+    assert reply["status"] == "success", reply
+    return reply["data"]
+
+
+def test_prometheus_scrapes_every_target_and_evaluates_its_rules(single):
+    """The `metrics` profile on the CPU image's Debian Prometheus: vLLM's /metrics (open with the key, OPEN_PATHS),
+    the EXL3 exporter and the node exporter all up; every rule group of deploy/prometheus/rules loaded and
+    evaluated without error; a recording rule has computed a series from vLLM's counters."""
+    jobs = {"vllm": single.port, "vllm-exl3": single.metrics_port,
+            "node": int(single.settings["NODE_EXPORTER_PORT"])}
+
+    def targets() -> dict[str, dict]:
+        return {t["labels"]["job"]: t for t in prometheus(single, "targets")["activeTargets"]}
+
+    # scrape_interval is 5 s: three intervals and some for a target Prometheus has not scraped since vLLM came up
+    wait_for("every target up", lambda: all(t["health"] == "up" for t in targets().values()), 20, single, poll=1)
+    found = targets()
+    assert set(found) == set(jobs), found
+    for job, port in jobs.items():
+        assert found[job]["scrapeUrl"] == f"http://localhost:{port}/metrics", found[job]
+        assert found[job]["labels"]["role"] == "single" and found[job]["lastError"] == ""
+
+    expected = {g["name"]: len(g["rules"]) for f in ("recording.yml", "alerts.yml")
+                for g in yaml.safe_load((ROOT / "deploy/prometheus/rules" / f).read_text())["groups"]}
+
+    def groups() -> dict[str, list[dict]]:
+        return {g["name"]: g["rules"] for g in prometheus(single, "rules")["groups"]}
+
+    # evaluation_interval is 15 s: a rule not yet evaluated reports health "unknown"
+    wait_for("every rule evaluated", lambda: all(r["health"] == "ok" for rules in groups().values() for r in rules),
+             40, single, poll=1)
+    loaded = groups()
+    assert {name: len(rules) for name, rules in loaded.items()} == expected
+    kinds = {r["type"] for rules in loaded.values() for r in rules}
+    assert kinds == {"recording", "alerting"}
+
+    # rate() over 1m needs two scrapes in the window, then an evaluation
+    series = "vllm_exl3:generation_tokens_per_second:rate1m"
+    wait_for(f"{series} recorded", lambda: prometheus(single, "query", query=series)["result"], 40, single, poll=1)
+    (result,) = prometheus(single, "query", query=series)["result"]
+    assert result["metric"]["job"] == "vllm" and result["metric"]["model_name"] == SERVED_NAME, result
+    assert float(result["value"][1]) >= 0
 
 
 def test_runs_under_an_arbitrary_uid_in_group_0_with_the_model_read_only(single):

@@ -1,4 +1,5 @@
-"""The appliance for real in a Docker engine: the CPU image (scripts/build-image --cpu, built once per session) and
+"""The appliance for real in a Docker engine: the CPU image (scripts/build-image --cpu, built once per session), the
+metrics images (scripts/build-image --metrics: Prometheus and the node exporter from Debian's packages) and
 docker-compose.yml + docker-compose.cpu.yml run by testcontainers' DockerCompose, one project per test."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from .appliance import ROOT, SERVED_NAME, compose_binary, required
 from .servers import free_port
 
 IMAGE = "vllm-exl3:cpu-test"
+# scripts/build-image --metrics's tags, docker-compose.cpu.yml's defaults for prometheus and node-exporter
+METRICS_IMAGES = ("vllm-exl3-prometheus:debian", "vllm-exl3-node-exporter:debian")
 COMPOSE_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
 BUILD_TIMEOUT_S = 2400  # cold: the Debian base, CPU torch and vLLM's CPU build (~2.5 GB) into the image
 UP_TIMEOUT_S = 300  # the demo pack on 2 cores: healthy within about a minute
@@ -55,6 +58,32 @@ def build_image(log: Path) -> float:
                            stdout=out, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT_S, check=False)
     assert r.returncode == 0, f"image build failed:\n{log.read_text(errors='replace')[-6000:]}"
     return time.monotonic() - start
+
+
+def build_metrics_images(log: Path) -> float:
+    """scripts/build-image --metrics (two small images on the CPU image's Debian base); seconds it took."""
+    start = time.monotonic()
+    with open(log, "wb") as out:
+        r = subprocess.run([str(ROOT / "scripts" / "build-image"), "--metrics", "--progress=plain"],
+                           stdout=out, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT_S, check=False)
+    assert r.returncode == 0, f"metrics images build failed:\n{log.read_text(errors='replace')[-6000:]}"
+    return time.monotonic() - start
+
+
+def prometheus_config(directory: Path, ports: dict[str, int]) -> Path:
+    """A copy of deploy/prometheus whose prometheus.yml scrapes `ports` (job -> port) instead of compose's default
+    ports (Prometheus does not expand variables), readable by the image's user (nobody) through the bind mount."""
+    shutil.copytree(ROOT / "deploy" / "prometheus", directory, dirs_exist_ok=True)
+    config = directory / "prometheus.yml"
+    text = config.read_text()
+    for default, port in (("localhost:8000", ports["vllm"]), ("localhost:9469", ports["vllm-exl3"]),
+                          ("localhost:9100", ports["node"])):
+        assert text.count(f'"{default}"') == 1, default
+        text = text.replace(f'"{default}"', f'"localhost:{port}"')
+    config.write_text(text)
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return directory
 
 
 @contextmanager
