@@ -128,7 +128,9 @@ def test_image_and_compose_agree():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     hc = compose["x-appliance"]["healthcheck"]["test"]
     assert f"CMD {json.dumps(hc[1:])}" in text
-    assert 'ENTRYPOINT ["supervisord", "-c", "/etc/vllm-exl3/supervisord.conf"]' in text
+    # supervisord under the init that gives the container its exit code (appliance/container_init.py)
+    assert ('ENTRYPOINT ["python3", "-m", "vllm_exl3.appliance.container_init", "-c", '
+            '"/etc/vllm-exl3/supervisord.conf"]') in text
     for path in ("VLLM_EXL3_RUN_DIR=/run/vllm-exl3", "VLLM_EXL3_SUPERVISOR_D=/etc/vllm-exl3/supervisor.d",
                  "VLLM_EXL3_PRESET_DIR=/etc/vllm-exl3/presets", "VLLM_EXL3_MODEL=/model"):
         assert path in text
