@@ -71,21 +71,6 @@ def exported_backends(env: dict[str, str]) -> set[tuple[str, str, str, str]]:
     return {(layer_type, backend, rank, role) for backend, layer_type, rank, role in BACKEND_INFO.findall(text)}
 
 
-def test_fatal_program_ends_supervisord(tmp_path):
-    """A launch that cannot succeed (no pack) is retried with backoff, goes FATAL, and the listener stops
-    supervisord so that Docker's restart policy and status take over."""
-    env = appliance_env("single", tmp_path / "run", VLLM_EXL3_MODEL=str(tmp_path / "missing"),
-                        VLLM_EXL3_PORT=str(free_port()))
-    with supervised(env, tmp_path / "supervisord.log") as box:
-        # four refused starts (each reads vLLM's options: ~10 s on a busy 2-core box) and supervisord's backoff
-        wait_until("supervisord to exit", lambda: box.proc.poll() is not None, 300, log=box.log)
-        log = box.log.read_text()
-    assert log.count("exit status 78") == 4  # startretries=3: the first start and three retries, all refused
-    assert "gave up: vllm entered FATAL state" in log
-    assert "program vllm is FATAL" in log  # our listener's line
-    assert "FAIL pack" in log and str(tmp_path / "missing") in log  # the refusal says what is wrong
-
-
 def two_node_env(role: str, tmp_path, master_port: int, api_port: int) -> dict[str, str]:
     return appliance_env(
         role, tmp_path / role,
