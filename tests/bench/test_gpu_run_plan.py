@@ -103,6 +103,7 @@ def test_the_families_step_names_packs_the_repository_has(run, plan):
         assert (run.FAMILY_FIXTURES / name / "golden" / "logits.safetensors").is_file(), name
     assert set(f["oracle"]) <= set(family_oracle.ORACLE_ARCHITECTURES)
     assert set(f.get("per-pack", {})) <= set(f["packs"]) | set(f["oracle"])
+    assert set(f.get("unquantized", [])) <= set(f["oracle"])  # a control is made from an oracle pack
     assert f["round-size"] >= 1 and 0 <= f["min-top2-margin"] < 0.05
 
 
@@ -115,3 +116,26 @@ def test_the_families_step_reports_missing_oracle_packs(run, plan, monkeypatch, 
     got = json.loads((run.RESULTS / "families.json").read_text())
     assert got["missing"]["ok"] is False and "GptOssForCausalLM" in got["missing"]["error"]
     assert [k for k in got if k.startswith("native-")] == []
+
+
+def test_a_pack_with_an_unquantized_control_is_held_to_the_controls_top1(run):
+    """gpt-oss in bf16: vLLM's own layers land under the fixed 0.97, so the plugin's rows are judged against them
+    (less the plan's slack); the median bound still applies, and rows of other families keep their verdict."""
+    results = {
+        "vllm-unquantized-GptOssForCausalLM": {"ok": False, "top1_agreement": 0.95, "positions": 80,
+                                               "median_abs_logprob_delta": 5.5e-3},
+        "native-GptOssForCausalLM": {"ok": False, "top1_agreement": 0.925, "median_abs_logprob_delta": 5.5e-3},
+        "exllamav3-GptOssForCausalLM": {"ok": False, "top1_agreement": 0.9, "median_abs_logprob_delta": 4.5e-3},
+        "torch-GptOssForCausalLM": {"ok": False, "top1_agreement": 1.0, "median_abs_logprob_delta": 0.07},
+        "native-Qwen3NextForCausalLM": {"ok": False, "top1_agreement": 0.95, "median_abs_logprob_delta": 1e-3},
+        "exllamav3-Qwen3_5MoeForCausalLM": {"ok": False, "error": "not healthy"},
+    }
+    run.against_controls(results, 2, 0.05)
+    assert results["native-GptOssForCausalLM"]["ok"] is True  # 0.925 >= 0.95 - 2/80
+    assert results["native-GptOssForCausalLM"]["min_top1"] == pytest.approx(0.925)
+    assert results["exllamav3-GptOssForCausalLM"]["ok"] is False  # three positions under
+    assert results["torch-GptOssForCausalLM"]["ok"] is False  # the median bound stands
+    qwen = results["native-Qwen3NextForCausalLM"]
+    assert qwen["ok"] is False and "min_top1" not in qwen  # no control: its verdict stays
+    assert results["exllamav3-Qwen3_5MoeForCausalLM"] == {"ok": False, "error": "not healthy"}
+    assert results["vllm-unquantized-GptOssForCausalLM"]["ok"] is False  # the control reports the fixed bound
