@@ -71,15 +71,20 @@ def kill_9(app: Appliance, pid: str) -> None:
 
 def test_single_is_healthy_and_answers_completion_chat_and_stream(single):
     assert single.health("single") == "healthy"  # Docker's own view, from the image's HEALTHCHECK
-    reply = single.post("/v1/completions", KEY, prompt="Hello", max_tokens=8, temperature=0).json()
+    reply = single.post("/v1/completions", KEY, prompt="Hello", max_tokens=8, temperature=0, ignore_eos=True).json()
     assert reply["usage"]["completion_tokens"] == 8
     chat = single.post("/v1/chat/completions", KEY, max_tokens=8,
                        messages=[{"role": "user", "content": "Hi"}]).json()
     assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] <= 8
-    with single.post("/v1/completions", KEY, stream=True, prompt="Hello", max_tokens=8, ignore_eos=True) as r:
+    with single.post("/v1/completions", KEY, stream=True, prompt="Hello", max_tokens=8, temperature=0,
+                     ignore_eos=True) as r:
         assert r.status_code == 200
         events = [line[len(b"data: "):] for line in r.iter_lines() if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]" and len(events) >= 9  # 8 tokens, then [DONE]
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert streamed == reply["choices"][0]["text"]  # the stream carries the same greedy text
+    models = requests.get(single.url("/v1/models"), headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [reply["model"]]
 
 
 def test_the_api_refuses_without_the_key_and_metrics_are_open(single):
@@ -154,6 +159,10 @@ def test_kill_9_of_the_api_server_is_restarted_without_an_orphaned_engine(single
     wait_for("serving again", lambda: single.ready("single") and single.serves(KEY), 300, single)
     wait_for("Docker's health back to healthy", lambda: single.health("single") == "healthy", 120, single)
     assert not engine_pids(single) & before_engines  # the old engine core is gone, not left holding memory
+    # reaped by the new launch before its preflight, whose memory plan would have counted the orphan's memory
+    log = single.logs("single", last=None)
+    reaped = f"the previous vLLM (process group {before_pid}) left"
+    assert reaped in log and log.index(reaped) < log.rindex("preflight: ok   pack"), log[-4000:]
 
 
 def test_kill_9_of_the_engine_core_recovers(single):

@@ -1,5 +1,6 @@
 """The appliance for real, without Docker: supervisord with deploy/supervisord.conf runs the launcher, which runs
-vLLM's CPU build on the bundled EXL3 demo pack; the health checks judge it; crashes are recovered.
+vLLM's CPU build on the bundled EXL3 demo pack; the health checks judge it; crashes are recovered. (One box's
+crash and restart are tested in a real container: tests/appliance/test_container_single.py.)
 
 Two "Sparks" on loopback: two supervisord trees (head, worker) started by the same config, vLLM's multi-node
 engine with `--nnodes 2` over gloo/TCP (TP 2, one rank per "node", each bound to its own core).
@@ -7,16 +8,14 @@ engine with `--nnodes 2` over gloo/TCP (TP 2, one rank per "node", each bound to
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 
 import pytest
 import requests
 
-from support.appliance import alive, appliance_env, completion, health, kill_group, required, supervised, tail, tool, wait_until
+from support.appliance import appliance_env, completion, kill_group, required, supervised, tail, tool, wait_until
 from support.servers import free_port
-from vllm_exl3.appliance.health import group_members
 
 pytestmark = pytest.mark.e2e
 
@@ -24,40 +23,6 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(autouse=True)
 def supervisord():
     return required("supervisord (PyPI supervisor)", tool("supervisord"))
-
-
-def test_supervised_single_serves_recovers_from_a_crash(tmp_path, request):
-    port, key = free_port(), "appliance-test-key"
-    env = appliance_env("single", tmp_path / "run", VLLM_EXL3_PORT=str(port), VLLM_API_KEY=key)
-    with supervised(env, tmp_path / "supervisord.log") as box:
-        assert not box.healthy()  # nothing answers before vLLM is up
-        box.wait_healthy()  # with the key: vLLM guards /v1/models with it
-        with pytest.raises(requests.HTTPError, match="401"):
-            completion(port)
-        text = completion(port, api_key=key)["choices"][0]["text"]
-        assert text
-        assert exported_backends(env) == {(kind, "torch", "0", "single") for kind in ("linear", "linear_group", "moe")}
-        first = box.vllm_pid
-        assert health(env, "liveness").returncode == 0
-
-        engine = sorted(p for p in group_members(first) if p != first)
-        assert engine  # vLLM's engine core runs in the API server's process group
-        request.addfinalizer(lambda: kill_group(first))  # should the test fail, leave no orphaned engine behind
-        os.kill(first, signal.SIGKILL)  # the API server alone dies (kill -9, the OOM killer): its engine is orphaned
-        wait_until("vLLM down", lambda: not alive(first), 30)
-        assert not box.healthy()
-        wait_until("a new vLLM", lambda: box.vllm_pid not in (None, first), 60, box.proc, box.log)
-        # The new vLLM started only once the old group was gone: nothing of it runs beside the new one.
-        assert not group_members(first), group_members(first)
-        box.wait_healthy()
-        assert completion(port, api_key=key)["choices"][0]["text"] == text  # same pack, greedy: same tokens
-        log = box.log.read_text()
-        assert "exited: vllm (terminated by SIGKILL" in log and log.count("spawned: 'vllm'") == 2
-        assert f"the previous vLLM (process group {first}) left" in log, tail(box.log)
-        # reaped before the new launch's preflight, whose memory plan would have counted the orphan's memory
-        assert log.index(f"the previous vLLM (process group {first}) left") < log.rindex("preflight: ok   pack"), \
-            tail(box.log)
-        assert log.count("--load-format exl3_parallel") == 2 and "with 8 workers" in log  # the preset's loader
 
 
 BACKEND_INFO = re.compile(

@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-import requests
 from safetensors.torch import load_file, save_file
 
 from support.fixtures import PACKS, pack_dir
@@ -94,23 +93,6 @@ def test_compiled_cpu_graph_matches_eager(tmp_path):
         assert greedy(gated) == eager
     (log,) = gate.glob("vllm-*.log")
     assert "EXL3 router_gate:fp32:cpu -> torch backend" in log.read_text()
-
-
-def test_completions_chat_and_streaming(tmp_path):
-    with vllm_server(demo.PACK, tmp_path, "--chat-template", str(demo.CHAT_TEMPLATE)) as s:
-        comp = s.post("/v1/completions", prompt="Hello", max_tokens=8, temperature=0)
-        assert comp["usage"]["completion_tokens"] == 8 and comp["choices"][0]["text"]
-        chat = s.post("/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
-                      temperature=0)
-        assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] > 0
-        with requests.post(f"{s.base_url}/v1/completions", stream=True, timeout=60,
-                           json={"model": s.model, "prompt": "Hello", "max_tokens": 8, "temperature": 0,
-                                 "stream": True}) as r:
-            chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
-                      if line.startswith("data: ") and line != "data: [DONE]"]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == comp["choices"][0]["text"]
-        models = requests.get(f"{s.base_url}/v1/models", timeout=10).json()
-        assert models["data"][0]["id"] == s.model
 
 
 def test_broken_pack_fails_startup_with_our_error(tmp_path):

@@ -98,7 +98,11 @@ setup     | VLLM_EXL3_TORCH_INDEX          | https://download.pytorch.org/whl/cp
 setup     | VLLM_EXL3_BOOTSTRAP_PYTHON     | python3        | scripts/bootstrap: the interpreter that creates the virtualenv
 setup     | VLLM_EXL3_BOOTSTRAP_PROGRESS_S | 10             | scripts/bootstrap: seconds between its progress lines while pip runs
 setup     | VLLM_EXL3_HEADER_TORCH         | 2.14.0         | scripts/bootstrap --test: the torch whose C++ headers the kernels are compiled against in the tests (the newest the supported vLLM versions pin)
+tests     | VLLM_EXL3_SPARK                | 0              | 1: tests/appliance/test_appliance_image.py builds the NGC image and runs it (on a DGX Spark)
 build     | VLLM_EXL3_BUILD_CUDA           | 0              | 1: `pip install` builds the CUDA extension vllm_exl3.kernels._C
+build     | VLLM_EXL3_CPU_BASE             | vllm-exl3-base:bookworm | scripts/build-image --cpu / --metrics: the Debian base image (scripts/cpu-base-image makes the default; debian:bookworm-slim takes Docker Hub's)
+build     | VLLM_EXL3_DEBIAN_MIRROR        | http://deb.debian.org/debian | scripts/cpu-base-image: the mirror debootstrap reads (a snapshot.debian.org date pins the packages)
+build     | VLLM_EXL3_PIP_CONF             | -              | scripts/build-image: a pip.conf for pip inside the build (index mirror, credentials), passed as a build secret
 """
 SETTINGS: tuple[Setting, ...] = tuple(
     Setting(name, "" if value == "-" else value, meaning, area)
