@@ -92,6 +92,20 @@ def test_metrics_difference_is_the_servers_account_of_a_phase():
     assert d.tokens_per_s == pytest.approx(25) and d.decode_tokens_per_s == pytest.approx(48 / 0.2)
     assert d.tokens_per_step == pytest.approx(48 / 40)
     assert server_metrics.difference(server_metrics.parse(""), after, 1.0) is None
+    assert d.draft_acceptance is None  # no speculative decoding: vLLM exports no draft counters
+
+
+def test_a_speculative_phase_reports_its_draft_acceptance():
+    spec = ('# TYPE vllm:spec_decode_num_draft_tokens counter\n'
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0\n'
+            '# TYPE vllm:spec_decode_num_accepted_tokens counter\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0\n')
+    before = server_metrics.parse(EXPOSITION + spec)
+    after = server_metrics.parse((EXPOSITION + spec).replace(" 100.0", " 150.0").replace(" 30.0", " 90.0")
+                                 .replace(" 12.0", " 57.0"))
+    d = server_metrics.difference(before, after, wall_s=2.0)
+    assert d.draft_acceptance == pytest.approx(45 / 60)
+    assert d.to_json()["draft_acceptance"] == pytest.approx(0.75)
 
 
 def test_metrics_that_do_not_parse_are_refused():

@@ -24,9 +24,14 @@ TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 E2E_LATENCY = "vllm:e2e_request_latency_seconds"
 # One observation per request: the engine's time in the prefill of its prompt.
 PREFILL_TIME = "vllm:request_prefill_time_seconds"
-COUNTERS = (GENERATION_TOKENS, PROMPT_TOKENS, *(f"{h}_{s}" for h in (ITERATION_TOKENS, INTER_TOKEN_LATENCY,
-                                                                     TIME_TO_FIRST_TOKEN, E2E_LATENCY, PREFILL_TIME)
-                                                for s in ("sum", "count")))
+# Speculative decoding's counters (vllm/v1/spec_decode/metrics.py), exported only while a method is on: draft
+# tokens proposed and accepted (deploy/prometheus/rules/recording.yml's acceptance ratio is the same quotient).
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
+COUNTERS = (GENERATION_TOKENS, PROMPT_TOKENS, DRAFT_TOKENS, ACCEPTED_TOKENS,
+            *(f"{h}_{s}" for h in (ITERATION_TOKENS, INTER_TOKEN_LATENCY, TIME_TO_FIRST_TOKEN, E2E_LATENCY,
+                                   PREFILL_TIME)
+              for s in ("sum", "count")))
 
 # The appliance's EXL3 exporter (`vllm-exl3 metrics`, beside vLLM on each node) exports these, not vLLM's /metrics:
 # `vllm_exl3_backend_info{layer_type,backend,rank} 1`, which kernel backend serves each layer type, and
@@ -99,6 +104,7 @@ class ServerPhase:
     decode_tokens_per_s: float | None  # tokens after the first over the decode time, all requests together
     tokens_per_step: float | None  # tokens after the first per decode step: 1 unless speculative decoding
     prefill_tokens_per_s: float | None = None  # prompt tokens over the engine's prefill time, all requests together
+    draft_acceptance: float | None = None  # speculative decoding: accepted draft tokens over proposed ones
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -126,4 +132,5 @@ def difference(before: Snapshot, after: Snapshot, wall_s: float) -> ServerPhase 
         decode_tokens_per_s=(gen - first) / decode_s if decode_s > 0 else None,
         tokens_per_step=(gen - first) / decode_steps if decode_steps > 0 else None,
         prefill_tokens_per_s=(d.get(PROMPT_TOKENS, 0) / d[f"{PREFILL_TIME}_sum"]
-                              if d.get(f"{PREFILL_TIME}_sum", 0) > 0 else None))
+                              if d.get(f"{PREFILL_TIME}_sum", 0) > 0 else None),
+        draft_acceptance=d[ACCEPTED_TOKENS] / d[DRAFT_TOKENS] if d.get(DRAFT_TOKENS, 0) > 0 else None)
