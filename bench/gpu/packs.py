@@ -49,6 +49,17 @@ class Shape:
     qk_norm: bool = False
     attention_bias: bool = False
     extra_config: tuple[tuple[str, object], ...] = ()
+    # Hybrid models (Qwen3-Next): every `full_attention_interval`-th layer is (gated: q_proj twice as wide)
+    # attention, the others a gated delta net of these dims; 0: attention in every layer.
+    full_attention_interval: int = 0
+    attn_output_gate: bool = False
+    linear_heads: tuple[int, int] = (0, 0)  # linear_num_key_heads, linear_num_value_heads
+    linear_head_dims: tuple[int, int] = (0, 0)  # linear_key_head_dim, linear_value_head_dim
+    linear_conv_kernel: int = 4
+    shared_expert_intermediate: int = 0  # Qwen's one shared expert (`mlp.shared_expert`) behind a sigmoid gate
+
+    def full_attention(self, layer: int) -> bool:
+        return not self.full_attention_interval or (layer + 1) % self.full_attention_interval == 0
 
 
 SHAPES = {
@@ -63,6 +74,12 @@ SHAPES = {
                                        ("use_qk_norm", False), ("num_nextn_predict_layers", 0),
                                        ("rope_theta", 1e6), ("max_position_embeddings", 131072),
                                        ("rms_norm_eps", 1e-5))),
+    "qwen3-next-80b-a3b": Shape("Qwen3NextForCausalLM", "qwen3_next", 2048, 48, 16, 2, 256, 512, 10, 512, 151936,
+                                5120, qk_norm=True, full_attention_interval=4, attn_output_gate=True,
+                                linear_heads=(16, 32), linear_head_dims=(128, 128), shared_expert_intermediate=512,
+                                extra_config=(("decoder_sparse_step", 1), ("mlp_only_layers", []),
+                                              ("partial_rotary_factor", 0.25), ("rope_theta", 1e7),
+                                              ("max_position_embeddings", 262144), ("rms_norm_eps", 1e-6))),
 }
 
 
@@ -71,13 +88,16 @@ def layer_tensors(shape: Shape, layer: int, bits: float, codebook: str) -> dict[
     p = f"model.layers.{layer}"
     out: dict[str, torch.Tensor] = {}
     h, q_out, kv_out = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    for name, (k, n) in (("q_proj", (h, q_out)), ("k_proj", (h, kv_out)), ("v_proj", (h, kv_out)),
-                         ("o_proj", (q_out, h))):
+    if not shape.full_attention(layer):
+        out.update(delta_net_tensors(shape, p, layer, bits, codebook, g))
+    for name, (k, n) in () if not shape.full_attention(layer) else (
+            ("q_proj", (h, q_out * (2 if shape.attn_output_gate else 1))), ("k_proj", (h, kv_out)),
+            ("v_proj", (h, kv_out)), ("o_proj", (q_out, h))):
         w = random_weights(k, n, bits, codebook, seed=layer * 8 + len(out))
         if shape.attention_bias and name != "o_proj":
             w = Exl3Weights(w.trellis, w.suh, w.svh, w.codebook, w.bits, torch.randn(n, generator=g).half() * 0.02)
         out.update(linear_tensors(f"{p}.self_attn.{name}", w))
-    if shape.qk_norm:
+    if shape.qk_norm and shape.full_attention(layer):
         for n in ("q_norm", "k_norm"):
             out[f"{p}.self_attn.{n}.weight"] = torch.ones(shape.head_dim, dtype=torch.bfloat16)
     for n in ("input_layernorm", "post_attention_layernorm"):
@@ -103,11 +123,34 @@ def layer_tensors(shape: Shape, layer: int, bits: float, codebook: str) -> dict[
                 t = t.reshape(i // TILE, h // TILE, words)
             w = Exl3Weights(t, src.suh.clone(), src.svh.clone(), codebook, float(bits))
             out.update(linear_tensors(f"{p}.mlp.experts.{e}.{name}", w))
-    for s in range(shape.shared_experts):
-        n_shared = shape.moe_intermediate * shape.shared_experts
+    shared = [("shared_experts", shape.moe_intermediate * shape.shared_experts)] if shape.shared_experts else []
+    if shape.shared_expert_intermediate:
+        shared.append(("shared_expert", shape.shared_expert_intermediate))
+        out[f"{p}.mlp.shared_expert_gate.weight"] = (torch.randn(1, h, generator=g) * 0.02).half()
+    for module, n_shared in shared:
         for name, (k, n) in (("gate_proj", (h, n_shared)), ("up_proj", (h, n_shared)), ("down_proj", (n_shared, h))):
-            out.update(linear_tensors(f"{p}.mlp.shared_experts.{name}",
+            out.update(linear_tensors(f"{p}.mlp.{module}.{name}",
                                       random_weights(k, n, bits, codebook, seed=layer * 8 + 6)))
+    return out
+
+
+def delta_net_tensors(shape: Shape, p: str, layer: int, bits: float, codebook: str,
+                      g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A gated delta net layer's tensors as ExLlamaV3 stores Qwen3-Next's: `in_proj_qkvz` and `out_proj` EXL3,
+    `in_proj_ba` 16-bit (format/families/qwen3_next.py; dev/family_oracle.py KEPT_PLAIN), the conv, decay and norm
+    plain."""
+    (nk, nv), (dk, dv) = shape.linear_heads, shape.linear_head_dims
+    key_dim, value_dim, h = nk * dk, nv * dv, shape.hidden
+    out: dict[str, torch.Tensor] = {}
+    for name, (k, n) in (("in_proj_qkvz", (h, 2 * key_dim + 2 * value_dim)), ("out_proj", (value_dim, h))):
+        out.update(linear_tensors(f"{p}.linear_attn.{name}", random_weights(k, n, bits, codebook,
+                                                                            seed=layer * 8 + len(out))))
+    out[f"{p}.linear_attn.in_proj_ba.weight"] = (torch.randn(2 * nv, h, generator=g) * 0.02).half()
+    out[f"{p}.linear_attn.conv1d.weight"] = (torch.randn(2 * key_dim + value_dim, 1, shape.linear_conv_kernel,
+                                                         generator=g) * 0.1).bfloat16()
+    out[f"{p}.linear_attn.A_log"] = torch.log(torch.rand(nv, generator=g) * 15 + 1).bfloat16()
+    out[f"{p}.linear_attn.dt_bias"] = torch.ones(nv, dtype=torch.bfloat16)
+    out[f"{p}.linear_attn.norm.weight"] = torch.ones(dv, dtype=torch.bfloat16)
     return out
 
 
@@ -135,6 +178,15 @@ def config_json(shape: Shape, layers: int, bits: float, codebook: str) -> dict:
         c.update(n_routed_experts=shape.experts, n_shared_experts=shape.shared_experts)
     else:
         c.update(num_experts=shape.experts)
+    if shape.full_attention_interval:
+        (nk, nv), (dk, dv) = shape.linear_heads, shape.linear_head_dims
+        c.update(full_attention_interval=shape.full_attention_interval,
+                 layer_types=["full_attention" if shape.full_attention(i) else "linear_attention"
+                              for i in range(layers)],
+                 linear_num_key_heads=nk, linear_num_value_heads=nv, linear_key_head_dim=dk,
+                 linear_value_head_dim=dv, linear_conv_kernel_dim=shape.linear_conv_kernel)
+    if shape.shared_expert_intermediate:
+        c["shared_expert_intermediate_size"] = shape.shared_expert_intermediate
     c["quantization_config"] = {"quant_method": "exl3", "version": "vllm-exl3 bench/gpu/packs.py (random trellis)",
                                 "bits": float(bits), "head_bits": HEAD_BITS,
                                 "calibration": {"rows": 0, "cols": 0}, "out_scales": "auto", "codebook": codebook}

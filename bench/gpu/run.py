@@ -662,6 +662,7 @@ def start_server(plan: dict, entry: dict, profiled: bool = False) -> tuple[Serve
                                "kv-cache-memory-bytes": srv["kv-cache-memory-bytes"],
                                "gpu-memory-utilization": srv["gpu-memory-utilization"], "load-format": load_format,
                                "served-model-name": label})
+    flags += entry.get("flags", [])  # the row's own vLLM flags (an architecture's backend choice)
     if profiled:
         flags += stepprofile.profiler_flags(trace_dir(label))
     env = {**srv.get("env", {}), **entry.get("env", {})}  # the plan's server-wide settings, then the row's own

@@ -139,3 +139,24 @@ def test_a_pack_with_an_unquantized_control_is_held_to_the_controls_top1(run):
     assert qwen["ok"] is False and "min_top1" not in qwen  # no control: its verdict stays
     assert results["exllamav3-Qwen3_5MoeForCausalLM"] == {"ok": False, "error": "not healthy"}
     assert results["vllm-unquantized-GptOssForCausalLM"]["ok"] is False  # the control reports the fixed bound
+
+
+@pytest.mark.parametrize("shape_name", ["qwen3-30b-a3b", "glm-4.5-air", "qwen3-next-80b-a3b"])
+def test_the_benchmark_packs_are_complete_for_their_family(run, tmp_path, shape_name):
+    """bench/gpu/packs.py writes every tensor the plugin's table for the family expects and no other (the same
+    check `vllm-exl3 verify` makes): at the shape's own widths, with 4 experts instead of hundreds so the pack is
+    small, and 4 layers (Qwen3-Next: three delta nets, then gated attention)."""
+    import dataclasses
+
+    import packs
+    from vllm_exl3.dev.synthetic import write_pack
+    from vllm_exl3.format.pack import verify_pack
+
+    shape = dataclasses.replace(packs.SHAPES[shape_name], experts=4, top_k=2, vocab=512)
+    tensors = packs.outer_tensors(shape, "mcg")
+    for layer in range(4):
+        tensors.update(packs.layer_tensors(shape, layer, 2, "mcg"))
+    root = write_pack(tmp_path / "pack", tensors, packs.config_json(shape, 4, 2, "mcg"))
+    pack, problems = verify_pack(root)
+    assert problems == []
+    assert any(n.startswith("complete for ") for n in pack.notes), pack.notes

@@ -34,6 +34,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  
 
 from vllm_exl3.integration.config import Exl3Config, Exl3ConfigError  # noqa: E402
 from vllm_exl3.kernels import ops  # noqa: E402
+from vllm_exl3.kernels.interface import SideBySideLinearGroup  # noqa: E402
+from vllm_exl3.kernels.backends.torch_ref import TorchLinearGroup  # noqa: E402
 
 from support.fixtures import pack_dir  # noqa: E402
 
@@ -179,22 +181,21 @@ def _outputs_are_the_shards(layer, ws, x) -> None:
 
 @pytest.mark.parametrize("setting", [None, "0"])
 def test_whole_alike_shards_run_as_one_grouped_call(tmp_path, rank, monkeypatch, setting):
-    """q/k/v of one codebook and width, unsliced: one `linear_group` call serves all three (the torch reference's
-    grouped binding here; the native one on a GPU) unless VLLM_EXL3_GROUP_LINEARS=0; the output is the same."""
+    """q/k/v of one codebook and width, unsliced: one `linear_group` call serves all three, the backend's grouped
+    binding (the torch reference's here; the native one on a GPU), or with VLLM_EXL3_GROUP_LINEARS=0 the shards' own
+    calls side by side in that op; the output is the same."""
     from vllm_exl3.kernels import selection
     if setting is not None:
         monkeypatch.setenv(selection.GROUP_ENV, setting)
     ws = _qkv_weights()
     layer = _qkv_layer(tmp_path, rank, ws)
     group = layer.quant_method.group
-    if setting == "0":
-        assert group is None and layer.exl3_group == 0
-    else:
-        assert layer.exl3_group == 512
-        assert all(g is s for g, s in zip(group.shards, (layer.quant_method.bound[i] for i in range(3)), strict=True))
-        # made from the shards' own bindings: no second decoded copy of their weights (the torch reference's Ŵ)
-        assert ops.serving(layer.exl3_trellis_0, "linear_group") is group
-        assert ops.serving(layer.exl3_trellis_0) is layer.quant_method.bound[0]  # its own binding stays served
+    assert layer.exl3_group == 512
+    assert type(group) is (SideBySideLinearGroup if setting == "0" else TorchLinearGroup)
+    assert all(g is s for g, s in zip(group.shards, (layer.quant_method.bound[i] for i in range(3)), strict=True))
+    # made from the shards' own bindings: no second decoded copy of their weights (the torch reference's Ŵ)
+    assert ops.serving(layer.exl3_trellis_0, "linear_group") is group
+    assert ops.serving(layer.exl3_trellis_0) is layer.quant_method.bound[0]  # its own binding stays served
     _outputs_are_the_shards(layer, ws, torch.randn(4, 256))
 
 
@@ -218,15 +219,28 @@ def test_aligned_head_slices_are_grouped_on_every_rank(tmp_path, rank, tp):
         assert rel(torch.cat([p[i] for p in per_rank], -1), reference(x, w, 256, heads * 128)) < 1e-5, name
 
 
-@pytest.mark.parametrize("case", ["mixed widths", "mixed codebooks", "tensor parallel"])
-def test_shards_that_differ_or_are_sliced_are_called_one_by_one(tmp_path, rank, case):
-    """Shards of other widths or codebooks, or a rank's slices that split 128-blocks (64-wide heads at tp 2)."""
-    ws = _qkv_weights(bits=(4, 3, 3)) if case == "mixed widths" else \
-        _qkv_weights(codebooks=("mcg", "mul1", "mcg")) if case == "mixed codebooks" else _qkv_weights()
-    layer = _qkv_layer(tmp_path, rank, ws, tp=2 if case == "tensor parallel" else 1)
-    assert layer.quant_method.group is None and layer.exl3_group == 0
-    if case != "tensor parallel":
-        _outputs_are_the_shards(layer, ws, torch.randn(3, 256))
+@pytest.mark.parametrize("case", ["mixed widths", "mixed codebooks"])
+def test_shards_that_differ_run_side_by_side_in_one_op(tmp_path, rank, case):
+    """Shards of other widths or codebooks have no grouped kernel: their own calls, side by side in one
+    `linear_group` op (no cat for the model's graph to split: kernels/interface.py SideBySideLinearGroup)."""
+    ws = _qkv_weights(bits=(4, 3, 3)) if case == "mixed widths" else _qkv_weights(codebooks=("mcg", "mul1", "mcg"))
+    layer = _qkv_layer(tmp_path, rank, ws)
+    assert type(layer.quant_method.group) is SideBySideLinearGroup and layer.exl3_group == 512
+    _outputs_are_the_shards(layer, ws, torch.randn(3, 256))
+
+
+def test_sliced_shards_run_side_by_side_on_every_rank(tmp_path, rank):
+    """A rank's slices that split 128-blocks (64-wide heads at tp 2): each shard's own sliced call, side by side in
+    one op; the ranks' outputs side by side are the model's."""
+    ws = _qkv_weights()
+    x = torch.randn(3, 256)
+    per_rank = []
+    for r in range(2):
+        layer = _qkv_layer(tmp_path / str(r), rank, ws, tp=2, r=r)
+        assert type(layer.quant_method.group) is SideBySideLinearGroup and layer.exl3_group == 256
+        per_rank.append(layer(x).split([128, 64, 64], -1))
+    for i, (name, w) in enumerate(ws.items()):
+        assert rel(torch.cat([p[i] for p in per_rank], -1), reference(x, w, 256, w.out_padded)) < 1e-5, name
 
 
 def test_mixed_layer_with_plain_shards(tmp_path, rank):
@@ -427,7 +441,7 @@ def test_parity_gate_at_load_on_a_real_layer(tmp_path, rank, native_stand_in, po
 @pytest.mark.parametrize("policy", ["fallback", "strict"])
 def test_parity_gate_checks_the_grouped_call_on_its_own(tmp_path, rank, native_stand_in, policy):
     """Right shards, a wrong grouped call (test-only backend): `fallback` keeps the shards on their backend and
-    calls them one by one (output exact), `strict` refuses to load naming the grouped layer."""
+    calls them side by side (output exact), `strict` refuses to load naming the grouped layer."""
     from vllm_exl3.kernels import parity
     from support.backends import WrongGroupNative
 
@@ -438,7 +452,7 @@ def test_parity_gate_checks_the_grouped_call_on_its_own(tmp_path, rank, native_s
             _qkv_layer(tmp_path, rank, ws)
         return
     layer = _qkv_layer(tmp_path, rank, ws)
-    assert layer.quant_method.group is None and layer.exl3_group == 0
+    assert type(layer.quant_method.group) is SideBySideLinearGroup and layer.quant_method.group.backend == "native"
     assert {b.backend for b in layer.quant_method.bound.values()} == {"native"}
     _outputs_are_the_shards(layer, ws, torch.randn(4, 256))
 

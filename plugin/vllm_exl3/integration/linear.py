@@ -3,10 +3,11 @@
 A vLLM layer can fuse several checkpoint linears (q/k/v, gate/up). Each keeps its own suh/svh and is bound (and
 parity-gated) on its own. When every shard as this rank stores it is a whole EXL3 linear (its slice exactly its stored
 128-blocks: always at tp 1, and for 128-aligned head slices) of one codebook and bit width, bound to a backend with a
-grouped kernel, the layer runs them as one call
-(`vllm_exl3::linear_group`, gated as its own layer type; `VLLM_EXL3_GROUP_LINEARS=0` turns it off); otherwise each
-shard is called and the outputs are concatenated. A shard may also be a plain (BF16) weight in a mixed layer
-(`non_routed_exl3.bf16_shards`).
+grouped kernel, the layer runs them as one call of it (gated as its own layer type; `VLLM_EXL3_GROUP_LINEARS=0`
+turns it off). Otherwise the same op (`vllm_exl3::linear_group`) calls each shard's own binding and puts the outputs
+side by side (kernels/interface.py SideBySideLinearGroup says why inside one op). A shard may also be a plain (BF16)
+weight in a mixed layer (`non_routed_exl3.bf16_shards`); such a layer's shards are called one by one and
+concatenated.
 
 Storage per layer: one flat parameter per checkpoint suffix (`trellis`, `suh`, `svh`, …) holding every shard's
 block range back to back, so the names vLLM's loaders look up (`<module>.<suffix>`) always exist; each
@@ -29,7 +30,7 @@ from ..format.records import marker_value_problem
 from ..format.tensors import Exl3Weights, check_delivered, unpack_signs
 from ..format.geometry import Span, check_padding
 from ..kernels import ops, parity
-from ..kernels.interface import BoundLinear, BoundLinearGroup
+from ..kernels.interface import BoundLinear, BoundLinearGroup, SideBySideLinearGroup
 from ..kernels.selection import (choose_linear_backend, choose_linear_group_backend, linear_group_layer_type,
                                  linear_layer_type)
 from ..kernels.specs import LinearSpec
@@ -303,12 +304,24 @@ class Exl3LinearMethod(compat.LinearMethodBase):
         self._regroup(layer)  # after every (re)binding of a shard: the group follows the shards' backend
 
     def _regroup(self, layer) -> None:
-        """Bind every shard of the layer as one grouped call when they allow it (see the module's docstring), else
-        call them one by one. Waits until every shard is bound; a shard bound again (a fallback) regroups."""
+        """Bind every shard of the layer as one call once all are bound: the backend's grouped kernel when they allow
+        it (see the module's docstring), else their own calls side by side in one op (SideBySideLinearGroup says why
+        not a cat in the graph). A shard bound again (a fallback) regroups."""
         self.group, layer.exl3_group = None, 0
         shards = [(i, s) for i, s in enumerate(self.shards) if s.meta is not None]
         if len(shards) < 2 or len(shards) != len(self.shards) or len(self.bound) < len(shards):
             return
+        if (grouped := self._grouped_kernel(layer, shards)) is not None:
+            backend, spec, group = grouped
+            self._serve_group(layer, group)
+            binding.bind_checked(f"{self.prefix} (grouped)", linear_group_layer_type(spec), backend,
+                                 layer.params_dtype, lambda: parity.linear_group_error(group, layer.params_dtype),
+                                 lambda: self._regroup(layer), self.last_block)
+            return
+        self._serve_group(layer, SideBySideLinearGroup([self.bound[i] for i, _ in shards]))
+
+    def _grouped_kernel(self, layer, shards: list[tuple[int, Shard]]):
+        """(backend, spec, group) when the shards' backend has a grouped kernel for them, else None."""
         # Each shard as stored is then a whole linear: this rank's slice is exactly its stored blocks (no offset,
         # no padding), as for every shard at tp 1 and for 128-aligned head slices under tensor parallelism.
         whole = all(s.rows.offset == 0 and s.rows.size == s.rows.block_size and
@@ -318,19 +331,18 @@ class Exl3LinearMethod(compat.LinearMethodBase):
                     (first.meta.codebook, first.meta.bits, first.rows.block_size) for _, s in shards)
         backends = {self.bound[i].backend for i, _ in shards}
         if not (whole and alike and len(backends) == 1):
-            return
+            return None
         spec = LinearSpec(first.meta.codebook, first.meta.bits, first.rows.block_size,
                           sum(s.cols.block_size for _, s in shards), layer.params_dtype,
                           self.bound[shards[0][0]].w.trellis.device.type)
         backend = choose_linear_group_backend(spec, len(shards), backends.pop())
         if backend is None:
-            return
-        group = backend.bind_linear_group([self.bound[i] for i, _ in shards])
+            return None
+        return backend, spec, backend.bind_linear_group([self.bound[i] for i, _ in shards])
+
+    def _serve_group(self, layer, group: BoundLinearGroup) -> None:
         ops.serve(group)
         self.group, layer.exl3_group = group, group.out_features
-        binding.bind_checked(f"{self.prefix} (grouped)", linear_group_layer_type(spec), backend,
-                             layer.params_dtype, lambda: parity.linear_group_error(group, layer.params_dtype),
-                             lambda: self._regroup(layer), self.last_block)
 
     def tie_weights(self, layer, embed_tokens):
         # ExLlamaV3 always writes its own lm_head (docs/format.md §4.1): keep it even if the config says tied.
@@ -340,7 +352,7 @@ class Exl3LinearMethod(compat.LinearMethodBase):
     # -- forward --------------------------------------------------------------------------------------------
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if layer.exl3_group:  # whole shards (no slice, no padding): their outputs are the layer's, no pad, no cat
+        if layer.exl3_group:  # every shard in one op (_regroup): their outputs side by side are the layer's
             y = torch.ops.vllm_exl3.linear_group(x2, layer.exl3_trellis_0, layer.exl3_group)
             if bias is not None:
                 y = y + bias

@@ -84,6 +84,26 @@ class BoundLinearGroup:
         raise NotImplementedError
 
 
+class SideBySideLinearGroup(BoundLinearGroup):
+    """The shards' own bindings called in turn, their outputs side by side: one op for a layer of several EXL3
+    linears where no grouped kernel takes them (another backend, other codebooks or widths, a rank's slices), and the
+    torch reference's grouped call. Each shard may be sliced (its own in/out offsets): the output is [M, Σ
+    out_features]. No kernel of its own, so nothing new to gate: each shard was gated when it was bound.
+
+    Why one op and not a `torch.cat` of the shards' ops in the model's graph: the model splits that output again, and
+    Inductor then hands a split that crosses one of vLLM's graph pieces (Qwen3.5's delta-net `z`, a view of
+    `in_proj_qkvz`) to the next piece with other strides than it was traced with, which vLLM's compiled graph
+    asserts (bench/notes/serving-run-11.md, the exllamav3 Qwen3.5 row)."""
+
+    def __init__(self, shards: list[BoundLinear]):
+        super().__init__(shards)
+        self.out_features = sum(s.out_features for s in shards)
+        self.backend = "+".join(sorted({s.backend for s in shards}))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([shard(x) for shard in self.shards], dim=-1)
+
+
 class BoundMoE:
     """One routed-experts layer bound to a backend, made once at load (`Backend.bind_moe`).
 

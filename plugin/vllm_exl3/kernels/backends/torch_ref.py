@@ -16,7 +16,8 @@ import torch
 from ...format.tensors import Exl3Weights
 from ...format import reference
 from ...format.reference import decode_rotated
-from ..interface import Backend, BoundLinear, BoundLinearGroup, BoundMoE, MoECall, register_backend
+from ..interface import (Backend, BoundLinear, BoundLinearGroup, BoundMoE, MoECall, SideBySideLinearGroup,
+                         register_backend)
 from ..specs import W13, W2, ExpertStack, LinearSpec, MoESpec
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,8 @@ class TorchLinear(BoundLinear):
                               self.out_features)
 
 
-class TorchLinearGroup(BoundLinearGroup):
+class TorchLinearGroup(SideBySideLinearGroup):
     """The grouped call's reference: the shards' own bindings (their decoded Ŵ, no second copy), side by side."""
-
-    backend = TorchBackend.name
-
-    def __call__(self, x):
-        return torch.cat([shard(x) for shard in self.shards], dim=-1)
 
 
 class TorchMoE(BoundMoE):
