@@ -74,15 +74,5 @@ def test_two_nodes_tp2_serve_and_rejoin_after_head_crash(tmp_path):
         assert completion(api)["choices"][0]["text"] == reply["choices"][0]["text"]
         assert f"vLLM pid {worker_vllm} lost the head" in worker.log.read_text(), tail(worker.log)
 
-        # The worker dies: the head's readiness turns red within 30 s (the worker's heartbeat says so), the head
-        # stops the engine that lost its rank, and the pair re-forms on its own.
-        head_vllm, worker_vllm = head.vllm_pid, worker.vllm_pid
-        kill_group(worker_vllm, signal.SIGKILL)
-        red_after = wait_until("the head's readiness to turn red", lambda: not head.healthy(), 30, head.proc, head.log)
-        print(f"head red {red_after:.0f}s after its worker died")
-        wait_until("the head's vLLM restarted", lambda: head.vllm_pid not in (None, head_vllm), 120, head.proc,
-                   head.log)
-        head.wait_healthy()
-        worker.wait_healthy(120)
-        assert completion(api)["choices"][0]["text"] == reply["choices"][0]["text"]
-        assert f"stopping the head's vLLM (pid {head_vllm})" in head.log.read_text(), tail(head.log)
+        # The worker's death (the head turns red, stops its engine, and the pair re-forms) is checked in the real
+        # engine: tests/appliance/test_container_pair.py.
