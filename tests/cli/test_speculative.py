@@ -4,7 +4,7 @@ and the launcher's preflight alike, with one message naming the pack and what is
 Without the check, vLLM takes minutes to fail or does not fail at all: `mtp` on the GLM-4.7-Flash fixture (no
 num_nextn_predict_layers) crashes vLLM's worker with an AttributeError; on a pack whose config declares MTP layers
 it does not store, vLLM's drafter would load with random weights and accept nothing; `suffix` without
-arctic-inference stops vLLM's API server with an ImportError. The lossless n-gram serving test is in
+arctic-inference stops vLLM's API server with an ImportError. The lossless n-gram and mtp serving tests are in
 tests/e2e/test_speculative_e2e.py."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Speculative decoding with an EXL3 target on vLLM's CPU build: n-gram drafts are lossless.
+"""Speculative decoding with an EXL3 target on vLLM's CPU build: n-gram drafts and the pack's own MTP drafts are
+lossless.
 
 With greedy sampling a speculative method may change how many tokens a step yields, never which: the target
 verifies every draft token and keeps only those it would have picked itself. Two servers of the bundled pack, one
@@ -8,7 +9,11 @@ so the comparison covers verify steps that took several tokens. The same scrape 
 recording rules read (deploy/prometheus/rules/recording.yml, group vllm-exl3-speculative) are there, with the labels
 the rules group by and counts that agree with each other. Two boots in all.
 
-`mtp` and `suffix` are refused before the boot (tests/cli/test_speculative.py); docs/performance.md says why.
+The pack's own MTP layers (`mtp`) are served and lossless too: the GLM-4.5 fixture with an MTP layer appended
+(dev/mtp.py), served plain and with one draft token a step (two more boots). The draft's tokens are the pack's own:
+vLLM's counters equal, draft for draft, what the MTP layer computed on the pack's decoded weights without vLLM would
+have had accepted, and the server's log says which MTP linears run EXL3 and which plain, as the pack stores them.
+A pack without MTP layers is refused before the boot (tests/cli/test_speculative.py), as is `suffix`.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from support.appliance import ROOT
+from support.fixtures import pack_dir
 from support.servers import vllm_server
 from vllm_exl3 import demo
+from vllm_exl3.dev import mtp
+from vllm_exl3.format.pack import Pack
 
 pytestmark = pytest.mark.e2e
 
@@ -104,3 +112,86 @@ def test_ngram_drafts_are_lossless(plain_tokens, tmp_path):
     assert sorted(per_pos) == list(range(NGRAM["num_speculative_tokens"])), per_pos
     assert sum(per_pos.values()) == accepted, (per_pos, accepted)
     assert all(per_pos[i] >= per_pos[i + 1] for i in range(len(per_pos) - 1)), per_pos
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mtp: the pack's own multi-token-prediction layer
+# ---------------------------------------------------------------------------------------------------------------
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+MTP_LINE = re.compile(r"EXL3 MTP layer (\d+): EXL3 (.*); plain (.*)$", re.MULTILINE)
+
+
+def greedy_run(server) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt token ids, as the server tokenizes them; greedy output tokens) of PROMPTS."""
+    prompts = [requests.post(f"{server.base_url}/tokenize", json={"model": server.model, "prompt": p},
+                             timeout=30).json()["tokens"] for p in PROMPTS]
+    return prompts, greedy_tokens(server)
+
+
+def expected_counts(drafts: list[int], tokens: list[int], prompt_len: int) -> tuple[int, int]:
+    """(drafts proposed, drafts accepted) for one request at one draft token a step, given the token the MTP layer
+    drafts after each position (`drafts[j]`: its guess for tokens[j + 2]): the prefill yields one token; then each
+    step drafts after the last token but one (the drafter takes the target's hidden state there and the last token)
+    and the target verifies, keeping the draft and its own next token when the draft is what it picks, else its own
+    token only; until MAX_TOKENS are out (a last accepted draft may pass them: vLLM counts it, then cuts the text)."""
+    out, proposed, accepted = 1, 0, 0
+    while out < MAX_TOKENS:
+        last = prompt_len + out - 1
+        proposed += 1
+        if drafts[last - 1] == tokens[last + 1]:
+            accepted += 1
+            out += 2
+        else:
+            out += 1
+    return proposed, accepted
+
+
+def vllm_layer(name: str) -> str:
+    """The vLLM layer a checkpoint linear of GLM-4.5's decoder loads into (q/k/v fused, gate/up fused, every
+    routed expert in one MoE layer)."""
+    name = re.sub(r"\.experts\.\d+\.\w+$", ".experts", name)
+    return re.sub(r"\.(gate|up)_proj$", ".gate_up_proj", re.sub(r"\.[qkv]_proj$", ".qkv_proj", name))
+
+
+@pytest.fixture(scope="module")
+def mtp_pack(tmp_path_factory):
+    return mtp.add_mtp_layer(pack_dir("glm4moe-a-exl3-mcg-b4"), tmp_path_factory.mktemp("mtp") / "pack")
+
+
+def test_mtp_drafts_from_the_packs_own_layer_are_lossless(mtp_pack, tmp_path_factory):
+    """Covers: vLLM's GLM-4.5 drafter (Glm4MoeMTP) built through the plugin on an EXL3 target, its MTP layer
+    loaded from the pack (eh_proj and the decoder layer's linears EXL3, the router plain), drafts verified one at a
+    time, and verify steps that keep two tokens (the draft and the target's next) where the draft is accepted."""
+    with vllm_server(mtp_pack, tmp_path_factory.mktemp("mtp-plain"), *EAGER_FP32) as server:
+        plain = greedy_tokens(server)
+    with vllm_server(mtp_pack, tmp_path_factory.mktemp("mtp-drafts"), *EAGER_FP32,
+                     "--speculative-config", json.dumps(MTP)) as server:
+        prompts, tokens = greedy_run(server)
+        counters = totals(spec_samples(server))
+        log = server.log.read_text()
+    assert tokens == plain
+
+    # Drafts were proposed and some kept, and exactly as many as the pack's own MTP layer earns: each draft the
+    # layer computes on the pack's decoded weights (transformers' GLM-4.5 classes, no vLLM), checked against the
+    # tokens the target verified. A layer of other weights drafts other tokens (tests/format/test_mtp_pack.py: the
+    # same layer with another seed's decoder weights does), and its counts part from these.
+    sequences = [p + t for p, t in zip(prompts, tokens)]
+    expected = [expected_counts(d, s, len(p)) for d, s, p in zip(mtp.draft_tokens(mtp_pack, sequences), sequences,
+                                                                 prompts)]
+    proposed, accepted = (sum(e[i] for e in expected) for i in (0, 1))
+    assert 0 < accepted < proposed, expected
+    assert (counters["vllm:spec_decode_num_drafts_total"], counters["vllm:spec_decode_num_draft_tokens_total"],
+            counters["vllm:spec_decode_num_accepted_tokens_total"]) == (proposed, proposed, accepted), \
+        (counters, expected)
+
+    # Each MTP linear ran as the pack stores it: EXL3 where it stores EXL3 tensors, vLLM's own method where it
+    # stores a plain weight (the router). Names as vLLM's layers have them (q/k/v and gate/up fused).
+    pack = Pack.open(mtp_pack)
+    layer = f"model.layers.{pack.config['num_hidden_layers']}."
+    exl3 = {vllm_layer(p) for p in pack.linears() if p.startswith(layer)}
+    plain_linears = {vllm_layer(n[: -len(".weight")]) for n, rec in pack.tensors.items()
+                     if n.startswith(layer) and n.endswith(".weight") and len(rec.shape) == 2}
+    lines = MTP_LINE.findall(log)
+    assert [(n, set(e.split(", ")), set(p.split(", "))) for n, e, p in lines] == \
+        [(layer.split(".")[2], exl3, plain_linears)], lines
+    assert f"{layer}eh_proj" in exl3 and plain_linears == {f"{layer}mlp.gate"}

@@ -15,7 +15,7 @@ import vllm_exl3  # noqa: E402
 vllm_exl3.register()
 
 from vllm import ModelRegistry  # noqa: E402
-from vllm.model_executor.models.registry import _ModelInfo  # noqa: E402
+from vllm.model_executor.models.registry import _VLLM_MODELS, _ModelInfo  # noqa: E402
 
 from vllm_exl3.integration.register import MODEL_OVERRIDES  # noqa: E402
 
@@ -27,8 +27,9 @@ def test_architecture_resolves_to_the_plugins_subclass_of_vllms(arch):
     ours = ModelRegistry.models[arch].load_model_cls()
     module, _, name = MODEL_OVERRIDES[arch].partition(":")
     assert ours is getattr(importlib.import_module(module), name)
-    vllms = ours.__mro__[1]
-    assert vllms.__module__.startswith("vllm.model_executor.models.") and vllms.__name__ == arch
+    module, name = _VLLM_MODELS[arch]  # vLLM's own (module, class) for the architecture (GLM's MTP: Glm4MoeMTP)
+    vllms = next(c for c in ours.__mro__[1:] if c.__module__.startswith("vllm.model_executor.models."))
+    assert (vllms.__module__, vllms.__name__) == (f"vllm.model_executor.models.{module}", name)
     # what vLLM reads off the class (hybrid, PP, MoE, ... support) is vLLM's; `architecture` is the class name, which
     # vLLM compares only with its Transformers-backend class (ModelConfig.using_transformers_backend)
     info = {k: v for k, v in asdict(_ModelInfo.from_model_cls(ours)).items() if k != "architecture"}

@@ -321,6 +321,35 @@ def test_layers_without_exl3_tensors_go_plain_or_to_the_delegate(tmp_path, rank)
         assert type(layer.quant_method).__name__ == expected, raw
 
 
+def test_mtp_layer_linears_are_built_from_what_the_pack_stores(tmp_path, rank):
+    """Layers past num_hidden_layers are the pack's MTP layers, built only by vLLM's `mtp` drafter: an EXL3 linear
+    gets the EXL3 method (eh_proj as integration/models/glm4_moe_mtp.py builds it: a tensor out, no bias), a plain
+    weight vLLM's unquantized method, and a linear the pack stores nothing for is refused by name (vLLM would
+    draft with uninitialised memory). A trunk layer without tensors is the pack check's business, not this one."""
+    from types import SimpleNamespace
+
+    rank(0, 1)
+    eh = random_weights(512, 256, 4, "mcg", 21)
+    tensors = {**linear_tensors("model.layers.2.eh_proj", eh), "model.layers.2.mlp.gate.weight": torch.randn(8, 256)}
+    root = write_pack(tmp_path / "pack", tensors)
+    cfg = Exl3Config({"quant_method": "exl3"})
+    cfg.maybe_update_config(str(root), hf_config=SimpleNamespace(num_hidden_layers=2,
+                                                                 architectures=["Glm4MoeForCausalLM"]))
+    cfg.packed_modules_mapping = {}
+    layer = vllm_linear.ReplicatedLinear(512, 256, bias=False, quant_config=cfg, prefix="model.layers.2.eh_proj",
+                                         return_bias=False)
+    load(layer, tensors)
+    x = torch.randn(3, 512)
+    assert rel(layer(x), reference(x, eh, 512, 256)) < 1e-5
+    gate = vllm_linear.ReplicatedLinear(256, 8, bias=False, quant_config=cfg, prefix="model.layers.2.mlp.gate")
+    assert type(gate.quant_method).__name__ == "UnquantizedLinearMethod"
+    with pytest.raises(Exl3FormatError, match=r"model\.layers\.2\.self_attn\.o_proj.*MTP layer 2.*none in the pack"):
+        vllm_linear.ReplicatedLinear(256, 256, bias=False, quant_config=cfg, prefix="model.layers.2.self_attn.o_proj")
+    trunk = vllm_linear.ReplicatedLinear(256, 256, bias=False, quant_config=cfg,
+                                         prefix="model.layers.1.self_attn.o_proj")
+    assert type(trunk.quant_method).__name__ == "UnquantizedLinearMethod"
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_exl3_lm_head_with_vocab_padding(tmp_path, rank, tp, monkeypatch):
     """vocab 2000 (pack pads to 2048, vLLM pads each rank's share to 64): logits of real tokens match."""

@@ -194,6 +194,7 @@ class Exl3Config(compat.QuantizationConfig):
             metas = {k: index.exl3.get(n) for k, n in names.items()}
             present = [k for k, m in metas.items() if m is not None]
             if not present:
+                self._require_draft_tensors(prefix, list(names.values()))
                 return self.delegate.get_quant_method(layer, prefix) if self.delegate else None
             if len(present) != len(metas):
                 missing = [names[k] for k, m in metas.items() if m is None]
@@ -216,6 +217,7 @@ class Exl3Config(compat.QuantizationConfig):
                 return method
             if compat.is_lm_head(layer):
                 return self._plain_head(layer, index.plain.get(prefix))
+            self._require_draft_tensors(prefix, names)
             if self.contract.non_routed_dtype_policy != POLICY_BF16_AS_STORED and self.delegate is not None:
                 return self.delegate.get_quant_method(layer, prefix)
             if compat.is_router_gate(layer) and router_gate_on():
@@ -228,9 +230,23 @@ class Exl3Config(compat.QuantizationConfig):
             return self.delegate.get_quant_method(layer, prefix)
         return None
 
+    def _require_draft_tensors(self, prefix: str, names: list[str]) -> None:
+        """A layer past num_hidden_layers is one of the pack's MTP layers, built only by vLLM's `mtp` drafter: served
+        plain when the pack stores plain weights for it, but never from nothing. Without a tensor for it, vLLM would
+        load nothing into it and draft with the memory it allocated (drafts never accepted, silently); the preflight's
+        check (format/architectures.py mtp_missing) looks for the MTP layers' marks, not for each of their linears."""
+        index = self._require_index(prefix)
+        layer = layer_index(prefix)
+        if self._num_layers is None or layer is None or layer < self._num_layers:
+            return
+        if not any(n in index.exl3 or n in index.plain for n in names):
+            raise Exl3FormatError(None, prefix, f"tensors for this linear of MTP layer {layer} (EXL3, or a plain "
+                                  f"{names[0]}.weight), which vLLM's mtp drafter builds",
+                                  "none in the pack: the draft would run on uninitialised weights")
+
     def _in_last_block(self, prefix: str) -> bool:
         """Is `prefix` in the highest-numbered served block holding EXL3 tensors (the parity gate checks all of it)?
-        Layers past num_hidden_layers (multi-token prediction, which vLLM skips) are never built: not them."""
+        Layers past num_hidden_layers (multi-token prediction) are built only by vLLM's `mtp` drafter: not them."""
         if not hasattr(self, "_last_block"):
             served = self._num_layers if self._num_layers is not None else float("inf")
             found = [i for i in map(layer_index, self._require_index(prefix).exl3) if i is not None and i < served]

@@ -8,6 +8,8 @@ from __future__ import annotations
 MODEL_OVERRIDES = {
     "Qwen3NextForCausalLM": "vllm_exl3.integration.models.qwen3_next:Exl3Qwen3NextForCausalLM",
     "GptOssForCausalLM": "vllm_exl3.integration.models.gpt_oss:Exl3GptOssForCausalLM",
+    "Glm4MoeMTPModel": "vllm_exl3.integration.models.glm4_moe_mtp:Exl3Glm4MoeMTP",  # GLM-4.5's `mtp` drafter
+    "Glm4MoeLiteMTPModel": "vllm_exl3.integration.models.glm4_moe_lite_mtp:Exl3Glm4MoeLiteMTP",  # GLM-4.7-Flash's
 }
 
 
