@@ -246,8 +246,51 @@ def report(model: Model) -> dict:
                           "marlin_fit": {"fixed_us": model.marlin_fit[0],
                                          "weights_per_us": 1 / model.marlin_fit[1] if model.marlin_fit[1] else None}},
             "calibration": calib, "dense_fit_max_error": max(dense_err), "spark_steps": spark, "spark_moe": moe,
+            "floors": floors(model.cfg),
             "h200_moe_rates": [moe_row_rates(r, model.cfg) for r in model.moe_rows]}
 
+
+
+# --- other shapes: the bytes floor only ---------------------------------------------------------------------------
+def hybrid_step_bytes(f: dict, scheme: dict, batch: int) -> dict[str, float]:
+    """Bytes one decode step reads for a model of shape `f` (a [floors.*] entry of spark_model.toml: routed and
+    shared experts, gated attention every `full_attention_interval`-th layer, gated delta nets in the others), under
+    uniform routing, by part. EXL3 linears carry their fp16 suh/svh; GPTQ's scales are inside its 4.125 bits; the delta
+    net's small a/b projection and the routers are 16-bit in both (ExLlamaV3 keeps them so; vLLM's GPTQ leaves the
+    routers unquantized)."""
+    kind, bits = scheme["kind"], scheme["bits"]
+
+    def linear(k: int, n: int) -> float:
+        return k * n * bits / 8 + ((k + n) * 2 if kind == "exl3" else 0)
+
+    h, layers = f["hidden"], f["layers"]
+    full = layers // f["full_attention_interval"]
+    q = f["q_heads"] * f["head_dim"]
+    kv = f["kv_heads"] * f["head_dim"]
+    kd, vd = f["linear_k_heads"] * f["linear_k_dim"], f["linear_v_heads"] * f["linear_v_dim"]
+    attention = linear(h, q * (2 if f["attn_output_gate"] else 1)) + 2 * linear(h, kv) + linear(q, h)
+    delta_net = linear(h, 2 * kd + 2 * vd) + linear(vd, h) + h * 2 * f["linear_v_heads"] * 2
+    return {"routed": layers * distinct_experts(batch, f["experts"], f["top_k"])
+            * expert_bytes(h, f["expert_width"], bits, kind),
+            "shared": layers * expert_bytes(h, f["shared_expert_width"], bits, kind),
+            "attention": full * attention, "delta_net": (layers - full) * delta_net,
+            "routers": layers * f["experts"] * h * 2, "head": f["vocab"] * h * scheme["head_bits"] / 8}
+
+
+def floors(cfg: dict) -> list[dict]:
+    """Per [floors.*] shape, scheme and batch: GB a decode step reads and the GB10's bytes floor (ms at its
+    achievable bandwidth): a lower bound on the step, not the full model (no kernel times of these layers here)."""
+    gbps = cfg["devices"]["gb10"]["gbps"]
+    out = []
+    for name, f in cfg.get("floors", {}).items():
+        for key, scheme in cfg["schemes"].items():
+            for batch in (1, 8):
+                parts = hybrid_step_bytes(f, scheme, batch)
+                total = sum(parts.values())
+                out.append({"shape": name, "scheme": key, "batch": batch, "gb": total / 1e9,
+                            "floor_ms": total / (gbps * 1e6), "tok_s_ceiling": batch * gbps * 1e9 / total,
+                            "gb_by_part": {k: v / 1e9 for k, v in parts.items()}})
+    return out
 
 
 def _table(title: str, head: list[str], rows: list[list]) -> list[str]:
@@ -278,6 +321,11 @@ def markdown(rep: dict, cfg: dict) -> str:
     out += _table("GB10 MoE layer (predicted)", ["bits", "tokens", "µs", "GB/s", "bytes µs", "issue µs", "bound"],
                   [[r["bits"], r["tokens"], f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{r['byte_us']:.1f}",
                     f"{r['issue_us']:.1f}", r["bound"]] for r in rep["spark_moe"]])
+    out += _table("GB10 bytes floor of other shapes (a lower bound on the step, uniform routing)",
+                  ["shape", "scheme", "batch", "GB/step", "floor ms", "tok/s at most", "GB by part"],
+                  [[r["shape"], cfg["schemes"][r["scheme"]]["label"], r["batch"], f"{r['gb']:.2f}",
+                    f"{r['floor_ms']:.2f}", f"{r['tok_s_ceiling']:.0f}",
+                    ", ".join(f"{k} {v:.2f}" for k, v in r["gb_by_part"].items())] for r in rep["floors"]])
     out += _table("H200 MoE rows (measured, or scaled between measured token counts): weights decoded per µs",
                   ["layer", "bits", "tokens", "µs", "distinct experts", "M weights decoded", "M weights/µs",
                    "of issue ceiling", "µs from"],

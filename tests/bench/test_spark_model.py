@@ -127,3 +127,25 @@ def test_moe_rows_scale_the_sweep_between_the_later_run_s_token_counts(tmp_path)
     ratio_2 = 0.5 + (0.75 - 0.5) * (1 / 3)  # log2(2) is a third of the way from log2(1) to log2(8)
     assert got == {1: (5.0, "current"), 2: (pytest.approx(20.0 * ratio_2), "scaled"), 8: (30.0, "current")}
     assert sm.moe_rows({"moe_results": str(tmp_path / "sweep.json")})[3]["native_graph_us"] == 80.0
+
+
+def test_bytes_floor_of_a_hybrid_shape():
+    """sm.floors: the Qwen3-Next shape's step reads its parts, the delta nets only in the layers that are not
+    full attention, the routed experts of the distinct experts a batch routes to; 2 bits read half the weights."""
+    cfg = sm.load_config()
+    f = cfg["floors"]["qwen3-next-80b-a3b"]
+    four, two = cfg["schemes"]["exl3_4bit"], cfg["schemes"]["exl3_2bit"]
+    one, eight = (sm.hybrid_step_bytes(f, four, b) for b in (1, 8))
+    ratio = sm.distinct_experts(8, f["experts"], f["top_k"]) / sm.distinct_experts(
+        1, f["experts"], f["top_k"])
+    assert eight["routed"] == pytest.approx(one["routed"] * ratio)
+    assert {k: v for k, v in eight.items() if k != "routed"} == {k: v for k, v in one.items() if k != "routed"}
+    half = sm.hybrid_step_bytes(f, two, 1)
+    weights = f["top_k"] * 3 * f["hidden"] * f["expert_width"] * f["layers"]
+    assert one["routed"] - half["routed"] == pytest.approx(weights * (4 - 2) / 8)
+    assert sm.hybrid_step_bytes({**f, "full_attention_interval": 1}, four, 1)["delta_net"] == 0
+    rows = [r for r in sm.floors(cfg) if r["scheme"] == "exl3_4bit"]
+    for r in rows:
+        assert r["gb"] == pytest.approx(sum(r["gb_by_part"].values()))
+        assert r["floor_ms"] == pytest.approx(r["gb"] / cfg["devices"]["gb10"]["gbps"] * 1e3)
+        assert r["tok_s_ceiling"] == pytest.approx(r["batch"] * 1e3 / r["floor_ms"])
