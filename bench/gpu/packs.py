@@ -87,19 +87,11 @@ def layer_tensors(shape: Shape, layer: int, bits: float, codebook: str) -> dict[
     g = torch.Generator().manual_seed(1000 + layer)
     p = f"model.layers.{layer}"
     out: dict[str, torch.Tensor] = {}
-    h, q_out, kv_out = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    if not shape.full_attention(layer):
+    h = shape.hidden
+    if shape.full_attention(layer):
+        out.update(attention_tensors(shape, p, layer, bits, codebook, g))
+    else:
         out.update(delta_net_tensors(shape, p, layer, bits, codebook, g))
-    for name, (k, n) in () if not shape.full_attention(layer) else (
-            ("q_proj", (h, q_out * (2 if shape.attn_output_gate else 1))), ("k_proj", (h, kv_out)),
-            ("v_proj", (h, kv_out)), ("o_proj", (q_out, h))):
-        w = random_weights(k, n, bits, codebook, seed=layer * 8 + len(out))
-        if shape.attention_bias and name != "o_proj":
-            w = Exl3Weights(w.trellis, w.suh, w.svh, w.codebook, w.bits, torch.randn(n, generator=g).half() * 0.02)
-        out.update(linear_tensors(f"{p}.self_attn.{name}", w))
-    if shape.qk_norm and shape.full_attention(layer):
-        for n in ("q_norm", "k_norm"):
-            out[f"{p}.self_attn.{n}.weight"] = torch.ones(shape.head_dim, dtype=torch.bfloat16)
     for n in ("input_layernorm", "post_attention_layernorm"):
         out[f"{p}.{n}.weight"] = torch.ones(h, dtype=torch.bfloat16)
     if layer < shape.dense_layers:
@@ -131,6 +123,24 @@ def layer_tensors(shape: Shape, layer: int, bits: float, codebook: str) -> dict[
         for name, (k, n) in (("gate_proj", (h, n_shared)), ("up_proj", (h, n_shared)), ("down_proj", (n_shared, h))):
             out.update(linear_tensors(f"{p}.mlp.{module}.{name}",
                                       random_weights(k, n, bits, codebook, seed=layer * 8 + 6)))
+    return out
+
+
+def attention_tensors(shape: Shape, p: str, layer: int, bits: float, codebook: str,
+                      g: torch.Generator) -> dict[str, torch.Tensor]:
+    """An attention layer's q/k/v/o as EXL3 linears (q twice as wide with an output gate), biases and q/k norms
+    where the shape has them."""
+    h, q_out, kv_out = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, (k, n) in (("q_proj", (h, q_out * (2 if shape.attn_output_gate else 1))), ("k_proj", (h, kv_out)),
+                         ("v_proj", (h, kv_out)), ("o_proj", (q_out, h))):
+        w = random_weights(k, n, bits, codebook, seed=layer * 8 + len(out))
+        if shape.attention_bias and name != "o_proj":
+            w = Exl3Weights(w.trellis, w.suh, w.svh, w.codebook, w.bits, torch.randn(n, generator=g).half() * 0.02)
+        out.update(linear_tensors(f"{p}.self_attn.{name}", w))
+    if shape.qk_norm:
+        for n in ("q_norm", "k_norm"):
+            out[f"{p}.self_attn.{n}.weight"] = torch.ones(shape.head_dim, dtype=torch.bfloat16)
     return out
 
 
