@@ -136,11 +136,15 @@ def test_two_eager_runs_bitwise_equal():
         assert torch.equal(bound(x, tw, ti, emap), y)
 
 
-@pytest.mark.parametrize("codebook", ["mcg", "3inst"])  # above 8 tokens: the fused route, the decode-chunk route
-@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
-def test_graph_capture_and_replay(codebook, tokens):
-    x, tw, ti, emap, stack, bound, y = case(experts=16, top_k=4, tokens=tokens, widths=((codebook, 4.0),),
-                                               seed=14)
+# Above 8 tokens: the fused route (mcg, mul1; mul1's half-integer rates take their own kernel instances there), the
+# decode-chunk route (3inst).
+GRAPH_WIDTHS = [("mcg", 4.0), ("3inst", 4.0), ("mul1", 4.0), ("mul1", 3.5)]
+
+
+@pytest.mark.parametrize("width", GRAPH_WIDTHS, ids=[f"{c}-{b:g}b" for c, b in GRAPH_WIDTHS])
+@pytest.mark.parametrize("tokens", [1, 8, 40, 64, 512])
+def test_graph_capture_and_replay(width, tokens):
+    x, tw, ti, emap, stack, bound, y = case(experts=16, top_k=4, tokens=tokens, widths=(width,), seed=14)
     static_x, static_w, static_i = x.clone(), tw.clone(), ti.clone()
     graph, out = capture(lambda: bound(static_x, static_w, static_i, emap))
     out.fill_(float("nan"))
