@@ -3,6 +3,12 @@
 Dense linears: one `exllamav3.modules.quant.exl3.LinearEXL3` per layer, which picks its own GEMV/GEMM/reconstruct
 path by row count. Its kernels take fp16 activations only (bf16 is cast in and out here), the padded input width
 and produce the padded output, so the tensor-parallel offsets are handled by zero-extension and narrowing.
+Up to its reconstruct threshold the layer is asked for an fp32 output: its GEMM autotunes the number of blocks per
+call shape, and a choice that splits K across blocks hands the partial sums on through the output tensor, rounded
+to fp16 between blocks when the output is fp16 (exllamav3_ext/quant/exl3_gemm_inner.cuh, `write_sum_gl`). Which
+choice a process makes depends on its timings, so two servers of one pack computed different numbers: Qwen3.5's
+3.5-bit fixture read top-1 0.924 in one and 1.0 in another (bench/notes/serving-run-13.md "Thirteenth run"). An fp32
+output keeps the partials in fp32 whatever the choice; the reconstruct path above the threshold is one cuBLAS GEMM.
 Routed experts: one ExLlamaV3 `BlockSparseMLP` per layer over the stored tensors (exllamav3_moe.py).
 Imports fine without the package; `unavailable_reason()` says why it cannot run.
 
@@ -73,6 +79,15 @@ def load_package() -> None:
     import exllamav3  # noqa: F401
 
 
+@functools.lru_cache(maxsize=None)
+def reconstruct_threshold() -> int:
+    """Rows above which LinearEXL3 reconstructs and calls cuBLAS instead of its own GEMM (0 if this version does not
+    say: every call then keeps ExLlamaV3's fp16 output)."""
+    from exllamav3.modules.quant import exl3
+
+    return int(getattr(exl3, "AUTO_RECONSTRUCT_THRESHOLD", 0))
+
+
 def make_layer(w: Exl3Weights):
     """ExLlamaV3's LinearEXL3 over the stored (padded) tensors; building it loads/compiles exllamav3_ext."""
     load_package()
@@ -137,7 +152,9 @@ class _Linear(BoundLinear):
         x16 = x.to(torch.float16)
         if self.in_offset != 0 or x.shape[1] != self.w.in_padded:
             x16 = zero_extend(x16, self.w.in_padded, self.in_offset)
-        y = self.layer.forward(x16.contiguous(), {})
+        # fp32 out on the GEMM/GEMV path (the module docstring says why)
+        out_dtype = torch.float32 if x16.shape[0] <= reconstruct_threshold() else None
+        y = self.layer.forward(x16.contiguous(), {}, out_dtype)
         return y[:, self.out_offset:self.out_offset + self.out_features].to(x.dtype)
 
 
