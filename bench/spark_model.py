@@ -15,6 +15,11 @@ work / issue rate), the issue rate scaling with SMs x schedulers x clock:
   plain       fp16 reads at the GEMV rate: the fp16 lm_head, the routers, the KV cache
   rest        one constant per step (norms, rope, attention and router launches, sampling, host): our measured
               steps minus the classes above, averaged over the three batches
+Speculative decoding of one sequence (issue #45; `speculative`, inputs in [speculative] of the TOML, all assumed): a
+verify step with k draft tokens is `step` at k + 1 rows with one sequence's KV cache (the dense fit interpolated over
+log2(rows) between its fitted row counts: `dense_coef`), a draft token costs 0 (`ngram`) or one MTP pass at 1 row
+(`draft`), tok/s = (1 - a^(k+1)) / (1 - a) / (verify + k x draft) at per-position acceptance a (iid), and the
+break-even a is where that equals the plain batch-1 step's tok/s.
     python bench/spark_model.py [--json OUT] [--gbps 208] [--clock 2.0]"""
 from __future__ import annotations
 
@@ -183,38 +188,104 @@ class Model:
         return {"us": fixed + max(byte_us, issue_us), "bytes": nbytes, "byte_us": byte_us, "issue_us": issue_us,
                 "decoded": decoded, "bound": "bytes" if byte_us >= issue_us else "issue"}
 
+    def dense_coef(self, rows: int) -> tuple[float, float]:
+        """(a_B, s_B) of the dense fit at B = `rows`: the fit itself at a fitted row count ([serving] batches: 1, 8,
+        32); between two of them each coefficient interpolated over log2(rows), as `_interp_log2` does for the MoE.
+        The interpolation is an assumption (issue #45: the 2-5 rows of a verify step; no dense row count between 1
+        and 8 was measured)."""
+        if rows in self.dense_fit:
+            return self.dense_fit[rows]
+        fitted = sorted(self.dense_fit.items())
+        return (_interp_log2(rows, [(b, a) for b, (a, _) in fitted]),
+                _interp_log2(rows, [(b, s) for b, (_, s) in fitted]))
+
     def dense_us(self, dev: str, weights: float, nbytes: float, rows: int) -> float:
-        a, s = self.dense_fit[rows]
+        a, s = self.dense_coef(rows)
         return a + max(nbytes / (self.dev(dev)["gbps"] * 1e3), weights * s * self.speed(dev))
 
-    def step(self, scheme: str, dev: str, batch: int) -> dict:
-        """ms per decode step of the whole model, split by kernel class."""
-        m, sc, d = self.m, self.cfg["schemes"][scheme], self.dev(dev)
-        plain = lambda nbytes: nbytes / (d["cublas_gbps"] * 1e3)  # noqa: E731  (µs)
-        layers, head_w = m["layers"], m["vocab"] * m["hidden"]
-        us, nbytes = {}, {}
+    def plain_us(self, dev: str, nbytes: float) -> float:
+        """fp16 reads at the device's GEMV rate."""
+        return nbytes / (self.dev(dev)["cublas_gbps"] * 1e3)
+
+    def layer_us(self, sc: dict, dev: str, rows: int, bits: float) -> tuple[dict, dict]:
+        """(µs, bytes) of one decoder layer's quantized linears at `rows` rows, by kernel class: our MoE call and dense
+        calls (EXL3), or vLLM's GPTQ layer."""
+        m, us, nbytes = self.m, {}, {}
         if sc["kind"] == "exl3":
-            moe = self.moe_us(dev, sc["bits"], batch)
-            us["moe"], nbytes["moe"] = layers * moe["us"], layers * moe["bytes"]
-            calls = dense_calls(m, batch, self.cfg["serving"]["grouped_max_rows"])
-            dense = [(sum(k * n for k, n in call), sum(k * n * sc["bits"] / 8 + (k + n) * 2 for k, n in call))
-                     for call in calls]
-            us["dense"] = layers * sum(self.dense_us(dev, w, b, batch) for w, b in dense)
-            nbytes["dense"] = layers * sum(b for _, b in dense)
+            moe = self.moe_us(dev, bits, rows)
+            us["moe"], nbytes["moe"] = moe["us"], moe["bytes"]
+            us["dense"], nbytes["dense"] = self.dense_calls_us(
+                dev, dense_calls(m, rows, self.cfg["serving"]["grouped_max_rows"]), bits, rows)
         else:
-            nbytes["moe+dense"] = layers * self.gptq_layer(batch, sc["bits"])[1]
-            us["moe+dense"] = layers * self.marlin_us(dev, batch, sc["bits"])
-        nbytes["head"] = head_w * sc["head_bits"] / 8
-        us["head"] = (plain(nbytes["head"]) if sc["head_bits"] == 16 else
-                      self.dense_us(dev, head_w, nbytes["head"] + (m["vocab"] + m["hidden"]) * 2, batch))
+            us["moe+dense"], nbytes["moe+dense"] = self.marlin_us(dev, rows, bits), self.gptq_layer(rows, bits)[1]
+        return us, nbytes
+
+    def dense_calls_us(self, dev: str, calls: list[list[tuple[int, int]]], bits: float, rows: int,
+                       kind: str = "exl3") -> tuple[float, float]:
+        """(µs, bytes) of dense calls, each the shapes it computes, with the dense fit at `rows` rows; EXL3 linears
+        carry their fp16 suh/svh."""
+        dense = [(sum(k * n for k, n in call),
+                  sum(k * n * bits / 8 + ((k + n) * 2 if kind == "exl3" else 0) for k, n in call)) for call in calls]
+        return sum(self.dense_us(dev, w, b, rows) for w, b in dense), sum(b for _, b in dense)
+
+    def head_us(self, sc: dict, dev: str, rows: int) -> tuple[float, float]:
+        """(µs, bytes) of the lm_head: fp16 at the GEMV rate, else one EXL3 dense call."""
+        m = self.m
+        head_w = m["vocab"] * m["hidden"]
+        nbytes = head_w * sc["head_bits"] / 8
+        return (self.plain_us(dev, nbytes) if sc["head_bits"] == 16 else
+                self.dense_us(dev, head_w, nbytes + (m["vocab"] + m["hidden"]) * 2, rows)), nbytes
+
+    def kv_bytes(self, seqs: int, layers: int) -> float:
+        m = self.m
+        return seqs * m["context"] * layers * 2 * m["kv_heads"] * m["head_dim"] * m["kv_bytes"]
+
+    def step(self, scheme: str, dev: str, batch: int, seqs: int | None = None) -> dict:
+        """ms per decode step of the whole model, split by kernel class: `batch` rows through every layer, the KV
+        cache of `seqs` sequences read once (default: one sequence per row)."""
+        m, sc, d = self.m, self.cfg["schemes"][scheme], self.dev(dev)
+        layers = m["layers"]
+        per_us, per_bytes = self.layer_us(sc, dev, batch, sc["bits"])
+        us = {k: layers * v for k, v in per_us.items()}
+        nbytes = {k: layers * v for k, v in per_bytes.items()}
+        us["head"], nbytes["head"] = self.head_us(sc, dev, batch)
         nbytes["router"] = layers * m["experts"] * m["hidden"] * 2
-        nbytes["kv"] = batch * m["context"] * layers * 2 * m["kv_heads"] * m["head_dim"] * m["kv_bytes"]
-        us["router+kv"] = plain(nbytes["router"] + nbytes["kv"])
+        nbytes["kv"] = self.kv_bytes(batch if seqs is None else seqs, layers)
+        us["router+kv"] = self.plain_us(dev, nbytes["router"] + nbytes["kv"])
         us["rest"] = self.rest_ms * 1e3
         ms = sum(us.values()) / 1e3
         return {"scheme": scheme, "device": dev, "batch": batch, "ms": ms, "tok_s": batch * 1e3 / ms,
                 "weight_gb_per_step": sum(v for k, v in nbytes.items() if k != "kv") / 1e9,
                 "floor_ms": sum(nbytes.values()) / (d["gbps"] * 1e6),
+                "split_ms": {k: v / 1e3 for k, v in us.items()}}
+
+    # --- speculative decoding (issue #45): one sequence, k draft tokens a step -----------------------------------
+    def verify_step(self, scheme: str, dev: str, k: int) -> dict:
+        """The target's verify step of ONE sequence with k draft tokens: k + 1 rows through every layer (the routed
+        experts of k + 1 tokens, distinct under uniform routing; the dense calls and the head at k + 1 rows, the dense
+        fit interpolated between fitted row counts: `dense_coef`), that sequence's KV cache read once, the same
+        per-step rest. k = 0 is the plain batch-1 step."""
+        r = self.step(scheme, dev, k + 1, seqs=1)
+        del r["tok_s"]  # k + 1 rows, but not k + 1 tokens: see speculative()
+        return {**r, "k": k}
+
+    def draft(self, scheme: str, dev: str, method: str) -> dict:
+        """ms per draft token. `ngram`: no weights read (vLLM's prompt lookup runs on the host; counted as 0).
+        `mtp`: one pass of the MTP module at 1 row: a decoder layer of the trunk's shape (its MoE, dense calls,
+        router and one layer of KV cache) at `[speculative] exl3_mtp_bits` for EXL3 packs, its eh_proj
+        [2 x hidden -> hidden] as one dense call, the shared lm_head, and one layer's share of the per-step rest."""
+        if method == "ngram":
+            return {"method": method, "ms": 0.0, "split_ms": {}}
+        if method != "mtp":
+            raise ValueError(f"no draft model for {method!r}")
+        m, sc, sp = self.m, self.cfg["schemes"][scheme], self.cfg["speculative"]
+        bits = sp["exl3_mtp_bits"] if sc["kind"] == "exl3" else sc["bits"]
+        us, _ = self.layer_us(sc, dev, 1, bits)
+        us["eh_proj"], _ = self.dense_calls_us(dev, [[(2 * m["hidden"], m["hidden"])]], bits, 1, sc["kind"])
+        us["head"], _ = self.head_us(sc, dev, 1)
+        us["router+kv"] = self.plain_us(dev, m["experts"] * m["hidden"] * 2 + self.kv_bytes(1, 1))
+        us["rest"] = self.rest_ms * 1e3 / m["layers"]
+        return {"method": method, "bits": bits, "ms": sum(us.values()) / 1e3,
                 "split_ms": {k: v / 1e3 for k, v in us.items()}}
 
 
@@ -224,6 +295,51 @@ def _interp_log2(x: float, pts: list[tuple[int, float]]) -> float:
             f = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
             return y0 + f * (y1 - y0)
     raise ValueError(f"{x} tokens is outside the measured {pts[0][0]}..{pts[-1][0]}")
+
+
+def tokens_per_step(a: float, k: int) -> float:
+    """Expected tokens one verify step emits with k draft tokens when each draft token is accepted with probability a
+    once the ones before it were: (1 - a^(k+1)) / (1 - a) (the accepted prefix plus the target's own next token;
+    Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", eq. 1). Assumption: iid
+    acceptance; measured acceptance falls with the position, so a is the per-position rate it would take."""
+    return k + 1.0 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def break_even(k: int, ratio: float, tol: float = 1e-12) -> float | None:
+    """The acceptance rate a in (0, 1) at which k drafts a step pay for themselves: tokens_per_step(a, k) = `ratio`
+    (a step's cost, verify plus drafts, over the plain step's), by bisection (tokens_per_step grows with a from 1 to
+    k + 1); None where even a = 1 does not reach it, 0 where a = 0 already does."""
+    if ratio <= 1:
+        return 0.0
+    if ratio >= k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_step(mid, k) < ratio else (lo, mid)
+    return (lo + hi) / 2
+
+
+def speculative(model: Model, dev: str) -> dict:
+    """Per scheme, draft method and k of `[speculative]`: the verify step, the drafts' cost, tok/s of one sequence at
+    each acceptance rate (tokens_per_step / (verify + k x draft)) against the plain batch-1 step, and the break-even
+    acceptance rate."""
+    sp = model.cfg["speculative"]
+    plain = {k: model.step(k, dev, 1) for k in sp["schemes"]}
+    verify = {(k, n): model.verify_step(k, dev, n) for k in sp["schemes"] for n in sp["draft_tokens"]}
+    drafts = {(k, meth): model.draft(k, dev, meth) for k in sp["schemes"] for meth in sp["methods"]}
+    rows = []
+    for (scheme, meth), d in drafts.items():
+        for n in sp["draft_tokens"]:
+            ms = verify[scheme, n]["ms"] + n * d["ms"]
+            at = {str(a): {"tokens_per_step": tokens_per_step(a, n), "tok_s": tokens_per_step(a, n) * 1e3 / ms,
+                           "speedup": tokens_per_step(a, n) * plain[scheme]["ms"] / ms} for a in sp["acceptance"]}
+            rows.append({"scheme": scheme, "method": meth, "k": n, "verify_ms": verify[scheme, n]["ms"],
+                         "draft_ms_per_token": d["ms"], "step_ms": ms, "at": at,
+                         "break_even": break_even(n, ms / plain[scheme]["ms"])})
+    return {"device": dev, "plain": {k: {"ms": r["ms"], "tok_s": r["tok_s"]} for k, r in plain.items()},
+            "verify_steps": list(verify.values()),
+            "drafts": [{"scheme": k, **d} for (k, _), d in drafts.items()], "rows": rows}
 
 
 def report(model: Model) -> dict:
@@ -247,7 +363,8 @@ def report(model: Model) -> dict:
                                          "weights_per_us": 1 / model.marlin_fit[1] if model.marlin_fit[1] else None}},
             "calibration": calib, "dense_fit_max_error": max(dense_err), "spark_steps": spark, "spark_moe": moe,
             "floors": floors(model.cfg),
-            "h200_moe_rates": [moe_row_rates(r, model.cfg) for r in model.moe_rows]}
+            "h200_moe_rates": [moe_row_rates(r, model.cfg) for r in model.moe_rows],
+            "speculative": {dev: speculative(model, dev) for dev in ("gb10", "h200")}}
 
 
 
@@ -333,7 +450,31 @@ def markdown(rep: dict, cfg: dict) -> str:
                     f"{r['decoded_M']:.0f}", f"{r['weights_per_us'] / 1e6:.2f}", f"{r['ceiling_fraction']:.0%}",
                     r["source"] or "moe_results"]
                    for r in rep["h200_moe_rates"]])
+    for dev, name in (("gb10", "GB10"), ("h200", "H200")):
+        out += speculative_markdown(rep["speculative"][dev], cfg, name)
     return "\n".join(out)
+
+
+def speculative_markdown(spec: dict, cfg: dict, name: str) -> list[str]:
+    """The speculative-decoding tables of one device: the verify and draft costs, then tok/s per acceptance rate."""
+    sp, label = cfg["speculative"], lambda k: cfg["schemes"][k]["label"]
+    drafts = {(d["scheme"], d["method"]): d for d in spec["drafts"]}
+    out = _table(f"{name} verify step of one sequence, k draft tokens (predicted): ms, k + 1 rows",
+                 ["scheme", "plain (k = 0)", *(f"k = {n}" for n in sp["draft_tokens"]), "mtp draft ms/token",
+                  "mtp draft split (ms)"],
+                 [[label(k), f"{p['ms']:.2f}",
+                   *(f"{v['ms']:.2f}" for v in spec["verify_steps"] if v["scheme"] == k),
+                   f"{drafts[k, 'mtp']['ms']:.2f}",
+                   ", ".join(f"{c} {v:.2f}" for c, v in drafts[k, "mtp"]["split_ms"].items())]
+                  for k, p in spec["plain"].items()])
+    out += _table(f"{name} speculative decoding, one sequence (predicted): tok/s (× plain) at acceptance a",
+                  ["scheme", "plain tok/s", "method", "k", "step ms (verify + drafts)",
+                   *(f"a = {a}" for a in sp["acceptance"]), "break-even a"],
+                  [[label(r["scheme"]), f"{spec['plain'][r['scheme']]['tok_s']:.0f}", r["method"], r["k"],
+                    f"{r['step_ms']:.2f}",
+                    *(f"{x['tok_s']:.0f} ({x['speedup']:.2f}×)" for x in r["at"].values()),
+                    "never" if r["break_even"] is None else f"{r['break_even']:.2f}"] for r in spec["rows"]])
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

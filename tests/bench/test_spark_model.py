@@ -4,6 +4,7 @@ repo's committed result files and bench/spark_model.toml)."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import subprocess
@@ -149,3 +150,123 @@ def test_bytes_floor_of_a_hybrid_shape():
         assert r["gb"] == pytest.approx(sum(r["gb_by_part"].values()))
         assert r["floor_ms"] == pytest.approx(r["gb"] / cfg["devices"]["gb10"]["gbps"] * 1e3)
         assert r["tok_s_ceiling"] == pytest.approx(r["batch"] * 1e3 / r["floor_ms"])
+
+
+# --- speculative decoding (issue #45) -----------------------------------------------------------------------------
+def test_existing_predictions_are_unchanged(model):
+    """The GB10 steps bench/notes/spark-model.md "The Spark, predicted" prints (ms at batch 1 / 8): the verify-step
+    code shares their functions and must not move them."""
+    notes = {"exl3_4bit": (9.90, 31.59), "exl3_2bit": (7.54, 18.19), "exl3_4bit_fp16_head": (11.54, 33.23),
+             "gptq_4bit": (12.92, 34.89)}
+    for scheme, ms in notes.items():
+        for batch, expect in zip((1, 8), ms):
+            r = model.step(scheme, "gb10", batch)
+            assert r["ms"] == pytest.approx(expect, abs=0.005), (scheme, batch)
+            assert model.step(scheme, "gb10", batch, seqs=batch) == r  # one sequence per row by default
+
+
+def test_tokens_per_step_is_the_iid_acceptance_formula():
+    for k in range(6):
+        assert sm.tokens_per_step(0.0, k) == 1.0  # nothing accepted: the target's own token
+        assert sm.tokens_per_step(1.0, k) == k + 1
+        for a in (0.3, 0.5, 0.7, 0.9):
+            assert sm.tokens_per_step(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)))
+    assert sm.tokens_per_step(0.5, 1) == pytest.approx(1.5)
+    assert sm.tokens_per_step(0.7, 3) == pytest.approx(1 + 0.7 + 0.49 + 0.343)
+    grid = [i / 100 for i in range(100)]
+    for k in range(1, 5):
+        values = [sm.tokens_per_step(a, k) for a in grid]
+        assert all(x < y for x, y in itertools.pairwise(values))
+
+
+def test_break_even_solves_the_equation():
+    for k in range(1, 5):
+        for ratio in (1.1, 1.5, k + 0.5):
+            a = sm.break_even(k, ratio)
+            assert 0 < a < 1 and sm.tokens_per_step(a, k) == pytest.approx(ratio, rel=1e-9)
+        assert sm.break_even(k, 1.0) == 0.0  # a step that costs no more than the plain one pays at once
+        assert sm.break_even(k, k + 1) is None  # k + 1 times the plain step never pays
+
+
+def test_dense_fit_at_k_plus_one_rows(model):
+    """At a fitted row count the interpolated fit is the fit; between two (2-5 rows lie between 1 and 8) each
+    coefficient is linear in log2(rows)."""
+    for rows, fit in model.dense_fit.items():
+        assert model.dense_coef(rows) == fit
+    (a1, s1), (a8, s8) = model.dense_fit[1], model.dense_fit[8]
+    for rows in (2, 3, 4, 5):
+        f = math.log2(rows) / 3
+        a, s = model.dense_coef(rows)
+        assert a == pytest.approx(a1 + f * (a8 - a1)) and s == pytest.approx(s1 + f * (s8 - s1))
+        assert min(a1, a8) <= a <= max(a1, a8) and min(s1, s8) <= s <= max(s1, s8)
+    with pytest.raises(ValueError):
+        model.dense_coef(64)  # beyond the fitted rows: not extrapolated
+    for scheme in ("exl3_4bit", "gptq_4bit"):  # k = 7 is 8 rows: the measured fit, only the KV cache is one sequence
+        v, b8 = model.verify_step(scheme, "gb10", 7), model.step(scheme, "gb10", 8)
+        assert {k: x for k, x in v["split_ms"].items() if k != "router+kv"} == {
+            k: x for k, x in b8["split_ms"].items() if k != "router+kv"}
+        assert v["split_ms"]["router+kv"] < b8["split_ms"]["router+kv"]
+
+
+def test_verify_step_grows_with_k(model):
+    for dev in ("gb10", "h200"):
+        for scheme in model.cfg["speculative"]["schemes"]:
+            plain = model.step(scheme, dev, 1)
+            assert model.verify_step(scheme, dev, 0)["ms"] == pytest.approx(plain["ms"], rel=1e-12)
+            ms = [model.verify_step(scheme, dev, k)["ms"] for k in range(5)]
+            assert all(x < y for x, y in itertools.pairwise(ms)), (dev, scheme, ms)
+            kv1 = model.step(scheme, dev, 1)["split_ms"]["router+kv"]
+            assert model.verify_step(scheme, dev, 4)["split_ms"]["router+kv"] == pytest.approx(kv1)
+
+
+def test_draft_costs(model):
+    for dev in ("gb10", "h200"):
+        for scheme in model.cfg["speculative"]["schemes"]:
+            assert model.draft(scheme, dev, "ngram")["ms"] == 0.0
+            mtp = model.draft(scheme, dev, "mtp")
+            sc = model.cfg["schemes"][scheme]
+            head, _ = model.head_us(sc, dev, 1)
+            assert mtp["split_ms"]["head"] == pytest.approx(head / 1e3)  # the shared lm_head at one row
+            assert mtp["split_ms"]["rest"] == pytest.approx(model.rest_ms / model.m["layers"])
+            plain = model.step(scheme, dev, 1)
+            if sc["bits"] == mtp["bits"]:  # an MTP layer of the trunk's shape and bits: one trunk layer's classes
+                for part in ("moe", "dense", "moe+dense"):
+                    if part in plain["split_ms"]:
+                        assert mtp["split_ms"][part] == pytest.approx(plain["split_ms"][part] / model.m["layers"])
+            assert mtp["split_ms"]["eh_proj"] > 0 and mtp["ms"] < plain["ms"]
+    assert model.draft("exl3_2bit", "gb10", "mtp")["bits"] == 4.0  # ExLlamaV3's --mtp_bits default
+    with pytest.raises(ValueError):
+        model.draft("exl3_4bit", "gb10", "eagle3")
+
+
+@pytest.mark.parametrize("dev", ["gb10", "h200"])
+def test_speculative_table(model, dev):
+    spec = sm.speculative(model, dev)
+    sp = model.cfg["speculative"]
+    assert len(spec["rows"]) == len(sp["schemes"]) * len(sp["methods"]) * len(sp["draft_tokens"])
+    for r in spec["rows"]:
+        plain = spec["plain"][r["scheme"]]
+        tok_s = [x["tok_s"] for x in r["at"].values()]
+        assert all(x < y for x, y in itertools.pairwise(tok_s))  # grows with the acceptance rate
+        for a, x in zip(sp["acceptance"], r["at"].values()):
+            assert x["tok_s"] == pytest.approx(sm.tokens_per_step(a, r["k"]) * 1e3 / r["step_ms"])
+            assert x["speedup"] == pytest.approx(x["tok_s"] / plain["tok_s"])
+        assert 0 < r["break_even"] < 1
+        at_break_even = sm.tokens_per_step(r["break_even"], r["k"]) * 1e3 / r["step_ms"]
+        assert at_break_even == pytest.approx(plain["tok_s"], rel=1e-9)
+    by = {(r["scheme"], r["method"], r["k"]): r for r in spec["rows"]}
+    for scheme in sp["schemes"]:
+        for k in sp["draft_tokens"]:  # free drafts pay sooner than MTP's
+            assert by[scheme, "ngram", k]["break_even"] < by[scheme, "mtp", k]["break_even"]
+            assert by[scheme, "ngram", k]["step_ms"] == pytest.approx(by[scheme, "ngram", k]["verify_ms"])
+
+
+def test_cli_reports_speculative(tmp_path):
+    out = tmp_path / "spark.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "spark_model.py"), "--json", str(out)],
+                       check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "## GB10 speculative decoding" in r.stdout and "## H200 verify step" in r.stdout
+    rep = json.loads(out.read_text())
+    assert set(rep["speculative"]) == {"gb10", "h200"}
+    assert all(0 < row["break_even"] < 1 for row in rep["speculative"]["gb10"]["rows"])
