@@ -16,7 +16,7 @@ from vllm_exl3.appliance.launch import (EXIT_REFUSED, EXTRA_AFTER_DASHES, EXTRA_
                                         exec_argv, load_preset, plan_request)
 from vllm_exl3.appliance.vllm_options import VllmOptions
 
-SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency", "spec-ngram")
+SPARK_PRESETS = ("spark-1x", "spark-2x-tp2", "long-context", "low-latency", "spec-ngram", "spec-mtp")
 TWO_NODE_ENV = {"VLLM_EXL3_HEAD_ADDR": "192.168.100.10", "VLLM_EXL3_SERVED_NAME": "glm", "VLLM_EXL3_PORT": "8000",
                 "VLLM_EXL3_HOST": "0.0.0.0", "VLLM_EXL3_MODEL": "/model", "VLLM_EXL3_PEER_SECRET": "s" * 32}
 
@@ -162,6 +162,10 @@ def test_a_preset_based_on_another_adds_to_it(tmp_path):
     assert ngram.nodes == base.nodes == 1 and ngram.memory == base.memory
     assert ngram.vllm == {**base.vllm, "speculative-config": ngram.vllm["speculative-config"]}
     assert json.loads(ngram.vllm["speculative-config"])["method"] == "ngram"
+    mtp = load_preset("spec-mtp", {})  # the same way: spark-1x plus one MTP draft token a step
+    assert mtp.nodes == base.nodes and mtp.memory == base.memory
+    assert mtp.vllm == {**base.vllm, "speculative-config": mtp.vllm["speculative-config"]}
+    assert json.loads(mtp.vllm["speculative-config"]) == {"method": "mtp", "num_speculative_tokens": 1}
     (tmp_path / "mine.toml").write_text('base = "spark-1x"\nnodes = 2\n[vllm]\nmax-num-seqs = 2\n'
                                         '[memory]\nheadroom-gib = 9.0\n')
     mine = load_preset(str(tmp_path / "mine.toml"), {})

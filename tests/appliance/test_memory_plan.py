@@ -50,6 +50,33 @@ def test_kv_per_token_from_fixture_configs():
         glm.kv_bytes_per_token(tp=1, kv_dtype="int3")
 
 
+def test_mtp_drafts_add_the_mtp_layers_weights_as_stored_and_their_kv(tmp_path):
+    """vLLM's `mtp` drafter loads the pack's MTP layers (the target alone skips them): their tensors count, as
+    stored, only then, and so does the KV of their attention (one layer of the trunk's shape each)."""
+    from vllm_exl3.appliance.preflight import memory_plan
+    from vllm_exl3.dev import mtp
+
+    root = mtp.add_mtp_layer(pack_dir("..") / "exl3-families" / "qwen35moe-a-exl3-mul1-b3.5", tmp_path / "pack")
+    pack = Pack.open(root)
+    stored = sum(r.nbytes for n, r in pack.tensors.items() if n.startswith("mtp."))
+    assert pack.mtp_storage() == (1, stored)
+    plain, drafting = model_shape(pack), model_shape(pack, mtp=True)
+    assert drafting.weight_bytes == plain.weight_bytes + stored == sum(r.nbytes for r in pack.tensors.values())
+    assert plain.kv_bytes_per_token(tp=1) == 4 * 2 * 2 * 64 * 2  # 4 layers, 2 KV heads of 64, bf16
+    assert drafting.kv_bytes_per_token(tp=1) == 5 * 2 * 2 * 64 * 2  # and the MTP layer's attention
+    mtp_config = {"method": "mtp", "num_speculative_tokens": 1}
+    for config, shape in ((None, plain), ({"method": "ngram"}, plain), (mtp_config, drafting),
+                          ({**mtp_config, "method": "qwen3_5_mtp"}, drafting)):
+        p = memory_plan(pack, Request(), NO_SLACK, spark(100), config)
+        assert p.weights_bytes == shape.weight_bytes, config
+        assert any(line.startswith("mtp drafts: 1 MTP layer(s)") for line in p.lines) == (shape is drafting)
+    glm = model_shape(Pack.open(pack_dir("glm4moe-a-exl3-mcg-b4")), mtp=True)  # stores no MTP layer: nothing added
+    assert glm.mtp_layers == 0 and glm.kv_bytes_per_token(tp=1) == 3 * 2 * 2 * 64 * 2
+    glm = Pack.open(mtp.add_mtp_layer(pack_dir("glm4moe-a-exl3-mcg-b4"), tmp_path / "glm"))  # GLM's: layer 3
+    assert glm.mtp_storage() == (1, sum(r.nbytes for n, r in glm.tensors.items() if n.startswith("model.layers.3.")))
+    assert model_shape(glm, mtp=True).kv_bytes_per_token(tp=1) == 4 * 2 * 2 * 64 * 2
+
+
 def test_kv_per_token_mla():
     shape = ModelShape.from_config({"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
                                     "kv_lora_rank": 512, "qk_rope_head_dim": 64, "vocab_size": 129280}, 0)

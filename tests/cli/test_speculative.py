@@ -88,3 +88,24 @@ def test_ngram_and_no_speculation_pass(tmp_path):
     assert check_speculative(pack, None) is None
     check = check_speculative(pack, {"method": "ngram", "num_speculative_tokens": 3})
     assert check.ok and check.detail == "method ngram, 3 draft token(s) a step"
+
+
+def test_the_spec_mtp_preset_is_refused_for_a_pack_without_mtp_layers_and_planned_for_one_with(tmp_path, monkeypatch):
+    """`PRESET=spec-mtp` in the appliance's .env reaches the launcher as VLLM_EXL3_PRESET (docker-compose.yml):
+    on the demo pack (Qwen3-MoE, no MTP layers) preflight refuses before the boot; on a Qwen3.5 pack that stores
+    its `mtp.` module the memory plan counts the MTP layer (appliance/memory_plan.py)."""
+    monkeypatch.setenv("VLLM_EXL3_PRESET", "spec-mtp")
+    code, err = run_cli("preflight", str(demo.PACK), seconds=PARSE_S)
+    assert code == 78, err
+    assert "preset spec-mtp" in err and "FAIL speculative: --speculative-config asks for method 'mtp'" in err, err
+    assert "has none: the plugin knows no MTP layers for this architecture" in err
+
+    root = copy_pack(QWEN35, tmp_path / "qwen35")
+    edit_json(root / "config.json", lambda c: c.update(mtp_num_hidden_layers=1))
+    add_tensors(root, ["mtp.fc.weight", "mtp.norm.weight"])
+    meminfo = tmp_path / "meminfo"  # an idle Spark
+    meminfo.write_text("MemTotal:       125000000 kB\nMemFree:        118000000 kB\nMemAvailable:   120000000 kB\n")
+    code, err = run_cli("preflight", str(root), "--meminfo", str(meminfo), seconds=PARSE_S)
+    assert code == 0, err
+    assert "ok   speculative: method mtp, 1 draft token(s) a step" in err, err
+    assert "mtp drafts: 1 MTP layer(s)" in err, err

@@ -18,7 +18,10 @@ A pack without MTP layers is refused before the boot (tests/cli/test_speculative
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import os
 import re
 from collections import defaultdict
 
@@ -28,9 +31,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from support.appliance import ROOT
 from support.fixtures import pack_dir
-from support.servers import vllm_server
+from support.servers import cpu_env, vllm_server
 from vllm_exl3 import demo
-from vllm_exl3.dev import mtp
+from vllm_exl3.dev import golden_logprobs, mtp
 from vllm_exl3.format.pack import Pack
 
 pytestmark = pytest.mark.e2e
@@ -195,3 +198,75 @@ def test_mtp_drafts_from_the_packs_own_layer_are_lossless(mtp_pack, tmp_path_fac
     assert [(n, set(e.split(", ")), set(p.split(", "))) for n, e, p in lines] == \
         [(layer.split(".")[2], exl3, plain_linears)], lines
     assert f"{layer}eh_proj" in exl3 and plain_linears == {f"{layer}mlp.gate"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mtp on Qwen3.5/3.6-MoE: the pack's own `mtp.` module, one boot
+# ---------------------------------------------------------------------------------------------------------------
+FAMILIES = ROOT / "tests" / "fixtures" / "exl3-families"
+QWEN3_VL_IMPORTS = ROOT / "tests" / "support" / "qwen3_vl_imports"
+# vLLM's CPU build runs the gated delta net in bf16 only (tests/e2e/test_families_e2e.py). Prefix caching off: with
+# it vLLM keeps the delta net's state in its "align" mode, whose copy step under speculative decoding is a Triton
+# kernel the CPU build lacks (`TypeError: 'function' object is not subscriptable` in mamba_utils.preprocess_mamba).
+QWEN35_OPTIONS = ("--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching")
+# How far from the target's own pick a generated token may be at bf16: the bounds tests/e2e/test_families_e2e.py
+# holds bf16 servers to against ExLlamaV3 (top-1 agreement, |Δ log p|), here between the same server's decode and
+# prefill of the same tokens.
+BF16_TOP1, BF16_LOGPROB = 0.94, 0.05
+
+
+@pytest.fixture(scope="module")
+def qwen35_mtp_pack(tmp_path_factory):
+    return mtp.add_mtp_layer(FAMILIES / "qwen35moe-a-exl3-mul1-b3.5", tmp_path_factory.mktemp("qwen35-mtp") / "pack")
+
+
+def greedy_gaps(server, prompts: list[list[int]], tokens: list[list[int]]) -> list[float]:
+    """For every generated token, how far (nats) below the target's own greedy pick it is: 0 where it is that pick.
+    The same server's prompt log-probabilities over prompt + output (a prefill: the target alone, from scratch, no
+    draft in it) give the target's distribution after each prefix."""
+    out = []
+    for prompt, generated in zip(prompts, tokens):
+        dists = golden_logprobs.served_distributions(server.base_url, server.model, prompt + generated[:-1])
+        for i, token in enumerate(generated):
+            dist = dists[len(prompt) - 1 + i]
+            out.append(max(dist.values()) - dist.get(token, -math.inf))
+    return out
+
+
+def test_qwen35_mtp_drafts_from_the_packs_own_module_are_lossless(qwen35_mtp_pack, tmp_path):
+    """Covers: vLLM's Qwen3.5-MoE drafter (Qwen3_5MoeMTP) on an EXL3 target, its `mtp.` module as ExLlamaV3 1.6.5
+    writes it (fc and the decoder layer's linears EXL3 at mtp_bits, the router and shared_expert_gate plain) loaded
+    through the plugin, drafts verified one a step, some accepted.
+
+    One boot, not two: at bf16 a plain server's greedy text and a drafting one's part where the target's top two
+    tokens are closer than bf16 resolves (the fixture's random weights give near-flat logits: measured, the three
+    requests part at tokens 34, 7 and 16, each where the top two were 0.004-0.012 nats apart), and a verify step of
+    two tokens rounds otherwise than a decode step of one. So every generated token is checked against the target's
+    own distribution after its prefix, from the same server's prefill (`greedy_gaps`), within the bounds bf16
+    servers are held to: a draft that changed the text, or a delta-net state not rolled back after a rejected
+    draft, gives tokens the target would not have picked."""
+    env = {}
+    if importlib.util.find_spec("torchvision") is None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(QWEN3_VL_IMPORTS), os.environ.get("PYTHONPATH")) if p)
+    with vllm_server(qwen35_mtp_pack, tmp_path, *QWEN35_OPTIONS, "--speculative-config", json.dumps(MTP),
+                     env=cpu_env(**env)) as server:
+        prompts, tokens = greedy_run(server)
+        counters = totals(spec_samples(server))
+        gaps = greedy_gaps(server, prompts, tokens)
+        log = server.log.read_text()
+
+    assert max(gaps) <= BF16_LOGPROB and sum(g == 0 for g in gaps) >= BF16_TOP1 * len(gaps), gaps
+    drafts = counters["vllm:spec_decode_num_drafts_total"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
+    assert counters["vllm:spec_decode_num_draft_tokens_total"] == drafts  # one draft token a step
+    assert 0 < accepted < drafts, counters  # the pack's fc passes the token embedding: some drafts are kept
+
+    # Each MTP linear ran as the pack stores it: EXL3 (fc, attention, shared expert, routed experts) or plain (the
+    # router and shared_expert_gate), under the checkpoint's names (vLLM fuses q/k/v and gate/up).
+    pack = Pack.open(qwen35_mtp_pack)
+    exl3 = {vllm_layer(p) for p in pack.linears() if p.startswith("mtp.")}
+    plain_linears = {vllm_layer(n[: -len(".weight")]) for n, rec in pack.tensors.items()
+                     if n.startswith("mtp.") and n.endswith(".weight") and len(rec.shape) == 2}
+    lines = MTP_LINE.findall(log)
+    assert [(n, set(e.split(", ")), set(p.split(", "))) for n, e, p in lines] == [("0", exl3, plain_linears)], lines
+    assert "mtp.fc" in exl3 and plain_linears == {"mtp.layers.0.mlp.gate", "mtp.layers.0.mlp.shared_expert_gate"}

@@ -1,5 +1,6 @@
 """dev/trellis.py (EXL3 linears that decode to a chosen weight) and dev/mtp.py (a GLM-4.5 pack with its MTP layer, and
-what that layer drafts): the pieces tests/e2e/test_speculative_e2e.py serves `mtp` with."""
+what that layer drafts; a Qwen3.5-MoE pack with its `mtp.` module): the pieces tests/e2e/test_speculative_e2e.py
+serves `mtp` with."""
 
 from __future__ import annotations
 
@@ -112,6 +113,34 @@ def test_eh_proj_passes_the_hidden_state_through():
     w = R.full_weight(mtp.pass_through(h, 4, "mcg"))
     assert w[:h].abs().max() == 0  # the token embedding's half: not read
     assert rel(w[h:], torch.eye(h)) < 0.3 and abs(torch.diagonal(w[h:]).mean().item() - 1) < 0.02
+    w = R.full_weight(mtp.pass_through(h, 4, "mul1", "embedding"))  # Qwen3.5's fc: the token embedding's half
+    assert w[h:].abs().max() == 0  # the hidden state's half: not read
+    assert rel(w[:h], torch.eye(h)) < 0.4 and abs(torch.diagonal(w[:h]).mean().item() - 1) < 0.02  # mul1: coarser
+
+
+def test_the_qwen35_mtp_module_is_stored_as_exllamav3_lays_it_out(tmp_path):
+    """ExLlamaV3 1.6.5's Qwen3.5-MoE MTP model (architecture/qwen3_5_mtp.py): under `mtp.`, fc and one gated-attention
+    routed decoder layer, every linear EXL3 at mtp_bits (4) but the router and shared_expert_gate (plain fp16); the
+    norms plain; no embedding or head of its own; the sidecar's ledger records every new tensor."""
+    pack = Pack.open(mtp.add_mtp_layer(pack_dir("..") / "exl3-families" / "qwen35moe-a-exl3-mul1-b3.5",
+                                       tmp_path / "pack"))
+    assert pack.problems() == [] and pack.mtp_missing() is None
+    assert check_speculative(pack, {"method": "mtp", "num_speculative_tokens": 1}).ok
+    assert pack.config["mtp_num_hidden_layers"] == 1 and pack.quantization_config["mtp_bits"] == 4
+    names = {n for n in pack.tensors if n.startswith("mtp.")}
+    linears = {p: lin for p, lin in pack.linears().items() if p.startswith("mtp.")}
+    assert {"mtp.fc", "mtp.layers.0.self_attn.q_proj", "mtp.layers.0.self_attn.o_proj",
+            "mtp.layers.0.mlp.shared_expert.down_proj", "mtp.layers.0.mlp.experts.7.up_proj"} <= set(linears)
+    assert linears["mtp.layers.0.self_attn.q_proj"].out_padded == 2 * 4 * 64  # query and gate
+    assert {(lin.bits, lin.codebook) for lin in linears.values()} == {(4.0, "mul1")}
+    assert {"mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.input_layernorm.weight"} <= names
+    plain = {n for n in names if n.endswith(".weight") and len(pack.tensors[n].shape) == 2}
+    assert plain == {"mtp.layers.0.mlp.gate.weight", "mtp.layers.0.mlp.shared_expert_gate.weight"}
+    assert {pack.tensors[n].dtype for n in plain} == {"F16"}
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
+    ledger = pack.sidecar["tensor_storage"]
+    assert {t for m, e in ledger.items() if m.startswith("mtp.") for t in e["stored_tensors"]} == names
 
 
 def test_drafts_follow_the_targets_last_prediction_and_the_layers_own_weights(packs):

@@ -12,6 +12,7 @@ Over 400 lines on purpose: every test builds real vLLM layers through the same p
 
 from __future__ import annotations
 
+import re
 import tempfile
 
 import pytest
@@ -321,30 +322,34 @@ def test_layers_without_exl3_tensors_go_plain_or_to_the_delegate(tmp_path, rank)
         assert type(layer.quant_method).__name__ == expected, raw
 
 
-def test_mtp_layer_linears_are_built_from_what_the_pack_stores(tmp_path, rank):
-    """Layers past num_hidden_layers are the pack's MTP layers, built only by vLLM's `mtp` drafter: an EXL3 linear
-    gets the EXL3 method (eh_proj as integration/models/glm4_moe_mtp.py builds it: a tensor out, no bias), a plain
-    weight vLLM's unquantized method, and a linear the pack stores nothing for is refused by name (vLLM would
+@pytest.mark.parametrize("arch,layers,mtp,where", [
+    ("Glm4MoeForCausalLM", 2, "model.layers.2", "MTP layer 2"),  # layers past num_hidden_layers
+    ("Qwen3_5MoeForCausalLM", 4, "mtp", "MTP module mtp"),  # Qwen3-Next's, Qwen3.5's: under mtp., numbered from 0
+], ids=["glm-layer-past-the-last", "qwen3.5-mtp-prefix"])
+def test_mtp_layer_linears_are_built_from_what_the_pack_stores(tmp_path, rank, arch, layers, mtp, where):
+    """The pack's MTP layers are built only by vLLM's `mtp` drafter: an EXL3 linear gets the EXL3 method (GLM's
+    eh_proj as integration/models/glm4_moe_mtp.py builds it, Qwen3.5's fc as vLLM does: a tensor out, no bias), a
+    plain weight vLLM's unquantized method, and a linear the pack stores nothing for is refused by name (vLLM would
     draft with uninitialised memory). A trunk layer without tensors is the pack check's business, not this one."""
     from types import SimpleNamespace
 
     rank(0, 1)
+    proj = f"{mtp}.eh_proj" if mtp.startswith("model.") else f"{mtp}.fc"
+    block = mtp if mtp.startswith("model.") else f"{mtp}.layers.0"
     eh = random_weights(512, 256, 4, "mcg", 21)
-    tensors = {**linear_tensors("model.layers.2.eh_proj", eh), "model.layers.2.mlp.gate.weight": torch.randn(8, 256)}
+    tensors = {**linear_tensors(proj, eh), f"{block}.mlp.gate.weight": torch.randn(8, 256)}
     root = write_pack(tmp_path / "pack", tensors)
     cfg = Exl3Config({"quant_method": "exl3"})
-    cfg.maybe_update_config(str(root), hf_config=SimpleNamespace(num_hidden_layers=2,
-                                                                 architectures=["Glm4MoeForCausalLM"]))
+    cfg.maybe_update_config(str(root), hf_config=SimpleNamespace(num_hidden_layers=layers, architectures=[arch]))
     cfg.packed_modules_mapping = {}
-    layer = vllm_linear.ReplicatedLinear(512, 256, bias=False, quant_config=cfg, prefix="model.layers.2.eh_proj",
-                                         return_bias=False)
+    layer = vllm_linear.ReplicatedLinear(512, 256, bias=False, quant_config=cfg, prefix=proj, return_bias=False)
     load(layer, tensors)
     x = torch.randn(3, 512)
     assert rel(layer(x), reference(x, eh, 512, 256)) < 1e-5
-    gate = vllm_linear.ReplicatedLinear(256, 8, bias=False, quant_config=cfg, prefix="model.layers.2.mlp.gate")
+    gate = vllm_linear.ReplicatedLinear(256, 8, bias=False, quant_config=cfg, prefix=f"{block}.mlp.gate")
     assert type(gate.quant_method).__name__ == "UnquantizedLinearMethod"
-    with pytest.raises(Exl3FormatError, match=r"model\.layers\.2\.self_attn\.o_proj.*MTP layer 2.*none in the pack"):
-        vllm_linear.ReplicatedLinear(256, 256, bias=False, quant_config=cfg, prefix="model.layers.2.self_attn.o_proj")
+    with pytest.raises(Exl3FormatError, match=rf"{re.escape(block)}\.self_attn\.o_proj.*{where}.*none in the pack"):
+        vllm_linear.ReplicatedLinear(256, 256, bias=False, quant_config=cfg, prefix=f"{block}.self_attn.o_proj")
     trunk = vllm_linear.ReplicatedLinear(256, 256, bias=False, quant_config=cfg,
                                          prefix="model.layers.1.self_attn.o_proj")
     assert type(trunk.quant_method).__name__ == "UnquantizedLinearMethod"

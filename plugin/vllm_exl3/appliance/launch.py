@@ -334,7 +334,7 @@ def run_preflight(spec: LaunchSpec, options: VllmOptions, env: Mapping[str, str]
         return report, apply_plan(spec, min(wanted), pinned_len=pinned(request)) if wanted else spec
     mem = MemoryFigures.from_meminfo(meminfo or root / "proc/meminfo")
     request = plan_request(spec, options)
-    report.plan = preflight.memory_plan(pack, request, spec.preset.memory, mem)
+    report.plan = preflight.memory_plan(pack, request, spec.preset.memory, mem, options.value("speculative_config"))
     if not report.plan.fits:
         return report, spec
     return report, apply_plan(spec, report.plan.max_model_len, report.plan.gpu_memory_utilization,

@@ -129,10 +129,14 @@ class ModelShape:
     mla_kv_width: int | None = None  # kv_lora_rank + qk_rope_head_dim for MLA models (DeepSeek-style)
     moe_intermediate: int = 0
     experts_per_token: int = 0
+    # vLLM's `mtp` drafter: the pack's own MTP layers, each with an attention layer and its KV cache (weight_bytes
+    # then holds their tensors as stored; without the drafter vLLM loads neither)
+    mtp_layers: int = 0
+    mtp_weight_bytes: int = 0
 
     @classmethod
     def from_config(cls, text_config: dict[str, Any], weight_bytes: int, largest_linear_bytes: int = 0,
-                    max_len: int | None = None) -> "ModelShape":
+                    max_len: int | None = None, mtp_layers: int = 0, mtp_weight_bytes: int = 0) -> "ModelShape":
         tc = text_config
         heads = int(tc.get("num_attention_heads") or 1)
         head_dim = int(tc.get("head_dim") or tc["hidden_size"] // heads)
@@ -143,7 +147,7 @@ class ModelShape:
         return cls(
             weight_bytes=weight_bytes,
             largest_linear_bytes=largest_linear_bytes,
-            # MTP / next-n layers are not loaded without speculative decoding, so they hold no KV.
+            # MTP / next-n layers are loaded only by the `mtp` drafter: counted in mtp_layers then, never here
             num_layers=int(tc["num_hidden_layers"]),
             num_kv_heads=int(tc.get("num_key_value_heads") or heads),
             head_dim=head_dim,
@@ -154,6 +158,8 @@ class ModelShape:
             mla_kv_width=mla,
             moe_intermediate=int(tc.get("moe_intermediate_size") or 0),
             experts_per_token=int(tc.get("num_experts_per_tok") or 0),
+            mtp_layers=mtp_layers,
+            mtp_weight_bytes=mtp_weight_bytes,
         )
 
     def kv_bytes_per_token(self, tp: int, kv_dtype: str = "auto") -> int:
@@ -163,11 +169,12 @@ class ModelShape:
             if kv_dtype not in KV_DTYPE_BYTES:
                 raise ValueError(f"unknown --kv-cache-dtype {kv_dtype!r}; known: {', '.join(KV_DTYPE_BYTES)}")
             elem = self.dtype_bytes
+        layers = self.num_layers + self.mtp_layers  # an MTP layer's attention is the trunk's shape
         if self.mla_kv_width:  # MLA keeps one latent per token, replicated on every rank
-            return self.num_layers * self.mla_kv_width * elem
+            return layers * self.mla_kv_width * elem
         # vLLM splits KV heads across TP ranks and replicates them when there are fewer heads than ranks.
         heads_per_rank = max(1, math.ceil(self.num_kv_heads / tp))
-        return self.num_layers * 2 * heads_per_rank * self.head_dim * elem
+        return layers * 2 * heads_per_rank * self.head_dim * elem
 
     def moe_workspace_bytes(self, tp: int, max_num_batched_tokens: int) -> int:
         """The native MoE backend's one workspace per GPU, shared by every MoE layer (csrc/moe.cu,
@@ -249,6 +256,9 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
              f"weights {gib(weights)} per node (TP {tp}), activations ~{gib(activations)}, MoE workspace "
              f"{gib(workspace)}, CUDA graphs ~{gib(graphs)}, runtime overhead ~{gib(overhead)}",
              f"KV {kv_per_token / KIB:.1f} KiB per token ({req.kv_cache_dtype})"]
+    if model.mtp_layers:
+        lines.append(f"mtp drafts: {model.mtp_layers} MTP layer(s), {gib(math.ceil(model.mtp_weight_bytes / tp))} "
+                     f"of their weights per node (in the weights above) and their KV (in the KV per token)")
     problems: list[str] = []
 
     fitting_util = math.floor(max(usable, 0) / mem.total * 100) / 100

@@ -89,13 +89,18 @@ def check_pack(model_dir: str | os.PathLike) -> tuple[Check, Pack | None]:
                                f"{len(pack.files)} file(s), {gib(size)}"), pack
 
 
-def model_shape(pack: Pack) -> ModelShape:
+def model_shape(pack: Pack, mtp: bool = False) -> ModelShape:
+    """The pack's shape for the memory plan. Its MTP layers' tensors count (as stored), and their attention's KV,
+    only with `mtp` (vLLM's `mtp` drafter loads them; the target alone skips them)."""
     from ..format.summary import summarize
 
     summary = summarize(pack)
     largest = max((lin.in_padded * lin.out_padded for lin in pack.linears().values()), default=0)
-    return ModelShape.from_config(pack.text_config, summary.total_bytes, largest_linear_bytes=2 * largest,
-                                  max_len=pack_max_len(pack))
+    mtp_layers, mtp_bytes = pack.mtp_storage()
+    weights = summary.total_bytes if mtp else summary.total_bytes - mtp_bytes
+    return ModelShape.from_config(pack.text_config, weights, largest_linear_bytes=2 * largest,
+                                  max_len=pack_max_len(pack), mtp_layers=mtp_layers if mtp else 0,
+                                  mtp_weight_bytes=mtp_bytes if mtp else 0)
 
 
 def pack_max_len(pack: Pack) -> int | None:
@@ -125,7 +130,7 @@ def check_speculative(pack: Pack, config: Any, flag: str = "--speculative-config
     if not isinstance(config, dict):
         return None
     method = str(config.get("method") or "")
-    if _drafts_from_own_mtp(method) and config.get("model") in (None, str(pack.root)):
+    if drafts_from_own_mtp(pack, config):
         missing = pack.mtp_missing()
         if missing:
             return Check("speculative", False,
@@ -368,8 +373,17 @@ def gpu_present(root: Path = Path("/")) -> bool:
     return (gpus.is_dir() and any(gpus.iterdir())) or (root / "dev/nvidiactl").exists()
 
 
-def memory_plan(pack: Pack, request: Request, settings: PlanSettings, mem: MemoryFigures) -> Plan:
-    return make_plan(mem, model_shape(pack), request, settings)
+def drafts_from_own_mtp(pack: Pack, config: Any) -> bool:
+    """The speculative config vLLM's parser read (None without one) drafts from this pack's own MTP layers."""
+    return isinstance(config, dict) and _drafts_from_own_mtp(str(config.get("method") or "")) \
+        and config.get("model") in (None, str(pack.root))
+
+
+def memory_plan(pack: Pack, request: Request, settings: PlanSettings, mem: MemoryFigures,
+                speculative: Any = None) -> Plan:
+    """`speculative`: the speculative config vLLM's parser read (None without one); `mtp` adds the MTP layers'
+    weights and KV (model_shape)."""
+    return make_plan(mem, model_shape(pack, drafts_from_own_mtp(pack, speculative)), request, settings)
 
 
 def log_stderr(line: str) -> None:

@@ -36,35 +36,51 @@ WEIGHT_SCALE = 0.02  # the decoder layer's random linears, at the size of the fi
 PASS_THROUGH = 2.0  # eh_proj's tiles hold 2 · identity (well inside the codebooks' range) under suh = svh = 1/√2
 
 
-def _decoder_linears(c: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) of every linear of GLM-4.5's routed decoder layer, by name inside the layer."""
+def _decoder_linears(c: dict, qwen35: bool = False) -> dict[str, tuple[int, int]]:
+    """(in, out) of every linear of the routed decoder layer an MTP layer holds, by name inside the layer: GLM-4.5's,
+    or with `qwen35` Qwen3.5-MoE's (gated attention: q_proj twice as wide, query and gate; one `shared_expert`)."""
     h, heads, kv = c["hidden_size"], c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
     hd = c.get("head_dim") or h // heads
-    inter, shared = c["moe_intermediate_size"], c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0)
-    out = {"self_attn.q_proj": (h, heads * hd), "self_attn.k_proj": (h, kv * hd), "self_attn.v_proj": (h, kv * hd),
-           "self_attn.o_proj": (heads * hd, h)}
+    inter = c["moe_intermediate_size"]
+    if qwen35:
+        shared, shared_name, experts = c.get("shared_expert_intermediate_size") or 0, "shared_expert", c["num_experts"]
+    else:
+        shared, shared_name, experts = inter * (c.get("n_shared_experts") or 0), "shared_experts", c["n_routed_experts"]
+    out = {"self_attn.q_proj": (h, (2 if qwen35 else 1) * heads * hd), "self_attn.k_proj": (h, kv * hd),
+           "self_attn.v_proj": (h, kv * hd), "self_attn.o_proj": (heads * hd, h)}
     if shared:
-        out.update({"mlp.shared_experts.gate_proj": (h, shared), "mlp.shared_experts.up_proj": (h, shared),
-                    "mlp.shared_experts.down_proj": (shared, h)})
-    for e in range(c["n_routed_experts"]):
+        out.update({f"mlp.{shared_name}.gate_proj": (h, shared), f"mlp.{shared_name}.up_proj": (h, shared),
+                    f"mlp.{shared_name}.down_proj": (shared, h)})
+    for e in range(experts):
         out.update({f"mlp.experts.{e}.gate_proj": (h, inter), f"mlp.experts.{e}.up_proj": (h, inter),
                     f"mlp.experts.{e}.down_proj": (inter, h)})
     return out
 
 
-def pass_through(hidden: int, bits: int, codebook: str) -> dict[str, torch.Tensor]:
-    """eh_proj's EXL3 tensors: the [embedding; hidden] input (2·hidden wide) -> the hidden half. suh is 0 on the
-    embedding half, so those rows decode to exactly 0; the hidden half decodes to the identity up to the trellis'
-    error at `bits`."""
+def pass_through(hidden: int, bits: int, codebook: str, half: str = "hidden") -> dict[str, torch.Tensor]:
+    """The EXL3 tensors of an MTP layer's input projection (GLM's eh_proj, Qwen3.5's fc): the [embedding; hidden]
+    input (2·hidden wide) -> one half of it (`half`: "hidden" or "embedding"). suh is 0 on the other half, so those
+    rows decode to exactly 0; the chosen half decodes to the identity up to the trellis' error at `bits`."""
     weight = torch.zeros(2 * hidden, hidden)
-    weight[hidden:] = torch.eye(hidden)
+    keep = slice(hidden, None) if half == "hidden" else slice(0, hidden)
+    weight[keep] = torch.eye(hidden)
     scale = 1 / math.sqrt(PASS_THROUGH)
-    suh = torch.full((2 * hidden,), scale)
-    suh[:hidden] = 0
+    suh = torch.zeros(2 * hidden)
+    suh[keep] = scale
     return encoded_weights(weight, bits, codebook, suh, torch.full((hidden,), scale))
 
 
 def add_mtp_layer(source: str | Path, dest: str | Path, seed: int = 0) -> Path:
+    """`source` (a pack in one safetensors file, no MTP layer stored) copied to `dest` with one MTP layer in the
+    layout ExLlamaV3 1.6.5 writes for its architecture (GLM-4.5: module docstring; Qwen3.5/3.6-MoE:
+    `_add_qwen35_mtp_layer`); its config declares one MTP layer."""
+    architecture = Pack.open(source).architecture
+    if architecture == QWEN35:
+        return _add_qwen35_mtp_layer(source, dest, seed)
+    return _add_glm_mtp_layer(source, dest, seed)
+
+
+def _add_glm_mtp_layer(source: str | Path, dest: str | Path, seed: int = 0) -> Path:
     """`source` (a GLM-4.5 pack in one safetensors file, no MTP layer stored) copied to `dest` with one MTP layer
     (module docstring); its config declares `num_nextn_predict_layers: 1`."""
     from safetensors.torch import load_file, save_file
@@ -100,6 +116,81 @@ def add_mtp_layer(source: str | Path, dest: str | Path, seed: int = 0) -> Path:
     config = json.loads((dest / "config.json").read_text())
     config["num_nextn_predict_layers"] = 1
     (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+QWEN35 = "Qwen3_5MoeForCausalLM"
+MTP_BITS = 4  # ExLlamaV3 1.6.5's --mtp_bits default: every MTP linear at 4 bits whatever the trunk's rate
+
+
+def _ledger_entry(tensors: dict[str, torch.Tensor], module: str, bits: float | None, codebook: str) -> dict:
+    """The sidecar's `tensor_storage` entry ExLlamaV3 writes for one module's stored tensors."""
+    stored = {n: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+              for n, t in tensors.items() if n.rsplit(".", 1)[0] == module}
+    entry: dict = {"stored_tensors": stored}
+    if bits is not None:
+        entry.update({"quant_format": "exl3", "bits_per_weight": bits})
+        if codebook != "3inst":
+            marker = int(tensors[f"{module}.{codebook}"]) & 0xFFFFFFFF
+            entry[f"{codebook}_multiplier"] = marker
+    return entry
+
+
+def _add_qwen35_mtp_layer(source: str | Path, dest: str | Path, seed: int = 0) -> Path:
+    """`source` (a Qwen3.5/3.6-MoE pack in one safetensors file, no MTP layer stored) copied to `dest` with the MTP
+    module ExLlamaV3 1.6.5 writes for it (architecture/qwen3_5_mtp.py, modules/arch_specific/qwen3_5_mtp.py), under
+    `mtp.` beside the trunk's `model.language_model.`: `mtp.pre_fc_norm_hidden`, `mtp.pre_fc_norm_embedding` and
+    `mtp.norm` plain; `mtp.fc` ([embedding; hidden] -> hidden) an EXL3 linear at `mtp_bits`; `mtp.layers.0` a
+    gated-attention routed decoder layer like the trunk's full-attention ones, attention, shared expert and routed
+    experts EXL3 at `mtp_bits`, the router (`mlp.gate`) and `mlp.shared_expert_gate` plain fp16; no embedding or
+    head of its own. Every linear at ExLlamaV3's default `mtp_bits` (4) and the pack's codebook; the config declares
+    `mtp_num_hidden_layers: 1`, quantization_config `mtp_bits: 4`, and the sidecar's ledger records the new
+    tensors. The decoder layer is random, `mtp.fc` passes the hidden state through (as GLM's eh_proj above). Norm
+    weights are 0: Qwen3.5's norms scale by 1 + weight."""
+    from safetensors.torch import load_file, save_file
+
+    pack = Pack.open(source)
+    if pack.architecture != QWEN35 or len(pack.files) != 1:
+        raise ValueError(f"{source}: a {QWEN35} pack in one safetensors file, not {pack.architecture} "
+                         f"in {len(pack.files)}")
+    c, qc = pack.config, pack.quantization_config
+    h = c["hidden_size"]
+    if any(name.startswith("mtp.") for name in pack.tensors):
+        raise ValueError(f"{source} already stores mtp.* tensors")
+    codebook = qc.get("codebook", "3inst")
+    dest = Path(dest)
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("golden"))
+    tensors = load_file(str(pack.files[0].path))
+    new: dict[str, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(seed)
+    layer = "mtp.layers.0"
+    exl3 = [f"{layer}.{name}" for name in _decoder_linears(c, qwen35=True)] + ["mtp.fc"]
+    for i, (name, (fan_in, fan_out)) in enumerate(sorted(_decoder_linears(c, qwen35=True).items())):
+        new.update(linear_tensors(f"{layer}.{name}", random_weights(fan_in, fan_out, MTP_BITS, codebook,
+                                                                    seed=seed * 7919 + i, scale=WEIGHT_SCALE)))
+    new[f"{layer}.mlp.gate.weight"] = (torch.randn(c["num_experts"], h, generator=g) * 2 / math.sqrt(h)).half()
+    if c.get("shared_expert_intermediate_size"):
+        new[f"{layer}.mlp.shared_expert_gate.weight"] = (torch.randn(1, h, generator=g) / math.sqrt(h)).half()
+    norms = {f"{layer}.input_layernorm": h, f"{layer}.post_attention_layernorm": h, f"{layer}.self_attn.q_norm":
+             c["head_dim"], f"{layer}.self_attn.k_norm": c["head_dim"], "mtp.pre_fc_norm_hidden": h,
+             "mtp.pre_fc_norm_embedding": h, "mtp.norm": h}
+    for norm, width in norms.items():
+        new[f"{norm}.weight"] = torch.zeros(width, dtype=torch.bfloat16)
+    new.update(linear_tensors("mtp.fc", pass_through(h, MTP_BITS, codebook, "embedding")))
+    tensors.update(new)
+    save_file(tensors, str(dest / pack.files[0].path.name), metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    config["quantization_config"]["mtp_bits"] = MTP_BITS
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    sidecar = dest / "quantization_config.json"
+    if sidecar.exists():
+        side = json.loads(sidecar.read_text())
+        side["mtp_bits"] = MTP_BITS
+        ledger = side.setdefault("tensor_storage", {})
+        for module in sorted({n.rsplit(".", 1)[0] for n in new}):
+            ledger[module] = _ledger_entry(new, module, float(MTP_BITS) if module in exl3 else None, codebook)
+        sidecar.write_text(json.dumps(side, indent=2))
     return dest
 
 

@@ -215,6 +215,20 @@ class Architecture:
         return f"it stores no MTP tensors: none under {', '.join(p + '*' for p in self.mtp_prefixes)} " \
                "(the converter left them out)"
 
+    def mtp_tensors(self, config: Mapping[str, Any], names: Collection[str]) -> list[str]:
+        """The stored tensors of the MTP layers (the spare layers after the last, the modules under
+        `mtp_prefixes`): what vLLM loads only for its `mtp` drafter."""
+        spare = self.spare_layers(config, names) if self.spare_layers_key else set()
+        return [n for n in names if (self.mtp_prefixes and n.startswith(self.mtp_prefixes))
+                or (spare and self.layer_of(n) in spare)]
+
+    def mtp_layer_count(self, config: Mapping[str, Any]) -> int:
+        """How many MTP layers the config declares (each holds an attention layer, with its KV cache, when vLLM's
+        `mtp` drafter runs)."""
+        key = self.spare_layers_key or self.mtp_key
+        count = config.get(key) if key else None
+        return count if isinstance(count, int) and count > 0 else 0
+
     def layer_of(self, name: str) -> int | None:
         """The decoder layer a tensor name is in, None outside the layers."""
         m = re.match(rf"^{re.escape(self.layers)}\.(\d+)\.", name)

@@ -166,6 +166,16 @@ class Pack:
             return None
         return family.architectures[self.architecture].mtp_missing(self.text_config, self.tensors)
 
+    def mtp_storage(self) -> tuple[int, int]:
+        """(MTP layers the config declares, bytes of the MTP layers' stored tensors, as stored): what vLLM's `mtp`
+        drafter loads on top of the trunk; (0, 0) without MTP layers or a table for the architecture."""
+        family = self.family
+        if family is None or self.mtp_missing() is not None:
+            return 0, 0
+        arch = family.architectures[self.architecture]
+        names = arch.mtp_tensors(self.text_config, self.tensors)
+        return arch.mtp_layer_count(self.text_config), sum(self.tensors[n].nbytes for n in names)
+
     # -- tensors --------------------------------------------------------------------------------------------
     @property
     def has_exl3_tensors(self) -> bool:

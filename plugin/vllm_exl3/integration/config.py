@@ -50,6 +50,20 @@ def parse_contract(raw: Any) -> Contract:
     return contract
 
 
+MTP_PREFIX = "mtp."  # Qwen3-Next's and Qwen3.5/3.6's MTP module, beside the trunk (format/families/qwen3_next.py)
+
+
+def mtp_layer(prefix: str, num_layers: int | None) -> str | None:
+    """Which MTP layer vLLM module `prefix` is in ("MTP layer N" past num_hidden_layers, GLM's layout; "MTP module
+    mtp" under `mtp.`), None for the trunk's modules (or when num_hidden_layers is unknown)."""
+    if prefix.startswith(MTP_PREFIX):
+        return "MTP module mtp"
+    layer = layer_index(prefix)
+    if num_layers is None or layer is None or layer < num_layers:
+        return None
+    return f"MTP layer {layer}"
+
+
 class Exl3Config(compat.QuantizationConfig):
     """`quant_method: exl3`. Registered by `vllm_exl3.register()`; vLLM picks it from config.json."""
 
@@ -231,16 +245,17 @@ class Exl3Config(compat.QuantizationConfig):
         return None
 
     def _require_draft_tensors(self, prefix: str, names: list[str]) -> None:
-        """A layer past num_hidden_layers is one of the pack's MTP layers, built only by vLLM's `mtp` drafter: served
-        plain when the pack stores plain weights for it, but never from nothing. Without a tensor for it, vLLM would
-        load nothing into it and draft with the memory it allocated (drafts never accepted, silently); the preflight's
-        check (format/architectures.py mtp_missing) looks for the MTP layers' marks, not for each of their linears."""
+        """A layer past num_hidden_layers (GLM's layout) or under `mtp.` (Qwen3-Next's, Qwen3.5's) is one of the
+        pack's MTP layers, built only by vLLM's `mtp` drafter: served plain when the pack stores plain weights for it,
+        but never from nothing. Without a tensor for it, vLLM would load nothing into it and draft with the memory it
+        allocated (drafts never accepted, silently); the preflight's check (format/architectures.py mtp_missing)
+        looks for the MTP layers' marks, not for each of their linears."""
         index = self._require_index(prefix)
-        layer = layer_index(prefix)
-        if self._num_layers is None or layer is None or layer < self._num_layers:
+        where = mtp_layer(prefix, self._num_layers)
+        if where is None:
             return
         if not any(n in index.exl3 or n in index.plain for n in names):
-            raise Exl3FormatError(None, prefix, f"tensors for this linear of MTP layer {layer} (EXL3, or a plain "
+            raise Exl3FormatError(None, prefix, f"tensors for this linear of {where} (EXL3, or a plain "
                                   f"{names[0]}.weight), which vLLM's mtp drafter builds",
                                   "none in the pack: the draft would run on uninitialised weights")
 
@@ -249,9 +264,11 @@ class Exl3Config(compat.QuantizationConfig):
         Layers past num_hidden_layers (multi-token prediction) are built only by vLLM's `mtp` drafter: not them."""
         if not hasattr(self, "_last_block"):
             served = self._num_layers if self._num_layers is not None else float("inf")
-            found = [i for i in map(layer_index, self._require_index(prefix).exl3) if i is not None and i < served]
+            found = [layer_index(n) for n in self._require_index(prefix).exl3 if not n.startswith(MTP_PREFIX)]
+            found = [i for i in found if i is not None and i < served]
             self._last_block = max(found) if found else None
-        return self._last_block is not None and layer_index(prefix) == self._last_block
+        return self._last_block is not None and not prefix.startswith(MTP_PREFIX) \
+            and layer_index(prefix) == self._last_block
 
     @staticmethod
     def _plain_head(layer, stored_shape):

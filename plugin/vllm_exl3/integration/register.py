@@ -10,6 +10,7 @@ MODEL_OVERRIDES = {
     "GptOssForCausalLM": "vllm_exl3.integration.models.gpt_oss:Exl3GptOssForCausalLM",
     "Glm4MoeMTPModel": "vllm_exl3.integration.models.glm4_moe_mtp:Exl3Glm4MoeMTP",  # GLM-4.5's `mtp` drafter
     "Glm4MoeLiteMTPModel": "vllm_exl3.integration.models.glm4_moe_lite_mtp:Exl3Glm4MoeLiteMTP",  # GLM-4.7-Flash's
+    "Qwen3_5MoeMTP": "vllm_exl3.integration.models.qwen3_5_mtp:Exl3Qwen3_5MoeMTP",  # Qwen3.5/3.6-MoE's (log line)
 }
 
 
