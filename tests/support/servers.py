@@ -149,6 +149,24 @@ def vllm_servers(count: int, model: Path | str, log_dir: Path, *args: str, env: 
 
 
 @contextmanager
+def vllm_server_group(specs: list[tuple[Path | str, Path, tuple[str, ...], dict[str, str] | None]]):
+    """Servers of different models or options booted side by side (one boot's wait): each spec is
+    (model, log_dir, args, env), env None for cpu_env()."""
+    servers: list[Server] = []
+    taken: set[int] = set()
+    try:
+        for model, log_dir, args, env in specs:
+            servers.append(_start(model, log_dir, tuple(args), env, taken))
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        for server in servers:
+            _wait_healthy(server, deadline)
+        yield servers
+    finally:
+        for server in servers:
+            stop(server.proc)
+
+
+@contextmanager
 def vllm_server(model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
     with vllm_servers(1, model, log_dir, *args, env=env) as (server,):
         yield server
