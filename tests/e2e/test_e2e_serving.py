@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -154,12 +155,59 @@ def test_plain_vllm_serve_refuses_a_nan_scale_and_a_missing_tensor(tmp_path):
         assert "Loading weights" not in out and "Application startup complete" not in out
 
 
-def test_cli_serve_demo_answers(tmp_path):
+@pytest.fixture(scope="module")
+def serve_once(tmp_path_factory):
+    """Two `vllm-exl3 serve --once` runs side by side (one boot's wait): "demo" with --demo, "no-template" on a copy
+    of the bundled pack without --demo (so without a chat template; through the installed console script).
+    name -> (subprocess.CompletedProcess, port, vLLM log or None)."""
+    tmp = tmp_path_factory.mktemp("serve-once")
+    pack = tmp / "tiny"
+    shutil.copytree(demo.PACK, pack)
+    script = Path(sys.executable).parent / "vllm-exl3"
+    console = str(script) if script.exists() else shutil.which("vllm-exl3") or pytest.skip("no vllm-exl3 script")
+    demo_port = free_port()
+    plain_port = free_port()
+    while plain_port == demo_port:
+        plain_port = free_port()
+    log = tmp / "vllm.log"
+    argvs = {"demo": ([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--once", "--port", str(demo_port)],
+                      demo_port, None),
+             "no-template": ([console, "serve", str(pack), "--once", "--port", str(plain_port), "--log", str(log)],
+                             plain_port, log)}
+    procs = {name: subprocess.Popen(argv, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (argv, _, _) in argvs.items()}
+    runs = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            runs[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), *argvs[name][1:])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
+
+
+def test_cli_serve_demo_answers(serve_once):
     """README's main job: `vllm-exl3 serve --demo --once` serves the bundled pack and answers."""
-    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--once", "--port",
-                           str(free_port())], env=cpu_env(), capture_output=True, text=True, timeout=300)
+    proc, _, _ = serve_once["demo"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "healthy after" in proc.stdout and "completion (" in proc.stdout and "chat (" in proc.stdout
+
+
+def test_serve_a_pack_without_chat_template_answers_and_skips_chat(serve_once):
+    """The bundled pack's tokenizer has no chat template: without --demo's template, serve must still work.
+    (Was in tests/cli/test_cli_errors.py; here it boots beside the --demo run.)"""
+    r, port, log = serve_once["no-template"]
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HTTP     completion (" in r.stdout and "chat: skipped" in r.stdout and "--chat-template" in r.stdout
+    assert f"log: {log}" in r.stdout and "Application startup complete" in log.read_text()
+    assert "backend  " in r.stdout and "next:" in r.stdout
+    # What serve guarantees when it returns: nothing of vLLM left, the port free (not how fast vLLM's engine
+    # exits: on a loaded machine vLLM may force-kill it after --shutdown-timeout, which is vLLM's business)
+    assert vllm_leftovers(log.read_text()) == [] and port_is_free(port)
 
 
 def test_cli_serve_stops_vllm_however_it_is_stopped(tmp_path):
