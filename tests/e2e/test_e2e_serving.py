@@ -20,8 +20,8 @@ from support.fixtures import PACKS, pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.dev import golden_logprobs
 from support.appliance import alive
-from support.servers import (BOOT_TIMEOUT_S, cpu_env, free_port, port_is_free, server_argv, stop, vllm_leftovers,
-                             vllm_server)
+from support.servers import (BOOT_TIMEOUT_S, SideBySide, cpu_env, free_port, port_is_free, server_argv, stop,
+                             vllm_leftovers, vllm_server)
 from vllm_exl3.appliance.health import descendants
 
 pytestmark = pytest.mark.e2e
@@ -45,23 +45,31 @@ def greedy(server, n=16) -> list[list[int]]:
     return out
 
 
+EXTENDED = "extended-contract"  # extended_contract_pack(qwen3moe-a-exl3-mul1-b4), served beside that pack
+
+
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
     """pack -> (greedy tokens, (top-1 agreement, median |delta log p|) against its ExLlamaV3 golden), from one eager
-    fp32 single-rank server per pack, booted the first time a test asks for that pack (each boot costs ~40 s of
-    CI): the reference of the parallel and compiled tests below and the golden comparison alike. The greedy
-    requests go first, to a fresh server as before; the prompt_logprobs request reads no prefix cache."""
-    done: dict[str, tuple[list[list[int]], tuple[float, float]]] = {}
+    fp32 single-rank server per fixture pack (a boot costs ~40 s of CI): the golden comparison and the single-rank
+    reference of the parallel and compiled tests alike; EXTENDED -> (None, its golden comparison). The servers
+    boot two at a time side by side (support/servers.py SideBySide). The greedy requests go first, to a fresh
+    server as before; vLLM reads no prefix cache for the prompt_logprobs request."""
 
-    def run(pack: str):
-        if pack not in done:
-            golden = load_file(pack_dir(pack) / "golden" / "logits.safetensors")
-            with vllm_server(pack_dir(pack), tmp_path_factory.mktemp("eager"), *EAGER_FP32) as server:
-                tokens = greedy(server)
-                done[pack] = tokens, logprob_report(server, golden)
-        return done[pack]
+    def spec(pack: str):
+        if pack == EXTENDED:
+            src = pack_dir("qwen3moe-a-exl3-mul1-b4")
+            model = extended_contract_pack(src, tmp_path_factory.mktemp("extended"))
+        else:
+            src = model = pack_dir(pack)
+        golden = load_file(src / "golden" / "logits.safetensors")
+        return (model, tmp_path_factory.mktemp("eager"), EAGER_FP32, None), golden
 
-    return run
+    def measure(pack: str, server, golden):
+        tokens = None if pack == EXTENDED else greedy(server)
+        return tokens, logprob_report(server, golden)
+
+    return SideBySide([*PACKS, EXTENDED], spec, measure)
 
 
 @pytest.mark.parametrize("pack", PACKS)
@@ -306,14 +314,13 @@ def test_cli_serve_refuses_a_broken_pack_before_starting_vllm(tmp_path):
     assert "starting vLLM" not in proc.stdout
 
 
-def test_extended_contract_routed_experts_only_pack(tmp_path):
-    """A pack in the extended contract other EXL3 tools write: routed experts (and the head) in EXL3, the
+def extended_contract_pack(src, tmp_path):
+    """A copy of `src` in the extended contract other EXL3 tools write: routed experts (and the head) in EXL3, the
     attention of layer 1 as plain BF16 (`non_routed_dtype_policy: bf16_as_stored`), layer 0's q in EXL3 with
     k/v as BF16 shards of the same fused module (`non_routed_exl3` long form), `layer_bits` declared."""
     from vllm_exl3.format import dequant
     from vllm_exl3.format.pack import Pack
 
-    src = pack_dir("qwen3moe-a-exl3-mul1-b4")
     pack = tmp_path / "experts-only"
     shutil.copytree(src, pack, ignore=shutil.ignore_patterns("golden", "quantization_config.json"))
     tensors = load_file(pack / "model.safetensors")
@@ -333,8 +340,12 @@ def test_extended_contract_routed_experts_only_pack(tmp_path):
         "codebook": "mul1", "layer_bits": {"0": 4, "1": 4}, "non_routed_dtype_policy": "bf16_as_stored",
         "non_routed_exl3": {"layers": {"model.layers.0.self_attn.qkv_proj": {"bits": 4, "bf16_shards": [1, 2]}}}})
     (pack / "config.json").write_text(json.dumps(config))
-    golden = load_file(src / "golden" / "logits.safetensors")
-    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
-        agree, median = logprob_report(server, golden)
+    return pack
+
+
+def test_extended_contract_routed_experts_only_pack(eager):
+    """extended_contract_pack's pack (qwen3moe-a-exl3-mul1-b4 in the extended contract) serves within the same
+    bounds of that pack's ExLlamaV3 golden (booted beside it: the eager fixture)."""
+    _, (agree, median) = eager(EXTENDED)
     assert agree >= 0.97, agree
     assert median <= 0.05, median

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server_group
+from support.servers import BOOT_TIMEOUT_S, SideBySide, cpu_env, free_port, server_argv, stop
 from vllm_exl3.dev import family_oracle, golden_logprobs
 
 pytestmark = pytest.mark.e2e
@@ -104,11 +104,9 @@ PAIRED = [("golden", name) for name in GOLDEN_PACKS] + [("oracle", a) for a in f
 @pytest.fixture(scope="module")
 def agreements(oracle_packs, tmp_path_factory):
     """(kind, name) -> the server's golden_logprobs.ParityReport against its oracle: ("golden", pack) ExLlamaV3's
-    goldens, ("oracle", architecture) transformers', ("tp2", architecture) transformers' at -tp 2. Asking for a
-    paired case runs it and its partner; a case whose pair failed is run again alone, so that a failure is its own."""
-    done: dict[tuple[str, str], golden_logprobs.ParityReport] = {}
+    goldens, ("oracle", architecture) transformers', ("tp2", architecture) transformers' at -tp 2."""
 
-    def case(key):
+    def spec(key):
         kind, name = key
         if kind == "golden":
             golden = load_file(FAMILIES / name / "golden" / "logits.safetensors")
@@ -116,27 +114,13 @@ def agreements(oracle_packs, tmp_path_factory):
         else:
             (pack, ids, logits), extra = oracle_packs(name), (("-tp", "2") if kind == "tp2" else ())
         options, margin = _options(_architecture(pack))
-        return (pack, tmp_path_factory.mktemp("server"), (*options, *extra), _server_env(pack)), ids, logits, margin
+        return (pack, tmp_path_factory.mktemp("server"), (*options, *extra), _server_env(pack)), (ids, logits, margin)
 
-    def run(keys):
-        cases = [case(key) for key in keys]
-        with vllm_server_group([spec for spec, *_ in cases]) as servers:
-            for key, server, (_, ids, logits, margin) in zip(keys, servers, cases):
-                done[key] = golden_logprobs.compare(server.base_url, server.model, ids, logits, margin)
+    def measure(key, server, context):
+        ids, logits, margin = context
+        return golden_logprobs.compare(server.base_url, server.model, ids, logits, margin)
 
-    def report(key):
-        if key not in done:
-            partner = next((k for k in PAIRED[PAIRED.index(key) + 1:] if k not in done), None) \
-                if key in PAIRED else None
-            try:
-                run([key, partner] if partner else [key])
-            except Exception:
-                if partner is None or key in done:
-                    raise
-                run([key])
-        return done[key]
-
-    return report
+    return SideBySide(PAIRED, spec, measure)
 
 
 @pytest.mark.parametrize("name", GOLDEN_PACKS)
