@@ -43,7 +43,8 @@ def single(cpu_image, metrics_images, tmp_path_factory):
         # under a uid the image does not know, in group 0 (OpenShift's rule; the image's own user 2000 runs the
         # pair, test_container_pair.py): one container for both, each boot costs a minute of CI
         app = Appliance(tmp, ["single", "metrics"],
-                        files=("tests/appliance/arbitrary-uid.yml", "tests/appliance/metrics-without-grafana.yml"),
+                        files=("tests/appliance/arbitrary-uid.yml", "tests/appliance/metrics-without-grafana.yml",
+                               "tests/appliance/fast-restart.yml"),
                         VLLM_API_KEY=KEY,
                         VLLM_EXTRA_ARGS=f"--enforce-eager --chat-template {demo_chat_template()}",
                         PROMETHEUS_PORT=str(free_port()), NODE_EXPORTER_PORT=str(free_port()),

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from vllm_exl3 import __version__, demo
 
 from support.fixtures import pack_dir
-from support.servers import cpu_env, free_port, port_is_free, vllm_leftovers
+from support.servers import free_port
 
 PACK = pack_dir("qwen3moe-a-exl3-mcg-b3")
 
@@ -253,20 +253,3 @@ def test_unexpected_error_prints_one_line_and_the_trace_file(tmp_path):
     assert "internal error: RuntimeError: injected failure" in r.stderr
     (trace,) = tmp_path.glob("vllm-exl3-error-*.txt")
     assert str(trace) in r.stderr and "Traceback" in trace.read_text() and "injected failure" in trace.read_text()
-
-
-@pytest.mark.e2e
-def test_serve_a_pack_without_chat_template_answers_and_skips_chat(tmp_path):
-    """The bundled pack's tokenizer has no chat template: without --demo's template, serve must still work."""
-    pack = tmp_path / "tiny"
-    shutil.copytree(demo.PACK, pack)
-    log = tmp_path / "vllm.log"
-    port = free_port()
-    r = cli("serve", str(pack), "--once", "--port", str(port), "--log", str(log), env=cpu_env(), timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "HTTP     completion (" in r.stdout and "chat: skipped" in r.stdout and "--chat-template" in r.stdout
-    assert f"log: {log}" in r.stdout and "Application startup complete" in log.read_text()
-    assert "backend  " in r.stdout and "next:" in r.stdout
-    # What serve guarantees when it returns: nothing of vLLM left, the port free (not how fast vLLM's engine
-    # exits: on a loaded machine vLLM may force-kill it after --shutdown-timeout, which is vLLM's business)
-    assert vllm_leftovers(log.read_text()) == [] and port_is_free(port)

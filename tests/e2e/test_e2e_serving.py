@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -19,8 +20,8 @@ from support.fixtures import PACKS, pack_dir
 from vllm_exl3 import demo
 from vllm_exl3.dev import golden_logprobs
 from support.appliance import alive
-from support.servers import (BOOT_TIMEOUT_S, cpu_env, free_port, port_is_free, server_argv, stop, vllm_leftovers,
-                             vllm_server)
+from support.servers import (BOOT_TIMEOUT_S, SideBySide, cpu_env, free_port, port_is_free, server_argv, stop,
+                             vllm_leftovers, vllm_server)
 from vllm_exl3.appliance.health import descendants
 
 pytestmark = pytest.mark.e2e
@@ -34,15 +35,6 @@ def logprob_report(server, golden) -> tuple[float, float]:
     return report.top1_agreement, report.median_abs_logprob_delta
 
 
-@pytest.mark.parametrize("pack", PACKS)
-def test_prompt_logprobs_match_exllamav3(pack, tmp_path):
-    golden = load_file(pack_dir(pack) / "golden" / "logits.safetensors")
-    with vllm_server(pack_dir(pack), tmp_path, *EAGER_FP32) as server:
-        agree, median = logprob_report(server, golden)
-    assert agree >= 0.97, agree
-    assert median <= 0.05, median
-
-
 def greedy(server, n=16) -> list[list[int]]:
     out = []
     for p in PROMPTS:
@@ -53,44 +45,70 @@ def greedy(server, n=16) -> list[list[int]]:
     return out
 
 
+EXTENDED = "extended-contract"  # extended_contract_pack(qwen3moe-a-exl3-mul1-b4), served beside that pack
+
+
 @pytest.fixture(scope="module")
-def glm_tp1_tokens(tmp_path_factory):
-    with vllm_server(pack_dir("glm4moe-a-exl3-mcg-b4"), tmp_path_factory.mktemp("tp1"), *EAGER_FP32) as server:
-        return greedy(server)
+def eager(tmp_path_factory):
+    """pack -> (greedy tokens, (top-1 agreement, median |delta log p|) against its ExLlamaV3 golden), from one eager
+    fp32 single-rank server per fixture pack (a boot costs ~40 s of CI): the golden comparison and the single-rank
+    reference of the parallel and compiled tests alike; EXTENDED -> (None, its golden comparison). The servers
+    boot two at a time side by side (support/servers.py SideBySide). The greedy requests go first, to a fresh
+    server as before; vLLM reads no prefix cache for the prompt_logprobs request."""
+
+    def spec(pack: str):
+        if pack == EXTENDED:
+            src = pack_dir("qwen3moe-a-exl3-mul1-b4")
+            model = extended_contract_pack(src, tmp_path_factory.mktemp("extended"))
+        else:
+            src = model = pack_dir(pack)
+        golden = load_file(src / "golden" / "logits.safetensors")
+        return (model, tmp_path_factory.mktemp("eager"), EAGER_FP32, None), golden
+
+    def measure(pack: str, server, golden):
+        tokens = None if pack == EXTENDED else greedy(server)
+        return tokens, logprob_report(server, golden)
+
+    return SideBySide([*PACKS, EXTENDED], spec, measure)
+
+
+@pytest.mark.parametrize("pack", PACKS)
+def test_prompt_logprobs_match_exllamav3(pack, eager):
+    _, (agree, median) = eager(pack)
+    assert agree >= 0.97, agree
+    assert median <= 0.05, median
 
 
 @pytest.mark.parametrize("parallel", [("-tp", "2"), ("-tp", "2", "--enable-expert-parallel")],
                          ids=["tensor-parallel", "expert-parallel"])
-def test_parallel_matches_single_rank(parallel, glm_tp1_tokens, tmp_path):
+def test_parallel_matches_single_rank(parallel, eager, tmp_path):
     """GLM-4-MoE (dense first layer, shared expert, router bias) at TP=2: k/v and the expert intermediate
     split inside 128-blocks (64 features per rank), exercising the block-halo path; EP holds 4 experts per rank."""
+    single, _ = eager("glm4moe-a-exl3-mcg-b4")
     with vllm_server(pack_dir("glm4moe-a-exl3-mcg-b4"), tmp_path, *EAGER_FP32, *parallel) as server:
-        assert greedy(server) == glm_tp1_tokens
-
-
-def test_half_integer_pack_tensor_parallel(tmp_path):
-    pack = pack_dir("qwen3moe-a-exl3-mul1-b2.5")
-    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
-        single = greedy(server)
-    with vllm_server(pack, tmp_path, *EAGER_FP32, "-tp", "2") as server:
         assert greedy(server) == single
 
 
-def test_compiled_cpu_graph_matches_eager(tmp_path):
+def test_half_integer_pack_tensor_parallel(eager, tmp_path):
+    single, _ = eager("qwen3moe-a-exl3-mul1-b2.5")
+    with vllm_server(pack_dir("qwen3moe-a-exl3-mul1-b2.5"), tmp_path, *EAGER_FP32, "-tp", "2") as server:
+        assert greedy(server) == single
+
+
+def test_compiled_cpu_graph_matches_eager(eager, tmp_path):
     """Without --enforce-eager vLLM's CPU build traces the model (and our MoE apply) with torch.compile;
     our custom ops with fake implementations must keep the graph whole and the tokens identical. The same with
     the router gates on the plugin's backend (VLLM_EXL3_ROUTER_GATE=1: vLLM's GateLinear calls our method; here
     the torch reference's fp32 product), booted beside it."""
+    eager_tokens, _ = eager("qwen3moe-a-exl3-mcg-b3")
     pack = pack_dir("qwen3moe-a-exl3-mcg-b3")
-    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
-        eager = greedy(server)
     compiled = tmp_path / "compiled"
     gate = tmp_path / "router-gate"
     compiled.mkdir(), gate.mkdir()
     with vllm_server(pack, compiled, "--dtype", "float32") as server, \
             vllm_server(pack, gate, "--dtype", "float32", env=cpu_env(VLLM_EXL3_ROUTER_GATE="1")) as gated:
-        assert greedy(server) == eager
-        assert greedy(gated) == eager
+        assert greedy(server) == eager_tokens
+        assert greedy(gated) == eager_tokens
     (log,) = gate.glob("vllm-*.log")
     assert "EXL3 router_gate:fp32:cpu -> torch backend" in log.read_text()
 
@@ -145,52 +163,114 @@ def test_plain_vllm_serve_refuses_a_nan_scale_and_a_missing_tensor(tmp_path):
         assert "Loading weights" not in out and "Application startup complete" not in out
 
 
-def test_cli_serve_demo_answers(tmp_path):
+@pytest.fixture(scope="module")
+def serve_once(tmp_path_factory):
+    """Two `vllm-exl3 serve --once` runs side by side (one boot's wait): "demo" with --demo, "no-template" on a copy
+    of the bundled pack without --demo (so without a chat template; through the installed console script).
+    name -> (subprocess.CompletedProcess, port, vLLM log or None)."""
+    tmp = tmp_path_factory.mktemp("serve-once")
+    pack = tmp / "tiny"
+    shutil.copytree(demo.PACK, pack)
+    script = Path(sys.executable).parent / "vllm-exl3"
+    console = str(script) if script.exists() else shutil.which("vllm-exl3") or pytest.skip("no vllm-exl3 script")
+    demo_port = free_port()
+    plain_port = free_port()
+    while plain_port == demo_port:
+        plain_port = free_port()
+    log = tmp / "vllm.log"
+    argvs = {"demo": ([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--once", "--port", str(demo_port)],
+                      demo_port, None),
+             "no-template": ([console, "serve", str(pack), "--once", "--port", str(plain_port), "--log", str(log)],
+                             plain_port, log)}
+    procs = {name: subprocess.Popen(argv, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (argv, _, _) in argvs.items()}
+    runs = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            runs[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), *argvs[name][1:])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
+
+
+def test_cli_serve_demo_answers(serve_once):
     """README's main job: `vllm-exl3 serve --demo --once` serves the bundled pack and answers."""
-    proc = subprocess.run([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--once", "--port",
-                           str(free_port())], env=cpu_env(), capture_output=True, text=True, timeout=300)
+    proc, _, _ = serve_once["demo"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "healthy after" in proc.stdout and "completion (" in proc.stdout and "chat (" in proc.stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_cli_serve_stops_vllm_however_it_is_stopped(tmp_path, sig):
+def test_serve_a_pack_without_chat_template_answers_and_skips_chat(serve_once):
+    """The bundled pack's tokenizer has no chat template: without --demo's template, serve must still work.
+    (Was in tests/cli/test_cli_errors.py; here it boots beside the --demo run.)"""
+    r, port, log = serve_once["no-template"]
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HTTP     completion (" in r.stdout and "chat: skipped" in r.stdout and "--chat-template" in r.stdout
+    assert f"log: {log}" in r.stdout and "Application startup complete" in log.read_text()
+    assert "backend  " in r.stdout and "next:" in r.stdout
+    # What serve guarantees when it returns: nothing of vLLM left, the port free (not how fast vLLM's engine
+    # exits: on a loaded machine vLLM may force-kill it after --shutdown-timeout, which is vLLM's business)
+    assert vllm_leftovers(log.read_text()) == [] and port_is_free(port)
+
+
+def test_cli_serve_stops_vllm_however_it_is_stopped(tmp_path):
     """`timeout`, systemd and CI stop `vllm-exl3 serve` with SIGTERM, and a kill -9 leaves it no chance to clean
-    up: either way vLLM's API server and engine go too, and the port is free again."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--port", str(port), "--log",
-                             str(tmp_path / "vllm.log")], env=cpu_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    tree: set[int] = set()
+    up: either way vLLM's API server and engine go too, and the port is free again. One serve per signal, booted
+    side by side (one boot's wait)."""
+    sigs = (signal.SIGTERM, signal.SIGKILL)
+    procs: dict[signal.Signals, subprocess.Popen] = {}
+    ports: dict[signal.Signals, int] = {}
+    lines: dict[signal.Signals, list[str]] = {sig: [] for sig in sigs}
+    readers: dict[signal.Signals, threading.Thread] = {}
+    trees: dict[signal.Signals, set[int]] = {sig: set() for sig in sigs}
     try:
+        for sig in sigs:
+            port = free_port()
+            while port in ports.values():  # handed out for the other serve, not bound yet
+                port = free_port()
+            ports[sig] = port
+            procs[sig] = proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm_exl3.cli", "serve", "--demo", "--port", str(port), "--log",
+                 str(tmp_path / f"vllm-{sig.name}.log")], env=cpu_env(), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            readers[sig] = threading.Thread(target=lambda out=proc.stdout, into=lines[sig]: into.extend(out),
+                                            daemon=True)
+            readers[sig].start()
         deadline = time.monotonic() + 300
-        while not any(line.startswith("serving  ") for line in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.5)
-        tree = descendants(proc.pid) - {proc.pid}
-        assert len(tree) >= 2, tree  # vLLM's API server and its engine core
-        os.kill(proc.pid, sig)
-        assert proc.wait(120) == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL)
+        for sig, proc in procs.items():
+            while not any(line.startswith("serving  ") for line in lines[sig]):
+                assert proc.poll() is None and time.monotonic() < deadline, (sig.name, "".join(lines[sig])[-3000:])
+                time.sleep(0.5)
+        for sig, proc in procs.items():
+            trees[sig] = descendants(proc.pid) - {proc.pid}
+            assert len(trees[sig]) >= 2, (sig.name, trees[sig])  # vLLM's API server and its engine core
+        for sig, proc in procs.items():
+            os.kill(proc.pid, sig)
+        for sig, proc in procs.items():
+            assert proc.wait(120) == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL), sig.name
         deadline = time.monotonic() + 120
-        while [p for p in tree if alive(p)] and time.monotonic() < deadline:
+        while [p for tree in trees.values() for p in tree if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not [p for p in tree if alive(p)], "vLLM outlived `vllm-exl3 serve`"
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT is no listener
-            s.bind(("127.0.0.1", port))  # nothing listens on the port any more
-        reader.join(10)
-        if sig == signal.SIGTERM:
-            assert "stopping vLLM ..." in "".join(lines)
+        for sig in sigs:
+            assert not [p for p in trees[sig] if alive(p)], f"vLLM outlived `vllm-exl3 serve` ({sig.name})"
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM binds: TIME_WAIT is no listener
+                s.bind(("127.0.0.1", ports[sig]))  # nothing listens on the port any more
+            readers[sig].join(10)
+        assert "stopping vLLM ..." in "".join(lines[signal.SIGTERM])
     finally:
-        for pid in [proc.pid, *tree]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
+        for sig, proc in procs.items():
+            for pid in [proc.pid, *trees[sig]]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
 
 
 def test_cli_serve_killed_while_vllm_boots_leaves_nothing(tmp_path):
@@ -234,14 +314,13 @@ def test_cli_serve_refuses_a_broken_pack_before_starting_vllm(tmp_path):
     assert "starting vLLM" not in proc.stdout
 
 
-def test_extended_contract_routed_experts_only_pack(tmp_path):
-    """A pack in the extended contract other EXL3 tools write: routed experts (and the head) in EXL3, the
+def extended_contract_pack(src, tmp_path):
+    """A copy of `src` in the extended contract other EXL3 tools write: routed experts (and the head) in EXL3, the
     attention of layer 1 as plain BF16 (`non_routed_dtype_policy: bf16_as_stored`), layer 0's q in EXL3 with
     k/v as BF16 shards of the same fused module (`non_routed_exl3` long form), `layer_bits` declared."""
     from vllm_exl3.format import dequant
     from vllm_exl3.format.pack import Pack
 
-    src = pack_dir("qwen3moe-a-exl3-mul1-b4")
     pack = tmp_path / "experts-only"
     shutil.copytree(src, pack, ignore=shutil.ignore_patterns("golden", "quantization_config.json"))
     tensors = load_file(pack / "model.safetensors")
@@ -261,8 +340,12 @@ def test_extended_contract_routed_experts_only_pack(tmp_path):
         "codebook": "mul1", "layer_bits": {"0": 4, "1": 4}, "non_routed_dtype_policy": "bf16_as_stored",
         "non_routed_exl3": {"layers": {"model.layers.0.self_attn.qkv_proj": {"bits": 4, "bf16_shards": [1, 2]}}}})
     (pack / "config.json").write_text(json.dumps(config))
-    golden = load_file(src / "golden" / "logits.safetensors")
-    with vllm_server(pack, tmp_path, *EAGER_FP32) as server:
-        agree, median = logprob_report(server, golden)
+    return pack
+
+
+def test_extended_contract_routed_experts_only_pack(eager):
+    """extended_contract_pack's pack (qwen3moe-a-exl3-mul1-b4 in the extended contract) serves within the same
+    bounds of that pack's ExLlamaV3 golden (booted beside it: the eager fixture)."""
+    _, (agree, median) = eager(EXTENDED)
     assert agree >= 0.97, agree
     assert median <= 0.05, median

@@ -11,6 +11,9 @@ below bf16's resolution (golden_logprobs.BF16_MARGIN) has no order to agree with
 whose logits are closer than its rounding (Qwen3.5's fixture: one such flip in 62 positions, router logits 0.0044
 apart), so top-1 must reach BF16_TOP1 there. The same packs with a float32 stand-in for vLLM's delta-net op (not in
 this suite: it replaces vLLM code) agree at fp32 to |Δ log p| < 1e-5: docs/vllm-notes.md §8.
+
+The single-rank servers boot two at a time, side by side (the `agreements` fixture): a CPU boot is mostly
+single-threaded imports, so two take about one boot's wait on a 2-core CI box.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from support.servers import BOOT_TIMEOUT_S, cpu_env, free_port, server_argv, stop, vllm_server
+from support.servers import BOOT_TIMEOUT_S, SideBySide, cpu_env, free_port, server_argv, stop
 from vllm_exl3.dev import family_oracle, golden_logprobs
 
 pytestmark = pytest.mark.e2e
@@ -78,19 +81,6 @@ def _architecture(pack: Path) -> str:
     return json.loads((pack / "config.json").read_text())["architectures"][0]
 
 
-def _agreement(pack: Path, input_ids, logits, log_dir: Path, *extra: str) -> golden_logprobs.ParityReport:
-    arch = _architecture(pack)
-    options, margin = _options(arch)
-    with vllm_server(pack, log_dir, *options, *extra, env=_server_env(pack)) as server:
-        return golden_logprobs.compare(server.base_url, server.model, input_ids, logits, margin)
-
-
-@pytest.mark.parametrize("name", GOLDEN_PACKS)
-def test_exllamav3_pack_matches_exllamav3(name, tmp_path):
-    golden = load_file(FAMILIES / name / "golden" / "logits.safetensors")
-    _check(_agreement(FAMILIES / name, golden["input_ids"], golden["logits"], tmp_path), _architecture(FAMILIES / name))
-
-
 @pytest.fixture(scope="module")
 def oracle_packs(tmp_path_factory):
     """architecture -> (pack, input ids, transformers' logits), made once each."""
@@ -106,18 +96,48 @@ def oracle_packs(tmp_path_factory):
     return make
 
 
+# The single-rank cases, in the order of the tests below: each boots beside the next one not yet done (two servers
+# side by side, one boot's wait on a 2-core box). The tensor-parallel ones boot alone.
+PAIRED = [("golden", name) for name in GOLDEN_PACKS] + [("oracle", a) for a in family_oracle.ORACLE_ARCHITECTURES]
+
+
+@pytest.fixture(scope="module")
+def agreements(oracle_packs, tmp_path_factory):
+    """(kind, name) -> the server's golden_logprobs.ParityReport against its oracle: ("golden", pack) ExLlamaV3's
+    goldens, ("oracle", architecture) transformers', ("tp2", architecture) transformers' at -tp 2."""
+
+    def spec(key):
+        kind, name = key
+        if kind == "golden":
+            golden = load_file(FAMILIES / name / "golden" / "logits.safetensors")
+            pack, ids, logits, extra = FAMILIES / name, golden["input_ids"], golden["logits"], ()
+        else:
+            (pack, ids, logits), extra = oracle_packs(name), (("-tp", "2") if kind == "tp2" else ())
+        options, margin = _options(_architecture(pack))
+        return (pack, tmp_path_factory.mktemp("server"), (*options, *extra), _server_env(pack)), (ids, logits, margin)
+
+    def measure(key, server, context):
+        ids, logits, margin = context
+        return golden_logprobs.compare(server.base_url, server.model, ids, logits, margin)
+
+    return SideBySide(PAIRED, spec, measure)
+
+
+@pytest.mark.parametrize("name", GOLDEN_PACKS)
+def test_exllamav3_pack_matches_exllamav3(name, agreements):
+    _check(agreements(("golden", name)), _architecture(FAMILIES / name))
+
+
 @pytest.mark.parametrize("arch", family_oracle.ORACLE_ARCHITECTURES)
-def test_plugin_matches_transformers(arch, oracle_packs, tmp_path):
-    pack, ids, logits = oracle_packs(arch)
-    _check(_agreement(pack, ids, logits, tmp_path), arch)
+def test_plugin_matches_transformers(arch, agreements):
+    _check(agreements(("oracle", arch)), arch)
 
 
 @pytest.mark.parametrize("arch", ["GptOssForCausalLM", "Qwen3NextForCausalLM"])
-def test_tensor_parallel_two_matches_transformers(arch, oracle_packs, tmp_path):
+def test_tensor_parallel_two_matches_transformers(arch, agreements):
     """The two-Spark profile's split: gpt-oss's experts with biases (the down projection's added once) and its
     vocab-parallel EXL3 head; Qwen3-Next's in_proj_qkvz by key-head groups and its gated attention's heads."""
-    pack, ids, logits = oracle_packs(arch)
-    _check(_agreement(pack, ids, logits, tmp_path, "-tp", "2"), arch)
+    _check(agreements(("tp2", arch)), arch)
 
 
 def test_plain_vllm_serve_refuses_a_config_vllm_would_not_follow(tmp_path):

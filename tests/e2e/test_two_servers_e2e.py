@@ -2,7 +2,8 @@
 `vllm bench serve`, docs/vllm-notes.md §2.4 says why the command needs scripts/bootstrap's alias), the other as
 `python -m vllm.entrypoints.openai.api_server`: each keeps its own parity report, and `vllm-exl3 info` shows
 both, or one server's with --port; the boot progress of `vllm-exl3 serve`, replayed over a real boot log, names
-what vLLM is doing."""
+what vLLM is doing; `vllm-exl3 bench` against a server without a chat template (neither has one) says to use
+completions."""
 
 from __future__ import annotations
 
@@ -91,3 +92,16 @@ def test_the_boot_progress_names_what_vllm_is_doing(servers):
     pack_line = next(i for i, line in enumerate(lines) if "EXL3 pack" in line)
     first_engine_line = next(i for i, line in enumerate(lines) if "(EngineCore" in line)
     assert pack_line < first_engine_line and phases[first_engine_line - 1] == "starting vLLM's engine process"
+
+
+def test_bench_chat_without_a_template_says_to_use_completions(servers, tmp_path):
+    """`vllm-exl3 bench` (the chat API by default) against a server with no chat template. Here rather than in
+    tests/servebench/test_bench_e2e.py, whose servers have one: this pair has none, which saves a server boot."""
+    (_, cli_server), _ = servers
+    r = subprocess.run([CONSOLE, "bench", "--a", cli_server.base_url, "--prompts", "1", "--max-tokens", "4",
+                        "--concurrency", "1", "--no-plots", "-o", str(tmp_path / "out")], check=False,
+                       capture_output=True, text=True, timeout=180, env=dict(os.environ))
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr
+    assert r.returncode == 3
+    error = next(line for line in r.stderr.splitlines() if line.startswith("error:"))
+    assert "no chat template" in error and "--api completions" in error, r.stderr

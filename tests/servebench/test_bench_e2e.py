@@ -1,6 +1,7 @@
 """`vllm-exl3 bench` against real vLLM (CPU build) demo servers on loopback: one endpoint, a head-to-head of two,
 and the ways a run goes wrong (a closed port, a refusal, a server stopped mid-run). Two servers, booted once for the
-module side by side; each run is small (one prompt per category, a few tokens, concurrency 1 and 2)."""
+module side by side; each run is small (one prompt per category, a few tokens, concurrency 1 and 2). A server
+without a chat template: tests/e2e/test_two_servers_e2e.py (its servers have none; these have one)."""
 
 from __future__ import annotations
 
@@ -206,15 +207,6 @@ def test_fill_and_the_prefill_phase(servers, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| side | prompt tokens | requests | server prefill tok/s |" in report and "| A | 128 | 2/2 |" in report
     assert "A server " in r.stdout.rstrip().splitlines()[-1]  # the headline leads with the server's counters
-
-
-def test_chat_without_a_template_says_to_use_completions(tmp_path):
-    with vllm_servers(1, demo.PACK, tmp_path) as (server,):
-        r = bench("--a", server.base_url, "--prompts", "1", "--max-tokens", "4", "--concurrency", "1",
-                  "--no-plots", "-o", str(tmp_path / "out"))
-    assert r.returncode == 3
-    error = next(line for line in r.stderr.splitlines() if line.startswith("error:"))
-    assert "no chat template" in error and "--api completions" in error, r.stderr
 
 
 def test_server_stopped_mid_run_leaves_a_partial_report(servers, tmp_path):

@@ -149,6 +149,54 @@ def vllm_servers(count: int, model: Path | str, log_dir: Path, *args: str, env: 
 
 
 @contextmanager
+def vllm_server_group(specs: list[tuple[Path | str, Path, tuple[str, ...], dict[str, str] | None]]):
+    """Servers of different models or options booted side by side (one boot's wait): each spec is
+    (model, log_dir, args, env), env None for cpu_env()."""
+    servers: list[Server] = []
+    taken: set[int] = set()
+    try:
+        for model, log_dir, args, env in specs:
+            servers.append(_start(model, log_dir, tuple(args), env, taken))
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        for server in servers:
+            _wait_healthy(server, deadline)
+        yield servers
+    finally:
+        for server in servers:
+            stop(server.proc)
+
+
+class SideBySide:
+    """What measure(key, server, context) reads from a server of each case, the cases booted two at a time side by
+    side (one boot's wait: a CPU boot is mostly single-threaded imports). spec(key) gives the case's server,
+    (model, log_dir, args, env) as vllm_server_group takes it, and a context for measure. Asking for a case not
+    yet done boots it beside the next case of `order` not yet done (the tests' order: neighbours pair up); a case
+    whose pair failed runs again alone, so that a failure stays its own test's. Cases outside `order` boot alone."""
+
+    def __init__(self, order, spec, measure):
+        self.order, self.spec, self.measure = list(order), spec, measure
+        self.done: dict = {}
+
+    def _run(self, keys: list) -> None:
+        cases = [self.spec(key) for key in keys]
+        with vllm_server_group([server for server, _ in cases]) as servers:
+            for key, server, (_, context) in zip(keys, servers, cases):
+                self.done[key] = self.measure(key, server, context)
+
+    def __call__(self, key):
+        if key not in self.done:
+            rest = self.order[self.order.index(key) + 1:] if key in self.order else []
+            partner = next((k for k in rest if k not in self.done), None)
+            try:
+                self._run([key] if partner is None else [key, partner])
+            except Exception:
+                if partner is None or key in self.done:
+                    raise
+                self._run([key])
+        return self.done[key]
+
+
+@contextmanager
 def vllm_server(model: Path | str, log_dir: Path, *args: str, env: dict[str, str] | None = None):
     with vllm_servers(1, model, log_dir, *args, env=env) as (server,):
         yield server
