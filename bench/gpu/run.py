@@ -465,10 +465,15 @@ def families(plan: dict, exl_build) -> None:
     f, q = plan["families"], plan["quality"]
     results = load_result("families.json")
     packs = [(FAMILY_FIXTURES, p) for p in f["packs"]] + [(ORACLE, p) for p in f["oracle"]]
-    missing = [str(where / p) for where, p in packs if not (where / p / "golden" / "logits.safetensors").exists()]
+    # A/B rows: one fixture pack served once more under its own label with other flags or environment
+    # ([families.variants.NAME]: pack, env, flags), e.g. --enforce-eager beside the compiled server.
+    variants = f.get("variants", {})
+    wanted = dict.fromkeys(packs + [(FAMILY_FIXTURES, v["pack"]) for v in variants.values()])
+    missing = [str(where / p) for where, p in wanted if not (where / p / "golden" / "logits.safetensors").exists()]
     if missing:
         results["missing"] = {"ok": False, "error": f"no pack or goldens at {', '.join(missing)}"}
     packs = [(where, p) for where, p in packs if str(where / p) not in missing]
+    variants = {name: v for name, v in variants.items() if str(FAMILY_FIXTURES / v["pack"]) not in missing}
     # vLLM's own layers on the decoded weights, no quantization: how far vLLM itself lands from the fp32 goldens at
     # the dtype the family must run in (each with its architecture's settings); booted in the first profile's rounds
     controls = [(ORACLE / f"{p}-unquantized", p) for p in f.get("unquantized", [])]
@@ -479,6 +484,8 @@ def families(plan: dict, exl_build) -> None:
             continue
         boots = [(f"{kernel}-{p}", where / p, kernel, WORK / "cache-families" / f"{kernel}-{p}",
                   f.get("per-pack", {}).get(p, {})) for where, p in packs]
+        boots += [(f"{kernel}-{name}", FAMILY_FIXTURES / v["pack"], kernel, WORK / "cache-families" / f"{kernel}-{name}",
+                   v) for name, v in variants.items()]
         boots += [(f"vllm-unquantized-{p}", pack, kernel, WORK / "cache-families" / f"unquantized-{p}",
                    f.get("per-pack", {}).get(p, {})) for pack, p in controls]
         controls = []

@@ -103,6 +103,8 @@ def test_the_families_step_names_packs_the_repository_has(run, plan):
         assert (run.FAMILY_FIXTURES / name / "golden" / "logits.safetensors").is_file(), name
     assert set(f["oracle"]) <= set(family_oracle.ORACLE_ARCHITECTURES)
     assert set(f.get("per-pack", {})) <= set(f["packs"]) | set(f["oracle"])
+    for name, v in f.get("variants", {}).items():
+        assert (run.FAMILY_FIXTURES / v["pack"] / "golden" / "logits.safetensors").is_file(), name
     assert set(f.get("unquantized", [])) <= set(f["oracle"])  # a control is made from an oracle pack
     assert f["round-size"] >= 1 and 0 <= f["min-top2-margin"] < 0.05
 
@@ -110,7 +112,7 @@ def test_the_families_step_names_packs_the_repository_has(run, plan):
 def test_the_families_step_reports_missing_oracle_packs(run, plan, monkeypatch, tmp_path):
     """Without bench/gpu/oracle_packs.py's folder the step says which packs it lacks and boots none of them."""
     monkeypatch.setattr(run, "ORACLE", tmp_path / "none")
-    plan["families"]["packs"] = []
+    plan["families"]["packs"], plan["families"]["variants"] = [], {}
     plan["quality"]["kernels"] = ["native"]
     run.families(plan, None)
     got = json.loads((run.RESULTS / "families.json").read_text())
@@ -160,3 +162,24 @@ def test_the_benchmark_packs_are_complete_for_their_family(run, tmp_path, shape_
     pack, problems = verify_pack(root)
     assert problems == []
     assert any(n.startswith("complete for ") for n in pack.notes), pack.notes
+
+
+def test_a_families_variant_boots_its_pack_under_its_own_label_and_settings(run, plan, monkeypatch):
+    """[families.variants.NAME] serves a fixture pack once more beside the plain row, with its own flags and env
+    (the compiled-against-eager A/B of bench/notes/serving-run-13.md); a variant of a pack that is not there is
+    reported missing and not booted."""
+    booted = []
+    monkeypatch.setattr(run, "run_round", lambda plan, boots, *a, **k: booted.extend(boots))
+    f = plan["families"]
+    pack = f["packs"][0]
+    f["oracle"], f["unquantized"] = [], []
+    f["variants"] = {f"{pack}-eager": {"pack": pack, "flags": ["--enforce-eager"], "env": {"X": "1"}},
+                     "absent-eager": {"pack": "no-such-pack", "flags": ["--enforce-eager"]}}
+    plan["quality"]["kernels"] = ["native"]
+    run.families(plan, None)
+    rows = {label: (path.name, setting) for label, path, kernel, cache, setting in booted}
+    assert rows[f"native-{pack}"][0] == pack
+    assert rows[f"native-{pack}-eager"] == (pack, f["variants"][f"{pack}-eager"])
+    assert "native-absent-eager" not in rows
+    got = json.loads((run.RESULTS / "families.json").read_text())
+    assert "no-such-pack" in got["missing"]["error"] and pack not in got["missing"]["error"]
