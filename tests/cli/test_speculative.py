@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import qwen3_vl
 from support.mutants import copy_pack, edit_json, entries, rebuild, run_cli
 from support.servers import free_port
 from vllm_exl3 import demo
@@ -105,6 +106,8 @@ def test_the_spec_mtp_preset_is_refused_for_a_pack_without_mtp_layers_and_planne
     add_tensors(root, ["mtp.fc.weight", "mtp.norm.weight"])
     meminfo = tmp_path / "meminfo"  # an idle Spark
     meminfo.write_text("MemTotal:       125000000 kB\nMemFree:        118000000 kB\nMemAvailable:   120000000 kB\n")
+    # vLLM inspects the architecture in a child process, which imports Qwen3.5's modules
+    monkeypatch.setenv("PYTHONPATH", qwen3_vl.pythonpath())
     code, err = run_cli("preflight", str(root), "--meminfo", str(meminfo), seconds=PARSE_S)
     assert code == 0, err
     assert "ok   speculative: method mtp, 1 draft token(s) a step" in err, err

@@ -18,16 +18,14 @@ single-threaded imports, so two take about one boot's wait on a 2-core CI box.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-
+from support import qwen3_vl
 from support.servers import BOOT_TIMEOUT_S, SideBySide, cpu_env, free_port, server_argv, stop
 from vllm_exl3.dev import family_oracle, golden_logprobs
 
@@ -35,7 +33,6 @@ pytestmark = pytest.mark.e2e
 
 FAMILIES = Path(__file__).resolve().parents[1] / "fixtures" / "exl3-families"
 TOKENIZER = FAMILIES / "mixtral-a-exl3-mul1-b4"
-QWEN3_VL_IMPORTS = Path(__file__).resolve().parents[1] / "support" / "qwen3_vl_imports"
 FP32 = ("--dtype", "float32", "--enforce-eager")
 BF16 = ("--dtype", "bfloat16", "--enforce-eager")
 HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # gated delta net: bf16 only on vLLM's CPU build
@@ -53,8 +50,8 @@ def _server_env(pack: Path) -> dict[str, str]:
     MLA latent other than the 576 vLLM's MLA takes (the GLM-4.7-Flash fixtures' 160), vLLM's per-head attention."""
     config = json.loads((pack / "config.json").read_text())
     extra = {}
-    if config["architectures"][0].startswith("Qwen3_5") and importlib.util.find_spec("torchvision") is None:
-        extra["PYTHONPATH"] = os.pathsep.join(p for p in (str(QWEN3_VL_IMPORTS), os.environ.get("PYTHONPATH")) if p)
+    if config["architectures"][0].startswith("Qwen3_5") and qwen3_vl.needed():
+        extra["PYTHONPATH"] = qwen3_vl.pythonpath()
     if "kv_lora_rank" in config and config["kv_lora_rank"] + config["qk_rope_head_dim"] != MLA_LATENT:
         extra["VLLM_MLA_DISABLE"] = "1"
     return cpu_env(**extra)

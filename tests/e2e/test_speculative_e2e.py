@@ -18,10 +18,8 @@ A pack without MTP layers is refused before the boot (tests/cli/test_speculative
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import re
 from collections import defaultdict
 
@@ -29,6 +27,7 @@ import pytest
 import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from support import qwen3_vl
 from support.appliance import ROOT
 from support.fixtures import pack_dir
 from support.servers import cpu_env, vllm_server
@@ -204,7 +203,6 @@ def test_mtp_drafts_from_the_packs_own_layer_are_lossless(mtp_pack, tmp_path_fac
 # mtp on Qwen3.5/3.6-MoE: the pack's own `mtp.` module, one boot
 # ---------------------------------------------------------------------------------------------------------------
 FAMILIES = ROOT / "tests" / "fixtures" / "exl3-families"
-QWEN3_VL_IMPORTS = ROOT / "tests" / "support" / "qwen3_vl_imports"
 # vLLM's CPU build runs the gated delta net in bf16 only (tests/e2e/test_families_e2e.py). Prefix caching off: with
 # it vLLM keeps the delta net's state in its "align" mode, whose copy step under speculative decoding is a Triton
 # kernel the CPU build lacks (`TypeError: 'function' object is not subscriptable` in mamba_utils.preprocess_mamba).
@@ -245,9 +243,7 @@ def test_qwen35_mtp_drafts_from_the_packs_own_module_are_lossless(qwen35_mtp_pac
     own distribution after its prefix, from the same server's prefill (`greedy_gaps`), within the bounds bf16
     servers are held to: a draft that changed the text, or a delta-net state not rolled back after a rejected
     draft, gives tokens the target would not have picked."""
-    env = {}
-    if importlib.util.find_spec("torchvision") is None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(QWEN3_VL_IMPORTS), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": qwen3_vl.pythonpath()} if qwen3_vl.needed() else {}
     with vllm_server(qwen35_mtp_pack, tmp_path, *QWEN35_OPTIONS, "--speculative-config", json.dumps(MTP),
                      env=cpu_env(**env)) as server:
         prompts, tokens = greedy_run(server)

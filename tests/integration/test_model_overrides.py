@@ -5,9 +5,9 @@ support). That they serve packs is the end-to-end tests' business."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
+from support import qwen3_vl
 
 vllm = pytest.importorskip("vllm")
 
@@ -17,11 +17,7 @@ vllm_exl3.register()
 
 from vllm import ModelRegistry  # noqa: E402
 from vllm.model_executor.models.registry import _VLLM_MODELS, _ModelInfo  # noqa: E402
-
 from vllm_exl3.integration.register import MODEL_OVERRIDES  # noqa: E402
-
-
-QWEN3_VL_IMPORTS = Path(__file__).resolve().parents[1] / "support" / "qwen3_vl_imports" / "sitecustomize.py"
 
 
 def qwen3_vl_imports(monkeypatch) -> None:
@@ -31,9 +27,10 @@ def qwen3_vl_imports(monkeypatch) -> None:
     import importlib.util
     import sys
 
-    if importlib.util.find_spec("torchvision") is None:  # as tests/e2e/test_families_e2e.py decides
+    if qwen3_vl.needed():
         monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the stand-in's finder leaves with the test
-        spec = importlib.util.spec_from_file_location("qwen3_vl_imports_stand_in", QWEN3_VL_IMPORTS)
+        spec = importlib.util.spec_from_file_location("qwen3_vl_imports_stand_in",
+                                                      qwen3_vl.STAND_IN / "sitecustomize.py")
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 

@@ -6,8 +6,8 @@ torchvision (0.28.0+cpu) is on PyTorch's own index only, which this machine cann
 CUDA build and does not import beside CPU torch (docs/vllm-notes.md §8). transformers' PIL variant of the same module
 defines the same `smart_resize` without torchvision: this finder serves it under the torchvision module's name.
 Nothing of it runs for a text-only model; a machine with torchvision (a user's, the GPU image) never needs this.
-tests/e2e/test_families_e2e.py puts this folder on the server's PYTHONPATH for Qwen3.5 only, when torchvision does
-not import."""
+tests/support/qwen3_vl.py puts this folder on the PYTHONPATH of a process that imports Qwen3.5's modules (a server,
+vLLM's model inspection), when torchvision does not import."""
 
 import importlib.abc
 import importlib.util
