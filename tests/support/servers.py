@@ -132,31 +132,21 @@ def vllm_servers(count: int, model: Path | str, log_dir: Path, *args: str, env: 
                  argvs=None):
     """`count` servers of the same model on their own loopback ports, booted side by side (one boot's wait);
     `argvs`: how each is started (server_argv, vllm_serve_argv; default server_argv for all)."""
-    argvs = argvs or [server_argv] * count
-    assert len(argvs) == count, argvs
-    servers: list[Server] = []
-    taken: set[int] = set()
-    try:
-        for argv in argvs:
-            servers.append(_start(model, log_dir, args, env, taken, argv))
-        deadline = time.monotonic() + BOOT_TIMEOUT_S
-        for server in servers:
-            _wait_healthy(server, deadline)
+    with vllm_server_group([(model, log_dir, args, env)] * count, argvs) as servers:
         yield servers
-    finally:
-        for server in servers:
-            stop(server.proc)
 
 
 @contextmanager
-def vllm_server_group(specs: list[tuple[Path | str, Path, tuple[str, ...], dict[str, str] | None]]):
+def vllm_server_group(specs: list[tuple[Path | str, Path, tuple[str, ...], dict[str, str] | None]], argvs=None):
     """Servers of different models or options booted side by side (one boot's wait): each spec is
-    (model, log_dir, args, env), env None for cpu_env()."""
+    (model, log_dir, args, env), env None for cpu_env(); `argvs`: how each is started (default server_argv)."""
+    argvs = argvs or [server_argv] * len(specs)
+    assert len(argvs) == len(specs), argvs
     servers: list[Server] = []
     taken: set[int] = set()
     try:
-        for model, log_dir, args, env in specs:
-            servers.append(_start(model, log_dir, tuple(args), env, taken))
+        for (model, log_dir, args, env), argv in zip(specs, argvs):
+            servers.append(_start(model, log_dir, tuple(args), env, taken, argv))
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         for server in servers:
             _wait_healthy(server, deadline)

@@ -5,10 +5,10 @@ path by row count. Its kernels take fp16 activations only (bf16 is cast in and o
 and produce the padded output, so the tensor-parallel offsets are handled by zero-extension and narrowing.
 Up to its reconstruct threshold the layer is asked for an fp32 output: its GEMM autotunes the number of blocks per
 call shape, and a choice that splits K across blocks hands the partial sums on through the output tensor, rounded
-to fp16 between blocks when the output is fp16 (exllamav3_ext/quant/exl3_gemm_inner.cuh, `write_sum_gl`). Which
-choice a process makes depends on its timings, so two servers of one pack computed different numbers: Qwen3.5's
-3.5-bit fixture read top-1 0.924 in one and 1.0 in another (bench/notes/serving-run-13.md "Thirteenth run"). An fp32
-output keeps the partials in fp32 whatever the choice; the reconstruct path above the threshold is one cuBLAS GEMM.
+to fp16 between blocks when the output is fp16 (exllamav3_ext/quant/exl3_gemm_inner.cuh, `write_sum_gl`); an fp32
+output keeps them fp32 whatever the choice. The reconstruct path above the threshold is one cuBLAS GEMM. One
+candidate cause, not a proven one, of Qwen3.5's 3.5-bit fixture reading top-1 0.924 compiled and 1.0 eager on this
+profile (bench/notes/serving-run-13.md "Thirteenth run"); not yet run on a GPU.
 Routed experts: one ExLlamaV3 `BlockSparseMLP` per layer over the stored tensors (exllamav3_moe.py).
 Imports fine without the package; `unavailable_reason()` says why it cannot run.
 
