@@ -11,6 +11,8 @@ lent GPU machine, in as few device calls as its time allows. What it runs is ben
            CPU test's bounds
   families the MoE families' packs (ExLlamaV3-made, and transformers-oracle ones made here by oracle_packs.py) the
            same way, on each kernel profile, in rounds of a few servers
+  spec     speculative decoding: each [[spec.case]]'s fixture pack served plain and with its speculative config
+           on each kernel profile, side by side; the greedy tokens compared (lossless), the drafts counted
   switch   the compile-cache switch: one pack booted on each backend in turn with one VLLM_CACHE_ROOT (its first
            boot rides along with the quality round when both steps run)
   serve    each [[serve]] of the plan: `vllm serve` on a full-size pack (or vLLM's own GPTQ / fp16 on the same
@@ -514,6 +516,109 @@ def against_controls(results: dict, slack_positions: int, max_median: float) -> 
                            ok=row["top1_agreement"] >= floor and row["median_abs_logprob_delta"] <= max_median)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# speculative decoding: lossless on the GPU
+# ---------------------------------------------------------------------------------------------------------------
+def greedy(server: Server, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Per prompt: the greedy token ids and, at each, the gap between the server's top two log-probabilities."""
+    out = []
+    for prompt in prompts:
+        body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            lp = json.loads(r.read())["choices"][0]["logprobs"]
+        out.append({"tokens": [int(t.split(":")[1]) for t in lp["tokens"]],
+                    "top2_gaps": [top2_gap(top) for top in lp["top_logprobs"]]})
+    return out
+
+
+def top2_gap(top: dict[str, float]) -> float | None:
+    best = sorted(top.values(), reverse=True)
+    return round(best[0] - best[1], 6) if len(best) > 1 else None
+
+
+def spec_counters(server: Server) -> dict[str, float]:
+    """vLLM's spec-decode counters on its /metrics, each summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("vllm:spec_decode_") and s.name.endswith("_total") and "position" not in s.labels:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def compare_greedy(plain: list[dict], drafted: list[dict]) -> dict:
+    """Whether the drafted server gave the plain server's tokens; where a prompt's tokens part first, the plain
+    server's top-two gap there (a gap under the dtype's resolution is a near-tie that numerics may break either
+    way, not a lost token)."""
+    parts = []
+    for i, (p, d) in enumerate(zip(plain, drafted)):
+        at = next((j for j, (a, b) in enumerate(zip(p["tokens"], d["tokens"])) if a != b), None)
+        if at is not None:
+            parts.append({"prompt": i, "position": at, "plain_top2_gap": p["top2_gaps"][at]})
+    return {"equal": not parts and len(plain) == len(drafted), "parts": parts,
+            "tokens": sum(len(p["tokens"]) for p in plain)}
+
+
+def spec(plan: dict, exl_build) -> None:
+    """Each [[spec.case]] on each [quality] kernel profile: its fixture pack served plain and with the case's
+    --speculative-config, side by side, with the quality step's flags (compiled, CUDA graphs); the greedy tokens of
+    [spec] prompts compared and the drafts counted: spec.json. A case with `mtp-layer` serves the pack with an MTP
+    layer appended (vllm_exl3/dev/mtp.py) on both servers."""
+    from vllm_exl3.dev import mtp
+
+    sp = plan["spec"]
+    results = load_result("spec.json")
+    for kernel in plan["quality"]["kernels"]:
+        if kernel == "exllamav3" and not exl_ready(exl_build, max(0.0, min(420.0, left() - 260))):
+            results["exllamav3-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
+            continue
+        if left() < 150:
+            results[f"{kernel}-cut"] = {"ok": False, "error": "not enough of the call left"}
+            continue
+        servers = []
+        for case in sp["case"]:
+            pack = FIXTURES / case["pack"]
+            if case.get("mtp-layer"):
+                with_mtp = WORK / "spec-packs" / f"{case['pack']}-mtp"
+                if not (with_mtp / "config.json").exists():
+                    mtp.add_mtp_layer(pack, with_mtp)
+                pack = with_mtp
+            config = json.dumps(case["speculative-config"])
+            name = f"{kernel}-{pack.name}"
+            for label, extra in ((f"{name}-plain", []), (f"{name}-{case['speculative-config']['method']}",
+                                                          ["--speculative-config", config])):
+                servers.append((case, Server(label, str(pack), quality_flags(plan) + extra,
+                                             {"VLLM_EXL3_KERNEL": kernel}, WORK / "cache-spec" / label)))
+        deadline = time.monotonic() + max(30.0, min(300.0, left() - 40))
+        try:
+            for (case, plain), (_, drafted) in zip(servers[::2], servers[1::2]):
+                row = {"pack": case["pack"], "kernel": kernel, "speculative-config": case["speculative-config"]}
+                if not (plain.wait(max(1.0, deadline - time.monotonic()))
+                        and drafted.wait(max(1.0, deadline - time.monotonic()))):
+                    row.update(ok=False, error="not healthy", log_tail=(plain.tail(1500) + drafted.tail(2500)))
+                else:
+                    try:
+                        ours = greedy(drafted, sp["prompts"], sp["max-tokens"])
+                        row.update(compare_greedy(greedy(plain, sp["prompts"], sp["max-tokens"]), ours),
+                                   counters=spec_counters(drafted), boot_s=[plain.boot_s, drafted.boot_s])
+                        row["ok"] = row["equal"] and row["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
+                    except Exception as e:  # noqa: BLE001  (a failed check is a result to report)
+                        row.update(ok=False, error=f"{type(e).__name__}: {e}", log_tail=drafted.tail())
+                results[drafted.label] = row
+                log(f"spec {drafted.label}: ok={row['ok']} equal={row.get('equal')} parts={row.get('parts')} "
+                    f"counters={row.get('counters')}")
+                save("spec.json", results)
+        finally:
+            for _, s in servers:
+                s.stop()
+
+
 def switch(plan: dict, exl_build, first_done: bool) -> None:
     """The compile-cache switch: the switch pack booted on each backend in turn, one cache root for all, so each boot
     after the first finds the cache the one before wrote (a key that ignored the backend would crash its warm-up)."""
@@ -829,7 +934,7 @@ def main() -> int:
     chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
     wants_exl = ("kernels" in steps or "exlgen" in steps or "exlbuild" in steps
                  or ("serve" in steps and any(e.get("env", {}).get("VLLM_EXL3_KERNEL") == "exllamav3" for e in chosen))
-                 or ({"quality", "families"} & set(steps) and "exllamav3" in plan["quality"]["kernels"])
+                 or ({"quality", "families", "spec"} & set(steps) and "exllamav3" in plan["quality"]["kernels"])
                  or ("switch" in steps and "exllamav3" in plan["quality"]["switch-kernels"]))
     if wants_exl:
         log(f"ExLlamaV3's prebuilt extension: {exl_prebuilt.install(EXL_STAGED, EXL_PREBUILT, exl_versions())}")
@@ -848,6 +953,8 @@ def main() -> int:
         switch(plan, exl_build, first_done="quality" in steps)
     if "families" in steps:
         families(plan, exl_build)
+    if "spec" in steps:
+        spec(plan, exl_build)
     if "serve" in steps:
         serve(plan, a.serve.split(",") if a.serve else None, writer, profiled="profile" in steps)
     if "exlgen" in steps:

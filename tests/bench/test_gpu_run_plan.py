@@ -183,3 +183,25 @@ def test_a_families_variant_boots_its_pack_under_its_own_label_and_settings(run,
     assert "native-absent-eager" not in rows
     got = json.loads((run.RESULTS / "families.json").read_text())
     assert "no-such-pack" in got["missing"]["error"] and pack not in got["missing"]["error"]
+
+
+def test_the_spec_step_compares_greedy_tokens_and_names_where_they_part(run, plan):
+    """The spec step's verdict: the drafted server's greedy tokens equal the plain server's, prompt for prompt; where
+    they part, the position and the plain server's top-two gap there are reported (a near-tie that fp16 may break
+    either way reads differently from a lost token)."""
+    plain = [{"tokens": [5, 6, 7], "top2_gaps": [0.5, 0.25, 0.125]}, {"tokens": [1, 2], "top2_gaps": [1.0, 0.001]}]
+    assert run.compare_greedy(plain, [dict(p) for p in plain]) == {"equal": True, "parts": [], "tokens": 5}
+    drafted = [plain[0], {"tokens": [1, 3], "top2_gaps": [1.0, 2.0]}]
+    assert run.compare_greedy(plain, drafted) == {
+        "equal": False, "parts": [{"prompt": 1, "position": 1, "plain_top2_gap": 0.001}], "tokens": 5}
+    assert run.compare_greedy(plain, plain[:1])["equal"] is False  # a prompt left out is no agreement
+    assert run.top2_gap({"a": -0.1, "b": -2.6, "c": -3.0}) == 2.5 and run.top2_gap({"a": -0.1}) is None
+
+
+def test_every_spec_case_names_a_fixture_pack_and_a_method(plan):
+    fixtures = ROOT / "tests" / "fixtures" / "exl3"
+    cases = plan["spec"]["case"]
+    assert {c["speculative-config"]["method"] for c in cases} == {"ngram", "mtp"}
+    for c in cases:
+        assert (fixtures / c["pack"] / "golden").is_dir(), c["pack"]
+        assert c["speculative-config"]["method"] != "mtp" or c.get("mtp-layer"), c  # no fixture stores MTP layers
