@@ -77,6 +77,39 @@ def test_mtp_drafts_add_the_mtp_layers_weights_as_stored_and_their_kv(tmp_path):
     assert model_shape(glm, mtp=True).kv_bytes_per_token(tp=1) == 4 * 2 * 2 * 64 * 2
 
 
+def test_eagle3_drafts_add_the_heads_weights_as_stored_and_its_layers_kv(tmp_path):
+    """vLLM's `eagle3` drafter loads a separate head beside the target: its safetensors bytes count, and so does the
+    KV of its decoder layer (the head's own KV heads and head size, here the demo pack's geometry that
+    dev/eagle3.py copies); without the drafter, or with another method, neither."""
+    import json
+
+    from vllm_exl3.appliance.preflight import memory_plan
+    from vllm_exl3.dev import eagle3
+
+    pack = Pack.open(demo.PACK)
+    head = eagle3.write_head(demo.PACK, tmp_path / "head")
+    stored = (head / "model.safetensors").stat().st_size
+    header = 8 + int.from_bytes((head / "model.safetensors").read_bytes()[:8], "little")
+    h = 256  # hidden; heads 4 x 64, 2 KV heads, MLP 2 x hidden; fc 3h -> h; four norms of h; all bf16
+    assert stored - header == 2 * (h * 3 * h + 4 * h + 256 * 2 * h + 2 * 128 * 2 * h + h * 256
+                                   + 2 * 512 * h + h * 512)
+    plain = model_shape(pack)
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    for spec, extra_weights, kv in ((None, 0, 1024), ({"method": "ngram"}, 0, 1024),
+                                    (config, stored - header, 1024 + 1 * 2 * 2 * 64 * 2),
+                                    ({**config, "method": "eagle"}, stored - header, 1024 + 512)):
+        p = memory_plan(pack, Request(), NO_SLACK, spark(100), spec)
+        assert p.weights_bytes == plain.weight_bytes + extra_weights, spec
+        assert any(line == f"KV {kv / 1024:.1f} KiB per token (auto)" for line in p.lines), (spec, p.lines)
+        assert any(line.startswith("draft head: 1 layer(s)") for line in p.lines) == bool(extra_weights), p.lines
+    # A head of other dims: its own KV heads and head size, split over TP like the target's.
+    json_path = head / "config.json"
+    json_path.write_text(json.dumps({**json.loads(json_path.read_text()), "num_key_value_heads": 8,
+                                     "head_dim": 128, "num_hidden_layers": 2}))
+    p = memory_plan(pack, Request(tp=2), NO_SLACK, spark(100), config)
+    assert any(line == f"KV {(512 + 2 * 2 * 4 * 128 * 2) / 1024:.1f} KiB per token (auto)" for line in p.lines)
+
+
 def test_kv_per_token_mla():
     shape = ModelShape.from_config({"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
                                     "kv_lora_rank": 512, "qk_rope_head_dim": 64, "vocab_size": 129280}, 0)

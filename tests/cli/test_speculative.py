@@ -112,3 +112,92 @@ def test_the_spec_mtp_preset_is_refused_for_a_pack_without_mtp_layers_and_planne
     assert code == 0, err
     assert "ok   speculative: method mtp, 1 draft token(s) a step" in err, err
     assert "mtp drafts: 1 MTP layer(s)" in err, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eagle3 / eagle: a separate bf16 draft head (dev/eagle3.py writes one for a pack; served in
+# tests/e2e/test_speculative_e2e.py)
+# ---------------------------------------------------------------------------------------------------------------
+GLM = Path(__file__).resolve().parents[1] / "fixtures" / "exl3" / "glm4moe-a-exl3-mcg-b4"
+
+
+@pytest.fixture(scope="module")
+def demo_head(tmp_path_factory):
+    from vllm_exl3.dev import eagle3
+
+    return eagle3.write_head(demo.PACK, tmp_path_factory.mktemp("eagle3") / "head")
+
+
+def eagle3_config(head, **more) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2, **more}
+
+
+def test_a_head_made_for_the_pack_passes(demo_head):
+    check = check_speculative(Pack.open(demo.PACK), eagle3_config(demo_head), eagle3_target=True)
+    assert check.ok and check.detail == "method eagle3, 2 draft token(s) a step", check.detail
+
+
+@pytest.mark.parametrize("change,expected", [
+    (lambda head: {"model": None}, ("no 'model' (the draft head's directory) in the speculative config. Give "
+                                    "'model' the directory of a bf16 EAGLE head trained for this model")),
+    (lambda head: {"model": str(head / "config.json")}, "config.json is not a directory (a local EAGLE head"),
+    (lambda head: {"model": str(head.parent)}, "{parent}/config.json does not exist"),
+    (lambda head: {"quantization": "exl3"}, "the head is to be served as EXL3"),
+], ids=["no-model", "a-file", "no-config", "asked-as-exl3"])
+def test_a_head_that_is_not_there_or_asked_as_exl3_is_refused(demo_head, change, expected):
+    check = check_speculative(Pack.open(demo.PACK), eagle3_config(demo_head, **change(demo_head)))
+    expected = expected.replace("{parent}", str(demo_head.parent))
+    assert not check.ok and "--speculative-config asks for method 'eagle3', a separate draft head, but" in check.detail
+    assert expected in check.detail, check.detail
+
+
+@pytest.mark.parametrize("edit,expected", [
+    ({"target_hidden_size": 512}, ("has target_hidden_size 512 (hidden_size 256), and {pack} (Qwen3MoeForCausalLM) "
+                                   "has hidden_size 256: the head was made for another model")),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 20, 40]}},
+     ("reads the target's hidden states after layers [1, 20, 40] (eagle_aux_hidden_state_layer_ids, vLLM's "
+      "default when absent), and {pack} has 2 layers: ids must be distinct, within 0..2")),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}}, "after layers [1, 1, 2]"),
+    ({"eagle_config": {}}, "reads the target's hidden states after layers [2, 1, -1]"),  # vLLM's default, 2 layers
+    ({"quantization_config": {"quant_method": "exl3", "bits": 4.0}}, "quantization_config 'exl3'"),
+], ids=["other-width", "layers-the-pack-lacks", "a-layer-twice", "vllms-default-layers", "an-exl3-head"])
+def test_a_head_made_for_another_model_is_refused_naming_its_config(demo_head, tmp_path, edit, expected):
+    import shutil
+
+    head = Path(shutil.copytree(demo_head, tmp_path / "head"))
+    edit_json(head / "config.json", lambda c: c.update(edit))
+    check = check_speculative(Pack.open(demo.PACK), eagle3_config(head))
+    assert not check.ok and str(head / "config.json") in check.detail, check.detail
+    assert expected.replace("{pack}", str(demo.PACK)) in check.detail, check.detail
+
+
+def test_eagle3_support_of_the_target_class_is_read_from_vllms_registry(demo_head):
+    """vLLM's Qwen3-MoE class implements SupportsEagle3, its GLM-4.5 class does not (its model runner would stop
+    the boot with a RuntimeError once the weights are loaded): vLLM's own registry says so, through the options'
+    parser (a child process that imports the class's module)."""
+    from vllm_exl3.appliance.vllm_options import read_options
+
+    spec = ["--speculative-config", json.dumps(eagle3_config(demo_head))]
+    assert read_options(str(demo.PACK), spec).eagle3_target is True
+    glm = read_options(str(GLM), spec)
+    assert glm.eagle3_target is False
+    assert read_options(str(demo.PACK), ["--speculative-config", json.dumps(MTP)]).eagle3_target is None
+    check = check_speculative(Pack.open(GLM), eagle3_config(demo_head, model=None), eagle3_target=False)
+    assert "no 'model'" in check.detail  # the head's own problems come first
+    # A head of GLM's width (dev/eagle3.py reads the pack's geometry) passes everything else, and is refused:
+    check = check_speculative(Pack.open(GLM), eagle3_config(demo_head), eagle3_target=glm.eagle3_target)
+    assert not check.ok and "vLLM has no EAGLE-3 support for" in check.detail \
+        and "architecture Glm4MoeForCausalLM (its model class does not implement SupportsEagle3" in check.detail, \
+        check.detail
+
+
+def test_serve_refuses_a_head_of_another_width_before_the_boot(demo_head, tmp_path):
+    import shutil
+
+    head = Path(shutil.copytree(demo_head, tmp_path / "head"))
+    edit_json(head / "config.json", lambda c: c.update(hidden_size=512, target_hidden_size=512))
+    code, err = run_cli("serve", "--demo", "--once", "--port", str(free_port()), *spec_args(eagle3_config(head)),
+                        seconds=PARSE_S)
+    assert code == 2, err
+    assert "refusing to serve: --speculative-config asks for method 'eagle3', a separate draft head, but " \
+           f"{head / 'config.json'} has target_hidden_size 512" in err, err

@@ -32,7 +32,7 @@ from support.appliance import ROOT
 from support.fixtures import pack_dir
 from support.servers import cpu_env, vllm_server
 from vllm_exl3 import demo
-from vllm_exl3.dev import golden_logprobs, mtp
+from vllm_exl3.dev import eagle3, golden_logprobs, mtp
 from vllm_exl3.format.pack import Pack
 
 pytestmark = pytest.mark.e2e
@@ -266,3 +266,39 @@ def test_qwen35_mtp_drafts_from_the_packs_own_module_are_lossless(qwen35_mtp_pac
     lines = MTP_LINE.findall(log)
     assert [(n, set(e.split(", ")), set(p.split(", "))) for n, e, p in lines] == [("0", exl3, plain_linears)], lines
     assert "mtp.fc" in exl3 and plain_linears == {"mtp.layers.0.mlp.gate", "mtp.layers.0.mlp.shared_expert_gate"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eagle3: a separate bf16 draft head beside the EXL3 target
+# ---------------------------------------------------------------------------------------------------------------
+EAGLE3_TOKENS = 2
+
+
+def test_eagle3_drafts_from_a_separate_bf16_head_are_lossless(plain_tokens, tmp_path):
+    """The bundled pack (Qwen3-MoE, which vLLM gives EAGLE-3 support) with a bf16 EAGLE-3 head (dev/eagle3.py: it
+    drafts the token the target has just produced). vLLM builds the head from the head's own config, without a
+    quantization config (none in it, and the speculative config asks for none): the plugin indexes the target
+    pack alone, the head's linears load their plain weights and its drafts are accepted where the target repeats
+    a token, which a head on unloaded weights would almost never be."""
+    head = eagle3.write_head(demo.PACK, tmp_path / "head")
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": EAGLE3_TOKENS}
+    with vllm_server(demo.PACK, tmp_path, *EAGER_FP32, "--speculative-config", json.dumps(config)) as server:
+        tokens = greedy_tokens(server)
+        samples = spec_samples(server)
+        log = server.log.read_text()
+    assert tokens == plain_tokens
+    counters = totals(samples)
+    drafts = counters["vllm:spec_decode_num_drafts_total"]
+    drafted = counters["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
+    print(f"eagle3: {drafts:.0f} drafts of {drafted:.0f} tokens, {accepted:.0f} accepted")  # for the docs' figures
+    assert drafts > 0 and drafted == EAGLE3_TOKENS * drafts and 0 < accepted < drafted, counters
+    per_pos = defaultdict(float)
+    for s in samples:
+        if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            per_pos[int(s.labels["position"])] += s.value
+    assert sum(per_pos.values()) == accepted and per_pos[0] >= per_pos[1], per_pos
+    # The EXL3 config read the target pack and nothing else: the head was never handed to it.
+    indexed = re.findall(r"EXL3 pack (\S+): \d+ EXL3 linears", log)
+    assert indexed and set(indexed) == {str(demo.PACK)}, indexed
+    assert "without its own lm_head" in log, "vLLM shares the target's (EXL3) head with the draft"

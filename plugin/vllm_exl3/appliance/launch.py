@@ -317,7 +317,8 @@ def run_preflight(spec: LaunchSpec, options: VllmOptions, env: Mapping[str, str]
     if pack is None:
         return report, spec
     if (speculative := preflight.check_speculative(pack, options.value("speculative_config"),
-                                                   options.flag("speculative_config"))) is not None:
+                                                   options.flag("speculative_config"),
+                                                   options.eagle3_target)) is not None:
         report.checks.append(speculative)
     # A length the user set reaches vLLM as it is (a preset's is replaced by the plan's, within the model's maximum)
     model_refusal = options.model_refusal(length_final=plan_request(spec, options).max_model_len_pinned)

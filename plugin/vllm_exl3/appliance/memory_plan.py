@@ -133,6 +133,12 @@ class ModelShape:
     # then holds their tensors as stored; without the drafter vLLM loads neither)
     mtp_layers: int = 0
     mtp_weight_bytes: int = 0
+    # vLLM's `eagle3`/`eagle` drafter: a separate head, its weights (as stored, in weight_bytes then) and its own
+    # decoder layers' KV cache (their heads and head size are the head's, not the target's)
+    draft_head_weight_bytes: int = 0
+    draft_head_layers: int = 0
+    draft_head_kv_heads: int = 0
+    draft_head_dim: int = 0
 
     @classmethod
     def from_config(cls, text_config: dict[str, Any], weight_bytes: int, largest_linear_bytes: int = 0,
@@ -170,11 +176,14 @@ class ModelShape:
                 raise ValueError(f"unknown --kv-cache-dtype {kv_dtype!r}; known: {', '.join(KV_DTYPE_BYTES)}")
             elem = self.dtype_bytes
         layers = self.num_layers + self.mtp_layers  # an MTP layer's attention is the trunk's shape
+        # vLLM splits KV heads across TP ranks and replicates them when there are fewer heads than ranks (a draft
+        # head's attention is a plain Llama one, whatever the target's).
+        draft = self.draft_head_layers * 2 * max(1, math.ceil(self.draft_head_kv_heads / tp)) * self.draft_head_dim \
+            * elem
         if self.mla_kv_width:  # MLA keeps one latent per token, replicated on every rank
-            return layers * self.mla_kv_width * elem
-        # vLLM splits KV heads across TP ranks and replicates them when there are fewer heads than ranks.
+            return layers * self.mla_kv_width * elem + draft
         heads_per_rank = max(1, math.ceil(self.num_kv_heads / tp))
-        return layers * 2 * heads_per_rank * self.head_dim * elem
+        return layers * 2 * heads_per_rank * self.head_dim * elem + draft
 
     def moe_workspace_bytes(self, tp: int, max_num_batched_tokens: int) -> int:
         """The native MoE backend's one workspace per GPU, shared by every MoE layer (csrc/moe.cu,
@@ -259,6 +268,9 @@ def plan(mem: MemoryFigures, model: ModelShape, req: Request, settings: PlanSett
     if model.mtp_layers:
         lines.append(f"mtp drafts: {model.mtp_layers} MTP layer(s), {gib(math.ceil(model.mtp_weight_bytes / tp))} "
                      f"of their weights per node (in the weights above) and their KV (in the KV per token)")
+    if model.draft_head_layers:
+        lines.append(f"draft head: {model.draft_head_layers} layer(s), {gib(model.draft_head_weight_bytes)} of "
+                     "weights as stored (in the weights above) and their KV (in the KV per token)")
     problems: list[str] = []
 
     fitting_util = math.floor(max(usable, 0) / mem.total * 100) / 100

@@ -3,7 +3,7 @@
 - the pack verifies (format.verify_pack: every file and tensor header, codebook markers);
 - the kernel backend named in VLLM_EXL3_KERNEL is usable here (built for this GPU, installed);
 - a speculative method in --speculative-config has what it drafts from: `mtp` the pack's own MTP layers,
-  `suffix` the arctic-inference package;
+  `eagle3`/`eagle` a bf16 draft head that fits the pack, `suffix` the arctic-inference package;
 - vLLM's own model config accepts the options against the pack (a --max-model-len above the model's maximum, a
   `non_routed_quantization` method this vLLM lacks: launch.py, from vllm_options.VllmOptions.model_refusal);
 - the network names exist: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME interfaces, NCCL_IB_HCA devices, and
@@ -26,11 +26,12 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..base import settings
+from ..format.eagle_head import EagleHead, open_head
 from ..format.pack import Pack, verify_pack
 from ..kernels.requested import KERNEL_ENV, parse_kernel
 from .memory_plan import MemoryFigures, ModelShape, Plan, PlanSettings, Request, gib, model_max_len
@@ -122,14 +123,25 @@ def _drafts_from_own_mtp(method: str) -> bool:
     return method == "mtp" or method.endswith("_mtp")
 
 
-def check_speculative(pack: Pack, config: Any, flag: str = "--speculative-config") -> Check | None:
+EAGLE_METHODS = ("eagle", "eagle3")  # a separate draft head (vLLM's llama_eagle3.py / llama_eagle.py)
+
+
+def check_speculative(pack: Pack, config: Any, flag: str = "--speculative-config",
+                      eagle3_target: bool | None = None) -> Check | None:
     """`config`: the speculative config vLLM's parser read (a dict; None without speculative decoding). Refuses
     what would fail minutes into the boot or, worse, boot: `mtp` on a pack without MTP layers crashes vLLM's
     worker (GLM: no num_nextn_predict_layers) or drafts with random weights; `suffix` without arctic-inference
-    stops vLLM with an ImportError."""
+    stops vLLM with an ImportError; an `eagle3`/`eagle` head that does not fit the pack (check_eagle_head).
+    `eagle3_target`: whether vLLM's class for the pack's architecture supports EAGLE-3 (vLLM's own registry,
+    read by the options' parser: vllm_options.VllmOptions.eagle3_target), None when not known."""
     if not isinstance(config, dict):
         return None
     method = str(config.get("method") or "")
+    if method in EAGLE_METHODS:
+        problem = eagle_head_problem(pack, config, eagle3_target)
+        if problem is not None:
+            return Check("speculative", False, f"{flag} asks for method {method!r}, a separate draft head, but "
+                                               f"{problem}")
     if drafts_from_own_mtp(pack, config):
         missing = pack.mtp_missing()
         if missing:
@@ -143,6 +155,43 @@ def check_speculative(pack: Pack, config: Any, flag: str = "--speculative-config
                      "here (vLLM stops at boot without it). Use method 'ngram'")
     tokens = config.get("num_speculative_tokens", "?")
     return Check("speculative", True, f"method {method or '(vLLM detects it)'}, {tokens} draft token(s) a step")
+
+
+def eagle_head_problem(pack: Pack, config: dict, eagle3_target: bool | None = None) -> str | None:
+    """What stops the head in `config["model"]` from drafting for this pack, None when nothing does. vLLM builds
+    the head from its own config and quantization (none for a bf16 head: its linears get vLLM's unquantized
+    method, the EXL3 config is never asked); it fails only once the weights load or at the first step: an `fc`
+    or a concatenation of the wrong width (a head trained for another target), a target layer the head reads
+    that the pack lacks, a target class without EAGLE-3's auxiliary hidden states (RuntimeError in vLLM's model
+    runner), an EXL3 head (untested here: the plugin serves EXL3 targets)."""
+    head, why = open_head(config.get("model"))
+    if head is None:
+        return f"{why}. Give 'model' the directory of a bf16 EAGLE head trained for this model"
+    assert isinstance(head, EagleHead)
+    where = head.root / "config.json"
+    if str(config.get("quantization") or "").lower() == "exl3" or (head.quant_method or "").lower() == "exl3":
+        return (f"the head is to be served as EXL3 ({where}: quantization_config "
+                f"{head.quant_method!r}; speculative config quantization {config.get('quantization')!r}): the "
+                "plugin serves EXL3 targets with a bf16 head, give the head unquantized")
+    tc = pack.text_config
+    hidden, layers = tc.get("hidden_size"), int(tc.get("num_hidden_layers") or 0)
+    if head.target_hidden_size != hidden:
+        return (f"{where} has target_hidden_size {head.target_hidden_size} (hidden_size {head.hidden_size}), "
+                f"and {pack.root} ({pack.architecture}) has hidden_size {hidden}: the head was made for another "
+                "model")
+    if str(config.get("method")) == "eagle3" and head.uses_aux_hidden_states:
+        # vLLM collects each named layer's hidden state once, in layer order (interfaces.py
+        # _maybe_add_hidden_state): an id outside 0..n or named twice leaves `fc` narrower input than it takes,
+        # which fails at the first request, not at the boot.
+        ids = list(head.aux_layer_ids(layers))
+        if any(not 0 <= i <= layers for i in ids) or len(set(ids)) != len(ids):
+            return (f"{where} reads the target's hidden states after layers {ids} (eagle_aux_hidden_state_layer_ids, "
+                    f"vLLM's default when absent), and {pack.root} has {layers} layers: ids must be distinct, "
+                    f"within 0..{layers}; the head was made for another model")
+        if eagle3_target is False:
+            return (f"vLLM has no EAGLE-3 support for {pack.root}'s architecture {pack.architecture} (its model "
+                    "class does not implement SupportsEagle3, which gives the head the target's hidden states)")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -379,11 +428,30 @@ def drafts_from_own_mtp(pack: Pack, config: Any) -> bool:
         and config.get("model") in (None, str(pack.root))
 
 
+def drafts_from_head(config: Any) -> EagleHead | None:
+    """The separate draft head the speculative config vLLM's parser read drafts with (`eagle3`, `eagle`), None
+    without one or when it cannot be read (check_speculative refuses that)."""
+    if not isinstance(config, dict) or str(config.get("method") or "") not in EAGLE_METHODS:
+        return None
+    return open_head(config.get("model"))[0]
+
+
+def with_draft_head(shape: ModelShape, head: EagleHead | None) -> ModelShape:
+    """`shape` plus a draft head's weights as stored and its decoder layers' KV (vLLM loads the head beside the
+    target and gives each of its attention layers a KV cache as long as the target's)."""
+    if head is None:
+        return shape
+    return replace(shape, weight_bytes=shape.weight_bytes + head.weight_bytes,
+                   draft_head_weight_bytes=head.weight_bytes, draft_head_layers=head.num_layers,
+                   draft_head_kv_heads=head.num_kv_heads, draft_head_dim=head.head_dim)
+
+
 def memory_plan(pack: Pack, request: Request, settings: PlanSettings, mem: MemoryFigures,
                 speculative: Any = None) -> Plan:
     """`speculative`: the speculative config vLLM's parser read (None without one); `mtp` adds the MTP layers'
-    weights and KV (model_shape)."""
-    return make_plan(mem, model_shape(pack, drafts_from_own_mtp(pack, speculative)), request, settings)
+    weights and KV (model_shape), `eagle3`/`eagle` the draft head's (with_draft_head)."""
+    shape = with_draft_head(model_shape(pack, drafts_from_own_mtp(pack, speculative)), drafts_from_head(speculative))
+    return make_plan(mem, shape, request, settings)
 
 
 def log_stderr(line: str) -> None:

@@ -52,6 +52,12 @@ class VllmOptions:
     def flag(self, dest: str) -> str:
         return self.flags.get(dest) or "--" + dest.replace("_", "-")
 
+    @property
+    def eagle3_target(self) -> bool | None:
+        """Whether vLLM's class for the model supports EAGLE-3 (integration/vllm_cli.py _eagle3_target); None when
+        the speculative config does not ask for `eagle3` or the class is not known."""
+        return (self.model or {}).get("eagle3_target")
+
     def model_refusal(self, length_final: bool = True) -> str | None:
         """Why vLLM would refuse these options against the model's config, in its first minute of booting; None
         when it would not. length_final=False: the --max-model-len read here is not the one vLLM will get (the

@@ -259,7 +259,7 @@ def serve_main(a) -> int:
     except VllmOptionsError as e:
         raise UsageError(f"{e}. `vllm serve --help` lists vLLM's options.", 2) from None
     speculative = preflight.check_speculative(pack, options.value("speculative_config"),
-                                              options.flag("speculative_config"))
+                                              options.flag("speculative_config"), options.eagle3_target)
     if speculative is not None and not speculative.ok:
         raise UsageError(f"refusing to serve: {speculative.detail}", 2)
     if (refusal := options.model_refusal()) is not None:

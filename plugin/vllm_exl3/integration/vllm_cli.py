@@ -159,7 +159,25 @@ def _model_check(model: str, ns: argparse.Namespace) -> dict | None:
         ns.max_model_len = None  # the model's own maximum: vLLM's default
         auto, without_length = _model_config(ns)
     return {"problem": problem, "length_only": problem is not None and without_length is None,
-            "max_model_len": getattr(auto, "max_model_len", None), "pack": _contract_problem(config or auto)}
+            "max_model_len": getattr(auto, "max_model_len", None), "pack": _contract_problem(config or auto),
+            "eagle3_target": _eagle3_target(config or auto, getattr(ns, "speculative_config", None))}
+
+
+def _eagle3_target(config: Any, speculative: Any) -> bool | None:
+    """Whether vLLM's class for the model supports EAGLE-3 (SupportsEagle3: it hands the head its auxiliary hidden
+    states; without it vLLM's model runner stops the boot with a RuntimeError once the weights are loaded), read
+    from vLLM's own registry, importing the class's module only when the speculative config asks for `eagle3`.
+    None when not asked or not known."""
+    if config is None or not isinstance(speculative, dict) or speculative.get("method") != "eagle3":
+        return None
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    try:
+        cls, _ = ModelRegistry.resolve_model_cls(config.architectures, config)
+    except (ValueError, ImportError):  # vLLM refuses the architecture itself: its own message comes at the boot
+        return None
+    return bool(supports_eagle3(cls))
 
 
 def _contract_problem(config: Any) -> str | None:
