@@ -565,15 +565,37 @@ def compare_greedy(plain: list[dict], drafted: list[dict]) -> dict:
             "tokens": sum(len(p["tokens"]) for p in plain)}
 
 
+def spec_servings(cases: list[dict]) -> tuple[dict[str, dict], list[tuple[str, str, dict]]]:
+    """[[spec.case]]s as boots: the packs to serve plain, once each, by served name ({"pack", "mtp-layer"}), and per
+    case (its served pack's name, the drafted server's name, the case). A case with `mtp-layer` serves its pack
+    with an MTP layer appended, plain and drafted alike."""
+    plain: dict[str, dict] = {}
+    drafted = []
+    for case in cases:
+        served = case["pack"] + ("-mtp" if case.get("mtp-layer") else "")
+        plain[served] = {"pack": case["pack"], "mtp-layer": bool(case.get("mtp-layer"))}
+        drafted.append((served, f"{served}-{case['speculative-config']['method']}", case))
+    return plain, drafted
+
+
 def spec(plan: dict, exl_build) -> None:
-    """Each [[spec.case]] on each [quality] kernel profile: its fixture pack served plain and with the case's
-    --speculative-config, side by side, with the quality step's flags (compiled, CUDA graphs); the greedy tokens of
-    [spec] prompts compared and the drafts counted: spec.json. A case with `mtp-layer` serves the pack with an MTP
-    layer appended (vllm_exl3/dev/mtp.py) on both servers."""
-    from vllm_exl3.dev import mtp
+    """Each [[spec.case]] on each [quality] kernel profile: its fixture pack served plain (one server per pack) and
+    with the case's --speculative-config, all side by side, with the quality step's flags (compiled, CUDA graphs);
+    the greedy tokens of [spec] prompts compared and the drafts counted: spec.json. A case with `mtp-layer` serves
+    the pack with an MTP layer appended (vllm_exl3/dev/mtp.py); one with `eagle3-head` drafts with a bf16 EAGLE-3
+    head written for the pack (vllm_exl3/dev/eagle3.py)."""
+    from vllm_exl3.dev import eagle3, mtp
 
     sp = plan["spec"]
     results = load_result("spec.json")
+    plain_packs, cases = spec_servings(sp["case"])
+    paths = {}
+    for served, p in plain_packs.items():
+        paths[served] = FIXTURES / p["pack"]
+        if p["mtp-layer"]:
+            paths[served] = WORK / "spec-packs" / served
+            if not (paths[served] / "config.json").exists():
+                mtp.add_mtp_layer(FIXTURES / p["pack"], paths[served])
     for kernel in plan["quality"]["kernels"]:
         if kernel == "exllamav3" and not exl_ready(exl_build, max(0.0, min(420.0, left() - 260))):
             results["exllamav3-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
@@ -581,41 +603,46 @@ def spec(plan: dict, exl_build) -> None:
         if left() < 150:
             results[f"{kernel}-cut"] = {"ok": False, "error": "not enough of the call left"}
             continue
-        servers = []
-        for case in sp["case"]:
-            pack = FIXTURES / case["pack"]
-            if case.get("mtp-layer"):
-                with_mtp = WORK / "spec-packs" / f"{case['pack']}-mtp"
-                if not (with_mtp / "config.json").exists():
-                    mtp.add_mtp_layer(pack, with_mtp)
-                pack = with_mtp
-            config = json.dumps(case["speculative-config"])
-            name = f"{kernel}-{pack.name}"
-            for label, extra in ((f"{name}-plain", []), (f"{name}-{case['speculative-config']['method']}",
-                                                          ["--speculative-config", config])):
-                servers.append((case, Server(label, str(pack), quality_flags(plan) + extra,
-                                             {"VLLM_EXL3_KERNEL": kernel}, WORK / "cache-spec" / label)))
+
+        def boot(name: str, served: str, extra: list[str], kernel: str = kernel) -> Server:
+            label = f"{kernel}-{name}"
+            return Server(label, str(paths[served]), quality_flags(plan) + extra, {"VLLM_EXL3_KERNEL": kernel},
+                          WORK / "cache-spec" / label)
+
+        plain = {served: boot(f"{served}-plain", served, []) for served in plain_packs}
+        drafted = []
+        for served, name, case in cases:
+            config = dict(case["speculative-config"])
+            if case.get("eagle3-head"):
+                head = WORK / "spec-packs" / f"{served}-eagle3-head"
+                if not (head / "config.json").exists():
+                    eagle3.write_head(paths[served], head)
+                config["model"] = str(head)
+            drafted.append((served, case, boot(name, served, ["--speculative-config", json.dumps(config)])))
         deadline = time.monotonic() + max(30.0, min(300.0, left() - 40))
+        tokens: dict[str, list[dict] | None] = {}
         try:
-            for (case, plain), (_, drafted) in zip(servers[::2], servers[1::2]):
+            for served, case, server in drafted:
                 row = {"pack": case["pack"], "kernel": kernel, "speculative-config": case["speculative-config"]}
-                if not (plain.wait(max(1.0, deadline - time.monotonic()))
-                        and drafted.wait(max(1.0, deadline - time.monotonic()))):
-                    row.update(ok=False, error="not healthy", log_tail=(plain.tail(1500) + drafted.tail(2500)))
-                else:
-                    try:
-                        ours = greedy(drafted, sp["prompts"], sp["max-tokens"])
-                        row.update(compare_greedy(greedy(plain, sp["prompts"], sp["max-tokens"]), ours),
-                                   counters=spec_counters(drafted), boot_s=[plain.boot_s, drafted.boot_s])
-                        row["ok"] = row["equal"] and row["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
-                    except Exception as e:  # noqa: BLE001  (a failed check is a result to report)
-                        row.update(ok=False, error=f"{type(e).__name__}: {e}", log_tail=drafted.tail())
-                results[drafted.label] = row
-                log(f"spec {drafted.label}: ok={row['ok']} equal={row.get('equal')} parts={row.get('parts')} "
+                base = plain[served]
+                try:
+                    if not (base.wait(max(1.0, deadline - time.monotonic()))
+                            and server.wait(max(1.0, deadline - time.monotonic()))):
+                        raise RuntimeError("not healthy")
+                    if served not in tokens:
+                        tokens[served] = greedy(base, sp["prompts"], sp["max-tokens"])
+                    row.update(compare_greedy(tokens[served], greedy(server, sp["prompts"], sp["max-tokens"])),
+                               counters=spec_counters(server), boot_s=[base.boot_s, server.boot_s])
+                    accepted = row["counters"].get("vllm:spec_decode_num_accepted_tokens_total", 0)
+                    row["ok"] = row["equal"] and accepted > 0
+                except Exception as e:  # noqa: BLE001  (a failed check is a result to report)
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}", log_tail=base.tail(1500) + server.tail())
+                results[server.label] = row
+                log(f"spec {server.label}: ok={row['ok']} equal={row.get('equal')} parts={row.get('parts')} "
                     f"counters={row.get('counters')}")
                 save("spec.json", results)
         finally:
-            for _, s in servers:
+            for s in [*plain.values(), *(d[2] for d in drafted)]:
                 s.stop()
 
 

@@ -201,7 +201,20 @@ def test_the_spec_step_compares_greedy_tokens_and_names_where_they_part(run, pla
 def test_every_spec_case_names_a_fixture_pack_and_a_method(plan):
     fixtures = ROOT / "tests" / "fixtures" / "exl3"
     cases = plan["spec"]["case"]
-    assert {c["speculative-config"]["method"] for c in cases} == {"ngram", "mtp"}
+    assert {c["speculative-config"]["method"] for c in cases} == {"ngram", "mtp", "eagle3"}
     for c in cases:
         assert (fixtures / c["pack"] / "golden").is_dir(), c["pack"]
         assert c["speculative-config"]["method"] != "mtp" or c.get("mtp-layer"), c  # no fixture stores MTP layers
+        assert c["speculative-config"]["method"] != "eagle3" or c.get("eagle3-head"), c
+
+
+def test_spec_cases_of_one_pack_share_its_plain_server(run, plan):
+    """Each served pack boots one plain server, whatever number of methods draft on it; an MTP-layer case serves
+    its own pack (the fixture with the layer appended), plain and drafted."""
+    plain, drafted = run.spec_servings(plan["spec"]["case"])
+    assert plain == {"qwen3moe-a-exl3-mul1-b4": {"pack": "qwen3moe-a-exl3-mul1-b4", "mtp-layer": False},
+                     "glm4moe-a-exl3-mcg-b4-mtp": {"pack": "glm4moe-a-exl3-mcg-b4", "mtp-layer": True}}
+    assert [(served, name) for served, name, _ in drafted] == [
+        ("qwen3moe-a-exl3-mul1-b4", "qwen3moe-a-exl3-mul1-b4-ngram"),
+        ("qwen3moe-a-exl3-mul1-b4", "qwen3moe-a-exl3-mul1-b4-eagle3"),
+        ("glm4moe-a-exl3-mcg-b4-mtp", "glm4moe-a-exl3-mcg-b4-mtp-mtp")]

@@ -72,6 +72,15 @@ def totals(samples) -> dict[str, float]:
     return dict(out)
 
 
+def accepted_by_position(samples) -> dict[int, float]:
+    """Accepted draft tokens by draft position, summed over engines."""
+    per_pos: dict[int, float] = defaultdict(float)
+    for s in samples:
+        if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            per_pos[int(s.labels["position"])] += s.value
+    return per_pos
+
+
 def names_the_rules_read() -> set[str]:
     rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules" / "recording.yml").read_text())["groups"]
     return {m for g in rules for r in g["rules"] for m in re.findall(r"vllm:spec_decode_\w+", r["expr"])}
@@ -107,10 +116,7 @@ def test_ngram_drafts_are_lossless(plain_tokens, tmp_path):
 
     # Per draft position: one series for each of the k positions, together the accepted total; a token is
     # accepted only if every one before it was, so the counts never grow with the position.
-    per_pos = defaultdict(float)
-    for s in samples:
-        if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            per_pos[int(s.labels["position"])] += s.value
+    per_pos = accepted_by_position(samples)
     assert sorted(per_pos) == list(range(NGRAM["num_speculative_tokens"])), per_pos
     assert sum(per_pos.values()) == accepted, (per_pos, accepted)
     assert all(per_pos[i] >= per_pos[i + 1] for i in range(len(per_pos) - 1)), per_pos
@@ -291,12 +297,8 @@ def test_eagle3_drafts_from_a_separate_bf16_head_are_lossless(plain_tokens, tmp_
     drafts = counters["vllm:spec_decode_num_drafts_total"]
     drafted = counters["vllm:spec_decode_num_draft_tokens_total"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
-    print(f"eagle3: {drafts:.0f} drafts of {drafted:.0f} tokens, {accepted:.0f} accepted")  # for the docs' figures
     assert drafts > 0 and drafted == EAGLE3_TOKENS * drafts and 0 < accepted < drafted, counters
-    per_pos = defaultdict(float)
-    for s in samples:
-        if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            per_pos[int(s.labels["position"])] += s.value
+    per_pos = accepted_by_position(samples)
     assert sum(per_pos.values()) == accepted and per_pos[0] >= per_pos[1], per_pos
     # The EXL3 config read the target pack and nothing else: the head was never handed to it.
     indexed = re.findall(r"EXL3 pack (\S+): \d+ EXL3 linears", log)
