@@ -49,7 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    get_backend("native")
+    reason = get_backend("native").unavailable_reason()  # loads the kernels' library, which registers the op
+    if reason:
+        sys.exit(f"small_linear bench: the native backend is not usable here: {reason}")
     rows_out = []
     for name, (k, n) in SHAPES.items():
         copies = max(2, L2_DEFEAT // (k * n * 2))

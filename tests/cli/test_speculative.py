@@ -154,13 +154,19 @@ def test_a_head_that_is_not_there_or_asked_as_exl3_is_refused(demo_head, change,
 @pytest.mark.parametrize("edit,expected", [
     ({"target_hidden_size": 512}, ("has target_hidden_size 512 (hidden_size 256), and {pack} (Qwen3MoeForCausalLM) "
                                    "has hidden_size 256: the head was made for another model")),
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 20, 40]}},
-     ("reads the target's hidden states after layers [1, 20, 40] (eagle_aux_hidden_state_layer_ids, vLLM's "
-      "default when absent), and {pack} has 2 layers: ids must be distinct, within 0..2")),
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}}, "after layers [1, 1, 2]"),
-    ({"eagle_config": {}}, "reads the target's hidden states after layers [2, 1, -1]"),  # vLLM's default, 2 layers
+    ({"eagle_aux_hidden_state_layer_ids": [1, 20, 40]},
+     ("reads the target's hidden states after layers [1, 20, 40] (its eagle_aux_hidden_state_layer_ids, as a vLLM "
+      "model runner reads them, or vLLM's default when absent), and {pack} has 2 layers: ids must be distinct, "
+      "within 0..2; name them at the top level")),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}, "after layers [1, 1, 2]"),
+    ({"eagle_aux_hidden_state_layer_ids": None}, "after layers [2, 1, -1]"),  # vLLM's default, 2 layers
+    # Ids only inside eagle_config: vLLM 0.32's runner reads them there, 0.33's GPU runner reads `layer_ids` there
+    # and otherwise takes the model's default, which this 2-layer target lacks (what an H100 run showed).
+    ({"eagle_aux_hidden_state_layer_ids": None, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}},
+     "after layers [2, 1, -1]"),
     ({"quantization_config": {"quant_method": "exl3", "bits": 4.0}}, "quantization_config 'exl3'"),
-], ids=["other-width", "layers-the-pack-lacks", "a-layer-twice", "vllms-default-layers", "an-exl3-head"])
+], ids=["other-width", "layers-the-pack-lacks", "a-layer-twice", "vllms-default-layers", "ids-in-eagle-config-only",
+        "an-exl3-head"])
 def test_a_head_made_for_another_model_is_refused_naming_its_config(demo_head, tmp_path, edit, expected):
     import shutil
 

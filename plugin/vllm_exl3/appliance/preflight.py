@@ -183,11 +183,15 @@ def eagle_head_problem(pack: Pack, config: dict, eagle3_target: bool | None = No
         # vLLM collects each named layer's hidden state once, in layer order (interfaces.py
         # _maybe_add_hidden_state): an id outside 0..n or named twice leaves `fc` narrower input than it takes,
         # which fails at the first request, not at the boot.
-        ids = list(head.aux_layer_ids(layers))
-        if any(not 0 <= i <= layers for i in ids) or len(set(ids)) != len(ids):
-            return (f"{where} reads the target's hidden states after layers {ids} (eagle_aux_hidden_state_layer_ids, "
-                    f"vLLM's default when absent), and {pack.root} has {layers} layers: ids must be distinct, "
-                    f"within 0..{layers}; the head was made for another model")
+        # Where the head's config leaves vLLM's runners to read it differently, every reading must hold.
+        for ids in map(list, head.aux_layer_id_readings(layers)):
+            if any(not 0 <= i <= layers for i in ids) or len(set(ids)) != len(ids):
+                return (f"{where} reads the target's hidden states after layers {ids} (its "
+                        "eagle_aux_hidden_state_layer_ids, as a vLLM model runner reads them, or vLLM's default "
+                        f"when absent), and {pack.root} has {layers} layers: ids must be distinct, within "
+                        f"0..{layers}; name them at the top level of the head's config as "
+                        "eagle_aux_hidden_state_layer_ids, which every vLLM runner reads, or the head was made for "
+                        "another model")
         if eagle3_target is False:
             return (f"vLLM has no EAGLE-3 support for {pack.root}'s architecture {pack.architecture} (its model "
                     "class does not implement SupportsEagle3, which gives the head the target's hidden states)")

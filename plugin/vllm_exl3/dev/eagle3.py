@@ -6,8 +6,8 @@ The head is one Llama decoder layer (`midlayer.*`, its q/k/v projection taking [
 hidden width), `fc` (the target's three auxiliary hidden states concatenated -> hidden), `norm`, and no
 `embed_tokens` or `lm_head` of its own: vLLM then shares the target's (the log says "without its own lm_head"), so
 the draft vocabulary is the target's and no `d2t`/`t2d` map is written. Its config names the target's layers whose
-hidden states it reads (`eagle_config.eagle_aux_hidden_state_layer_ids`): vLLM's default for a model without them,
-(2, n // 2, n - 3), names layers a small model lacks.
+hidden states it reads (`eagle_aux_hidden_state_layer_ids`, at its top level, where every vLLM model runner reads
+them): vLLM's default for a model without them, (2, n // 2, n - 3), names layers a small model lacks.
 
 The weights are chosen so that the draft is accepted where the target repeats a token, like dev/mtp.py's MTP
 layer: the last auxiliary state is the target's residual stream after its last layer (aux id n), `fc` passes it
@@ -104,7 +104,9 @@ def write_head(pack_dir: str | Path, dest: str | Path, seed: int = 0) -> Path:
         "rope_theta": float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids(n), "use_aux_hidden_state": True},
+        # top level: the one place every vLLM model runner reads them (format/eagle_head.py aux_layer_id_readings)
+        "eagle_aux_hidden_state_layer_ids": aux_layer_ids(n),
+        "eagle_config": {"use_aux_hidden_state": True},
     }
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest

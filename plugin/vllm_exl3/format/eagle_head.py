@@ -5,8 +5,8 @@ the target pack and what the memory plan counts.
 vLLM builds the head from the head's own config (model_executor/models/llama_eagle3.py): its hidden width, its
 decoder layers (each with an attention layer and its KV cache), the width of the target's hidden states its `fc`
 reads (`target_hidden_size`, the head's `hidden_size` when absent) and which target layers those come from
-(`eagle_aux_hidden_state_layer_ids`, in the config or its `eagle_config`; vLLM's default (2, n // 2, n - 3)
-otherwise).
+(`eagle_aux_hidden_state_layer_ids` in the config, read alike by every vLLM runner; `eagle_config` keys that
+vLLM's runners read differently; vLLM's default (2, n // 2, n - 3) otherwise).
 """
 
 from __future__ import annotations
@@ -67,16 +67,24 @@ class EagleHead:
         eagle_config = self.config.get("eagle_config")
         return not isinstance(eagle_config, dict) or bool(eagle_config.get("use_aux_hidden_state", True))
 
-    def aux_layer_ids(self, target_layers: int) -> tuple[int, ...]:
-        """The target layers whose hidden states the head reads, as vLLM's model runner picks them
-        (gpu_model_runner.py _get_eagle3_aux_layers_from_config, else the model's default)."""
-        ids = self.config.get("eagle_aux_hidden_state_layer_ids")
+    def aux_layer_id_readings(self, target_layers: int) -> list[tuple[int, ...]]:
+        """The target layers whose hidden states the head reads, as each of vLLM's model runners picks them: a
+        top-level `eagle_aux_hidden_state_layer_ids` in both; otherwise vLLM 0.32's runner reads `eagle_config`'s
+        `eagle_aux_hidden_state_layer_ids` and 0.33's GPU runner its `layer_ids` (on an H100 it took the model's
+        default for a head that had only the former: bench/notes/serving-run-14.md "Fourteenth run"), each
+        falling back to the model's default (2, n // 2, n - 3). One reading, or two where the runners differ."""
+        default = (2, target_layers // 2, target_layers - 3)
+
+        def ids(value: Any) -> tuple[int, ...] | None:
+            return tuple(int(i) for i in value) if isinstance(value, (list, tuple)) and value else None
+
+        top = ids(self.config.get("eagle_aux_hidden_state_layer_ids"))
+        if top:
+            return [top]
         eagle_config = self.config.get("eagle_config")
-        if not ids and isinstance(eagle_config, dict):
-            ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-        if isinstance(ids, (list, tuple)) and ids:
-            return tuple(int(i) for i in ids)
-        return (2, target_layers // 2, target_layers - 3)
+        nested = eagle_config if isinstance(eagle_config, dict) else {}
+        readings = [ids(nested.get("eagle_aux_hidden_state_layer_ids")) or default, ids(nested.get("layer_ids")) or default]
+        return list(dict.fromkeys(readings))
 
 
 def open_head(path: str | Path | None) -> tuple[EagleHead | None, str | None]:

@@ -59,7 +59,7 @@ BOUNDS = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-2}
 LINEAR_ROWS = (1, 8, 96)  # skinny, panel and reconstruct paths of the native kernels
 MOE_TOKENS = 64
 MOE_MAX_EXPERTS = 4  # experts per checked routed layer (more only to cover every bit width present)
-ROUTER_GATE_ROWS = (1, 8, 16, 96)  # the native gate's small_linear (up to 16 rows) and its cuBLAS side
+ROUTER_GATE_ROWS = (1, 2, 8, 96)  # the native gate's small_linear (1-2 rows) and its cuBLAS side
 SEED = 1234
 
 

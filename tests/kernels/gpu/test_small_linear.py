@@ -107,21 +107,21 @@ def _gate_case(rows: int, dtype=torch.bfloat16, k: int = 2048, n: int = 128, see
 
 @pytest.mark.parametrize("out_fp32", [True, False], ids=["fp32-out", "16bit-out"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("rows", [1, 8, 16, 17, 64])
-def test_router_gate_op_takes_the_kernel_up_to_its_row_limit(rows, dtype, out_fp32):
-    from vllm_exl3.kernels.backends.native import SMALL_LINEAR_MAX_ROWS
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 64])
+def test_router_gate_op_takes_the_kernel_up_to_its_measured_crossover(rows, dtype, out_fp32):
+    from vllm_exl3.kernels.backends.native import ROUTER_GATE_SMALL_LINEAR_ROWS as SMALL
 
     x, w = _gate_case(rows, dtype)
     poison((rows, w.shape[0]), torch.float32 if out_fp32 else dtype)
     y = torch.ops.vllm_exl3.router_gate(x, w, out_fp32)
     assert y.dtype == (torch.float32 if out_fp32 else dtype) and torch.isfinite(y).all()
-    if rows <= SMALL_LINEAR_MAX_ROWS:
+    if rows <= SMALL:
         assert torch.equal(y, torch.ops.vllm_exl3.small_linear(x, w, out_fp32))
     else:  # vLLM's own gate GEMM
         cublas = (torch.mm(x, w.t(), out_dtype=torch.float32) if out_fp32 and dtype == torch.bfloat16
                   else torch.nn.functional.linear(x, w).to(y.dtype))
         assert torch.equal(y, cublas)
-    kernel = rows <= SMALL_LINEAR_MAX_ROWS  # cuBLAS may round to 16 bits before the fp32 output
+    kernel = rows <= SMALL  # cuBLAS may round to 16 bits before the fp32 output
     assert rel(y, x.float() @ w.float().T) < BOUND[(out_fp32 and kernel, dtype)]
 
 
@@ -137,18 +137,18 @@ def test_router_gate_op_with_an_unaligned_x_goes_to_cublas():
 def test_router_gate_op_keeps_its_choice_per_call_under_torch_compile():
     """vLLM compiles the model once for a symbolic batch size: the op's row test must run at each call, not once at
     the trace (a traced branch would be frozen)."""
-    from vllm_exl3.kernels.backends.native import SMALL_LINEAR_MAX_ROWS
+    from vllm_exl3.kernels.backends.native import ROUTER_GATE_SMALL_LINEAR_ROWS as SMALL
 
     compiled = torch.compile(lambda x, w: torch.ops.vllm_exl3.router_gate(x, w, True), dynamic=True, fullgraph=True)
-    for rows in (4, 64, 16, 17):
+    for rows in (4, 1, 64, 2, 3):
         x, w = _gate_case(rows)
-        expected = (torch.ops.vllm_exl3.small_linear(x, w, True) if rows <= SMALL_LINEAR_MAX_ROWS
+        expected = (torch.ops.vllm_exl3.small_linear(x, w, True) if rows <= SMALL
                     else torch.mm(x, w.t(), out_dtype=torch.float32))
         assert torch.equal(compiled(x, w), expected), rows
 
 
 def test_router_gate_op_graph_replay():
-    x, w = _gate_case(8)
+    x, w = _gate_case(2)
     static = x.clone()
     graph, out = capture(lambda: torch.ops.vllm_exl3.router_gate(static, w, True))
     out.fill_(float("nan"))

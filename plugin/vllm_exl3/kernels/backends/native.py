@@ -146,18 +146,25 @@ def linear_group(x: torch.Tensor, ws: list[Exl3Weights], path: int = NativePath.
     return torch.ops.vllm_exl3.native_linear_group(x, *linear_group_args(ws, path))
 
 
+# Rows up to which a router gate runs small_linear rather than cuBLAS: where it measured faster (H100, bf16, the
+# Qwen3-30B-A3B and GLM-4.5-Air routers: 3.2 / 5.2 µs against 5.3 / 6.9 at 1 row, 3.9 / 6.4 against 5.3 / 6.9 at 2,
+# 7.8 / 14.3 against 5.3 / 6.9 at 4; bench/results/s14-h100/call-c/small-linear.md). The kernel takes up to
+# SMALL_LINEAR_MAX_ROWS.
+ROUTER_GATE_SMALL_LINEAR_ROWS = 2
+
+
 def _small_linear_takes(x: torch.Tensor) -> bool:
-    """Rows and layout csrc/bindings.cpp small_linear accepts (the weight's were checked when the gate was bound)."""
-    return (1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.stride(1) == 1 and x.stride(0) % 8 == 0
+    """Rows and layout csrc/bindings.cpp small_linear accepts (the weight's were checked when the gate was bound),
+    up to the rows where it beats cuBLAS."""
+    return (1 <= x.shape[0] <= ROUTER_GATE_SMALL_LINEAR_ROWS and x.stride(1) == 1 and x.stride(0) % 8 == 0
             and x.data_ptr() % 16 == 0)
 
 
 @torch.library.custom_op("vllm_exl3::router_gate", mutates_args=())
 def router_gate(x: torch.Tensor, weight: torch.Tensor, out_fp32: bool) -> torch.Tensor:
-    """A router gate's logits x W^T: small_linear (csrc/small_linear.cu) up to SMALL_LINEAR_MAX_ROWS rows, cuBLAS
-    above it (what vLLM's own gate calls: one GEMM with an fp32 output for bf16, else F.linear). The rows are known
-    only here: an op, so torch.compile keeps the choice per call. The crossover is the kernel's row limit, not yet a
-    measured one (bench/small_linear.py measures both sides)."""
+    """A router gate's logits x W^T: small_linear (csrc/small_linear.cu) up to ROUTER_GATE_SMALL_LINEAR_ROWS rows,
+    cuBLAS above it (what vLLM's own gate calls: one GEMM with an fp32 output for bf16, else F.linear). The rows are
+    known only here: an op, so torch.compile keeps the choice per call."""
     if _small_linear_takes(x):
         return torch.ops.vllm_exl3.small_linear(x, weight, out_fp32)
     if out_fp32 and x.dtype == torch.bfloat16:
