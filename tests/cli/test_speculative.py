@@ -187,7 +187,9 @@ def test_eagle3_support_of_the_target_class_is_read_from_vllms_registry(demo_hea
     assert read_options(str(demo.PACK), spec).eagle3_target is True
     glm = read_options(str(GLM), spec)
     assert glm.eagle3_target is False
-    assert read_options(str(demo.PACK), ["--speculative-config", json.dumps(MTP)]).eagle3_target is None
+    # Asked only for eagle3: no other method imports the model class's module (checked without a parser child).
+    from vllm_exl3.integration.vllm_cli import _eagle3_target
+    assert _eagle3_target(object(), MTP) is None and _eagle3_target(object(), None) is None
     check = check_speculative(Pack.open(GLM), eagle3_config(demo_head, model=None), eagle3_target=False)
     assert "no 'model'" in check.detail  # the head's own problems come first
     # A head of GLM's width (dev/eagle3.py reads the pack's geometry) passes everything else, and is refused:
