@@ -123,7 +123,7 @@ def _drafts_from_own_mtp(method: str) -> bool:
     return method == "mtp" or method.endswith("_mtp")
 
 
-EAGLE_METHODS = ("eagle", "eagle3")  # a separate draft head (vLLM's llama_eagle3.py / llama_eagle.py)
+EAGLE_METHODS = ("eagle", "eagle3")  # a separate draft head (docs/vllm-notes.md §10)
 
 
 def check_speculative(pack: Pack, config: Any, flag: str = "--speculative-config",
@@ -180,10 +180,9 @@ def eagle_head_problem(pack: Pack, config: dict, eagle3_target: bool | None = No
                 f"and {pack.root} ({pack.architecture}) has hidden_size {hidden}: the head was made for another "
                 "model")
     if str(config.get("method")) == "eagle3" and head.uses_aux_hidden_states:
-        # vLLM collects each named layer's hidden state once, in layer order (interfaces.py
-        # _maybe_add_hidden_state): an id outside 0..n or named twice leaves `fc` narrower input than it takes,
-        # which fails at the first request, not at the boot.
-        # Where the head's config leaves vLLM's runners to read it differently, every reading must hold.
+        # An id outside 0..n or named twice leaves `fc` narrower input than it takes, which fails after the boot
+        # (docs/vllm-notes.md §10); where vLLM's runners read the head's config differently, every reading must
+        # hold.
         for ids in map(list, head.aux_layer_id_readings(layers)):
             if any(not 0 <= i <= layers for i in ids) or len(set(ids)) != len(ids):
                 return (f"{where} reads the target's hidden states after layers {ids} (its "

@@ -1,5 +1,5 @@
-"""A bf16 EAGLE-3 draft head for a pack's geometry, in the layout vLLM's `Eagle3LlamaForCausalLM`
-(model_executor/models/llama_eagle3.py) loads, for serving an EXL3 target with
+"""A bf16 EAGLE-3 draft head for a pack's geometry, in the layout vLLM's `Eagle3LlamaForCausalLM` loads
+(docs/vllm-notes.md §10), for serving an EXL3 target with
 `--speculative-config '{"method": "eagle3", "model": HEAD, ...}'`.
 
 The head is one Llama decoder layer (`midlayer.*`, its q/k/v projection taking [token embedding; hidden], twice the

@@ -2,7 +2,7 @@
 from its directory's config.json and safetensors headers, never its tensor data: what the preflight checks against
 the target pack and what the memory plan counts.
 
-vLLM builds the head from the head's own config (model_executor/models/llama_eagle3.py): its hidden width, its
+vLLM builds the head from the head's own config (docs/vllm-notes.md §10): its hidden width, its
 decoder layers (each with an attention layer and its KV cache), the width of the target's hidden states its `fc`
 reads (`target_hidden_size`, the head's `hidden_size` when absent) and which target layers those come from
 (`eagle_aux_hidden_state_layer_ids` in the config, read alike by every vLLM runner; `eagle_config` keys that
