@@ -28,10 +28,6 @@ class EagleHead:
     weight_bytes: int  # its tensors as stored (every *.safetensors file)
 
     @property
-    def architecture(self) -> str:
-        return str((self.config.get("architectures") or ["?"])[0])
-
-    @property
     def hidden_size(self) -> int | None:
         value = self.config.get("hidden_size")
         return value if isinstance(value, int) else None
