@@ -1,7 +1,8 @@
 """The serving table of one harness run: every [[serve]] row that bench/gpu/run.py measured, side by side, each
 against the base row of its model shape (vLLM's own GPTQ 4-bit by default): the server's ms per decode step and decode tokens/s at each
 concurrency, prefill tokens/s at each long-prompt length, the boot time, and the idle servers beside it; then, where
-the run profiled its servers (the `profile` step), their device time per decode step by kernel class.
+servers ran 2-5 sequences, those steps as speculative decoding's verify steps (their cost and break-even acceptance
+rate); then, where the run profiled its servers (the `profile` step), their device time per decode step by kernel class.
 
     python3 bench/gpu/table.py RESULTS_DIR [--base LABEL ...] [--out FILE.md]
 
@@ -19,7 +20,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugin"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from spark_model import break_even  # noqa: E402
 from vllm_exl3.servebench import report as rep  # noqa: E402
 
 
@@ -87,6 +90,32 @@ def table(rows: dict[str, dict], bases: list[str]) -> list[str]:
     return lines + ([""] + beside if beside else []) + (["", "Not measured:"] + not_run if not_run else [])
 
 
+def verify_table(rows: dict[str, dict]) -> list[str]:
+    """Speculative decoding's verify shapes (issue #45): a step that verifies k drafts of one sequence runs k + 1 rows
+    through every layer, as a plain step of k + 1 sequences does (the KV cache read differs: k + 1 short contexts
+    instead of one). Per server measured at 1 and k + 1 sequences: that step over the 1-sequence step, and the
+    acceptance rate at which k free drafts (n-gram lookup; a draft model adds its own cost) pay for it
+    (spark_model.break_even). [] when no server ran 2-5 sequences."""
+    ks = sorted({c - 1 for r in rows.values() if r["run"] for c in decode(r["run"]) if 2 <= c <= 5})
+    lines = []
+    for label, r in rows.items():
+        dec = decode(r["run"]) if r["run"] else {}
+        one = dec.get(1, {}).get("ms_per_step")
+        if not one or not any(dec.get(k + 1, {}).get("ms_per_step") for k in ks):
+            continue
+        cells = [label, _f(one)]
+        for k in ks:
+            ms = dec.get(k + 1, {}).get("ms_per_step")
+            a = break_even(k, ms / one) if ms else None
+            cells.append("–" if not ms else f"{ms / one:.3f} ({'never' if a is None else f'{a:.2f}'})")
+        lines.append("| " + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    return (["", "Verify-sized steps: the step at k + 1 sequences over the 1-sequence step (the break-even acceptance "
+             "rate of k free drafts):", "", "| server | c1 ms/step | " + " | ".join(f"k = {k}" for k in ks) + " |",
+             "|---|---:|" + "---:|" * len(ks)] + lines)
+
+
 def profile_table(results: Path) -> list[str]:
     """One column per profiled server and concurrency, one row per kernel class (exclusive device µs per step, the
     classes in order of their largest value), then the busy total, the overlapping (inclusive) sum and the server's
@@ -132,7 +161,8 @@ def main() -> int:
     rows = load_rows(a.results)
     if not rows:
         sys.exit(f"{a.results}: no serve-*.json rows (is this an unpacked results.tgz of bench/gpu/run.py?)")
-    text = "\n".join(table(rows, a.base or ["gptq-4b-vllm", "glm-gptq-4b-vllm"]) + profile_table(a.results)) + "\n"
+    text = "\n".join(table(rows, a.base or ["gptq-4b-vllm", "glm-gptq-4b-vllm"]) + verify_table(rows)
+                     + profile_table(a.results)) + "\n"
     if a.out:
         a.out.write_text(text)
     print(text, end="")

@@ -90,3 +90,20 @@ def test_a_profile_from_before_exclusive_counting_is_marked(tmp_path):
     assert "| class | ours c1 † |" in lines
     assert "| **device busy** | – |" in lines and "| kernels' durations summed (overlapping) | 5,804 |" in lines
     assert any(ln.startswith("† profiled before kernels were counted exclusive") for ln in lines)
+
+
+def test_steps_at_two_to_five_sequences_read_as_verify_steps_with_their_break_even_acceptance(tmp_path):
+    """A server measured at 1, 2 and 4 sequences: k = 1 and 3 get the step over the 1-sequence step and the acceptance
+    rate at which k free drafts pay for it ((1 - a^(k+1)) / (1 - a) = ratio); k = 2 was not measured; a step at
+    k + 1 sequences that costs k + 1 plain steps never pays."""
+    qwen = {"shape": "qwen3-30b-a3b", "layers": 48}
+    _write(tmp_path, "ours", [_phase(1, 4.0, 250.0), _phase(2, 4.4, 450.0), _phase(4, 16.0, 250.0),
+                              _phase(8, 8.0, 1000.0)], boot_s=100.0, pack=qwen)
+    _write(tmp_path, "only-batch-1", [_phase(1, 5.0, 200.0)], boot_s=100.0, pack=qwen)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "table.py"), str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert "| server | c1 ms/step | k = 1 | k = 3 |" in lines
+    # k = 1: 1 + a = 1.1 -> a = 0.10; k = 3: 16 / 4 = 4 = k + 1 -> never
+    assert "| ours | 4.00 | 1.100 (0.10) | 4.000 (never) |" in lines
+    assert not any(ln.startswith("| only-batch-1 | 5.00 |") for ln in lines)
