@@ -1,10 +1,12 @@
 // Torch glue of the routed-expert kernels (csrc/moe.h): the `native_moe` op and its helpers, in the `vllm_exl3`
 // namespace next to the dense ops of bindings.cpp. Fake (shape-only) implementations live in the native backend.
 //
-//   native_moe(x, topk_weights, topk_ids, expert_map, w13_*, w2_*, w13_keys, w2_keys, w13_words, w2_words,
-//              codebooks, activation, router_weight_on_input, inter_offset, inter_size, w13_bias?, w2_bias?,
+//   native_moe(x, topk_weights, topk_ids, expert_map, w13_*, w2_*, w13_keys, w2_keys, w13_plan, w2_plan,
+//              activation, router_weight_on_input, inter_offset, inter_size, w13_bias?, w2_bias?,
 //              swiglu_limit, swiglu_alpha) -> y [M, hidden]
 //   moe_expert_keys(words, codebooks) -> int32 CPU tensor: the kernel key of each (expert, projection)
+//   moe_plan(words, codebooks) -> int[]: one projection's distinct kernel keys, [key, bits2, codebook] each, in key
+//              order (the launches native_moe makes for it), made once per layer at bind
 //   moe_reserve(device, tokens, top_k, experts, hidden_padded, inter_padded) -> workspace bytes
 //   moe_prepare(bits, codebook) -> raises the kernels' shared-memory limits (once per layer kind, at load)
 //
@@ -114,29 +116,56 @@ Slices slices(const at::Tensor& t, int projs, const char* name) {
   return {t.data_ptr<int16_t>(), t.stride(projs == 2 ? 1 : 0), t.stride(d - 3), static_cast<int>(t.stride(d - 2))};
 }
 
-// The distinct kernel keys of some (expert, projection) weights, and one of the widths/codebooks of each.
+// A kind of (expert, projection) weight: its kernel key and the width/codebook the key stands for. One launch per
+// kind a projection holds.
 struct Key {
   int key, bits2, codebook;
   bool operator<(const Key& o) const { return key < o.key; }
 };
-std::set<Key> distinct_keys(const std::vector<int>& words, const std::vector<int>& cbs) {
-  std::set<Key> out;
-  for (size_t i = 0; i < words.size(); ++i) {
-    TORCH_CHECK(words[i] % 8 == 0 && words[i] >= 16 && words[i] <= 128, "vllm_exl3: expert trellis words ", words[i],
-                " is not 16 * bits (bits 1..8, or 1.5/2.5/3.5)");
-    TORCH_CHECK(cbs[i] >= 0 && cbs[i] <= 2, "vllm_exl3: codebook index ", cbs[i], " is not 0..2");
-    const int bits2 = words[i] / 8;
-    TORCH_CHECK(bits2 % 2 == 0 || (cbs[i] == exl3::kCbMul1 && bits2 <= 7),
-                "vllm_exl3: half-integer bit widths need mul1, <= 3.5");
-    out.insert({exl3::moe_weight_key(words[i], cbs[i]), bits2, cbs[i]});
+// The kind of a weight of `words` trellis words per tile; refuses widths/codebooks no kernel is built for.
+Key weight_key(int64_t words, int64_t cb) {
+  TORCH_CHECK(words % 8 == 0 && words >= 16 && words <= 128, "vllm_exl3: expert trellis words ", words,
+              " is not 16 * bits (bits 1..8, or 1.5/2.5/3.5)");
+  TORCH_CHECK(cb >= 0 && cb <= 2, "vllm_exl3: codebook index ", cb, " is not 0..2");
+  const int bits2 = static_cast<int>(words / 8);
+  TORCH_CHECK(bits2 % 2 == 0 || (cb == exl3::kCbMul1 && bits2 <= 7),
+              "vllm_exl3: half-integer bit widths need mul1, <= 3.5");
+  return {exl3::moe_weight_key(static_cast<int>(words), static_cast<int>(cb)), bits2, static_cast<int>(cb)};
+}
+
+// Made once per layer at bind, so that a call launches without walking every expert (3 x experts entries): the
+// distinct kinds of one projection's weights, flattened for the op's int[] argument, in key order (the order of
+// the launches).
+std::vector<int64_t> moe_plan(at::IntArrayRef words, at::IntArrayRef codebooks) {
+  TORCH_CHECK(words.size() == codebooks.size(), "moe_plan: one codebook per weight");
+  std::set<Key> kinds;
+  for (size_t i = 0; i < words.size(); ++i) kinds.insert(weight_key(words[i], codebooks[i]));
+  std::vector<int64_t> plan;
+  for (const Key& k : kinds) plan.insert(plan.end(), {k.key, k.bits2, k.codebook});
+  return plan;
+}
+
+// A plan back from its int[] form, per call: a list of a few ints, so checking it costs nothing beside the launches,
+// and a hand-made one cannot launch a kernel that does not exist or launch a kind twice.
+std::vector<Key> plan_keys(at::IntArrayRef plan, const char* name) {
+  TORCH_CHECK(!plan.empty() && plan.size() % 3 == 0, "vllm_exl3: ", name,
+              " must be a moe_plan: one or more (key, bits2, codebook) triples");
+  std::vector<Key> keys;
+  for (size_t i = 0; i < plan.size(); i += 3) {
+    TORCH_CHECK(plan[i + 1] >= 2 && plan[i + 1] <= 16, "vllm_exl3: ", name, " holds width ", plan[i + 1],
+                " (bits2 2..16)");
+    const Key k = weight_key(8 * plan[i + 1], plan[i + 2]);
+    TORCH_CHECK(plan[i] == k.key && (keys.empty() || keys.back().key < k.key), "vllm_exl3: ", name,
+                " is not a moe_plan (each key must match its width and codebook, in ascending order)");
+    keys.push_back(k);
   }
-  return out;
+  return keys;
 }
 
 // An input transform, once per layout its projection's GEMMs read (moe.h moe_xdup): plain into args.xh, duplicated
 // fragment order into dup_xh; both only where one projection mixes mul1 with 3inst/mcg weights.
 template <typename Args, typename Launch>
-void transform_inputs(Args args, Launch launch, void* dup_xh, const std::set<Key>& keys, int rows, bool pdl,
+void transform_inputs(Args args, Launch launch, void* dup_xh, const std::vector<Key>& keys, int rows, bool pdl,
                       cudaStream_t stream, const char* what) {
   bool plain = false, dup = false;
   for (const Key& key : keys) (exl3::moe_xdup(key.codebook, rows) ? dup : plain) = true;
@@ -152,7 +181,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
                       const at::Tensor& expert_map, const at::Tensor& w13_trellis, const at::Tensor& w13_suh,
                       const at::Tensor& w13_svh, const at::Tensor& w2_trellis, const at::Tensor& w2_suh,
                       const at::Tensor& w2_svh, const at::Tensor& w13_keys, const at::Tensor& w2_keys,
-                      at::IntArrayRef w13_words, at::IntArrayRef w2_words, at::IntArrayRef codebooks,
+                      at::IntArrayRef w13_plan, at::IntArrayRef w2_plan,
                       c10::string_view activation, bool router_weight_on_input, int64_t inter_offset,
                       int64_t inter_size, const std::optional<at::Tensor>& w13_bias,
                       const std::optional<at::Tensor>& w2_bias, double swiglu_limit, double swiglu_alpha) {
@@ -184,9 +213,6 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
   fp16_of(w13_svh, {experts, 2, ip}, "w13_svh");
   fp16_of(w2_suh, {experts, ip}, "w2_suh");
   fp16_of(w2_svh, {experts, hp}, "w2_svh");
-  TORCH_CHECK(static_cast<int64_t>(w13_words.size()) == 2 * experts && static_cast<int64_t>(w2_words.size()) == experts &&
-                  static_cast<int64_t>(codebooks.size()) == 3 * experts,
-              "vllm_exl3: words/codebooks lists do not match the expert count");
   TORCH_CHECK(inter_offset >= 0 && inter_size >= 0 && inter_offset + inter_size <= ip,
               "vllm_exl3: intermediate slice outside the stored block range");
   const int act = activation_id(activation);
@@ -207,12 +233,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     TORCH_CHECK(expert_map.is_cuda() && expert_map.scalar_type() == at::kInt && expert_map.dim() == 1,
                 "vllm_exl3: expert_map must be a CUDA int32 vector");
 
-  std::vector<int> gw, gcb, dw, dcb;
-  for (int64_t e = 0; e < experts; ++e) {
-    for (int p = 0; p < 2; ++p) gw.push_back(static_cast<int>(w13_words[2 * e + p])), gcb.push_back(static_cast<int>(codebooks[3 * e + p]));
-    dw.push_back(static_cast<int>(w2_words[e])), dcb.push_back(static_cast<int>(codebooks[3 * e + 2]));
-  }
-  const std::set<Key> keys13 = distinct_keys(gw, gcb), keys2 = distinct_keys(dw, dcb);
+  const std::vector<Key> keys13 = plan_keys(w13_plan, "w13_plan"), keys2 = plan_keys(w2_plan, "w2_plan");
   if (keys13.size() > 1)
     TORCH_CHECK(w13_keys.is_cuda() && w13_keys.scalar_type() == at::kInt && w13_keys.numel() == 2 * experts,
                 "vllm_exl3: mixed gate/up widths need w13_keys (moe_expert_keys) on the device");
@@ -283,7 +304,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     transform_inputs(ga, exl3::launch_moe_gather_transform, at_(L.xh13_dup), keys13, rows, pdl, stream,
                      "MoE gate/up input transform");
 
-    auto gemm = [&](const Slices& s, const std::set<Key>& keys, const at::Tensor& key_tensor, int projs,
+    auto gemm = [&](const Slices& s, const std::vector<Key>& keys, const at::Tensor& key_tensor, int projs,
                     const at::Tensor& svh, int n, const void* xh, long long xh_row, long long xh_proj, int k,
                     int splits, float* out, long long out_row, long long out_split, const float* out_w,
                     bool table_early, const char* what) {
@@ -374,10 +395,11 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
 TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("native_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor expert_map, Tensor w13_trellis, "
         "Tensor w13_suh, Tensor w13_svh, Tensor w2_trellis, Tensor w2_suh, Tensor w2_svh, Tensor w13_keys, "
-        "Tensor w2_keys, int[] w13_words, int[] w2_words, int[] codebooks, str activation, "
-        "bool router_weight_on_input, int inter_offset, int inter_size, Tensor? w13_bias, Tensor? w2_bias, "
-        "float swiglu_limit, float swiglu_alpha) -> Tensor");
+        "Tensor w2_keys, int[] w13_plan, int[] w2_plan, str activation, bool router_weight_on_input, "
+        "int inter_offset, int inter_size, Tensor? w13_bias, Tensor? w2_bias, float swiglu_limit, "
+        "float swiglu_alpha) -> Tensor");
   m.def("moe_expert_keys(int[] words, int[] codebooks) -> Tensor", &moe_expert_keys);
+  m.def("moe_plan(int[] words, int[] codebooks) -> int[]", &moe_plan);
   m.def("moe_reserve(Device device, int tokens, int top_k, int experts, int hidden_padded, int inter_padded) -> int",
         &moe_reserve);
   m.def("moe_prepare(int words, int codebook) -> ()", &moe_prepare);

@@ -41,6 +41,7 @@ def test_native_binding_reserves_one_chunk_without_a_token_budget(monkeypatch):
     fake_ops = types.SimpleNamespace(
         moe_prepare=lambda words, codebook: None,
         moe_expert_keys=lambda words, codebooks: torch.zeros(len(words), dtype=torch.int32),
+        moe_plan=lambda words, codebooks: [],
         moe_reserve=lambda device, tokens, *rest: reserved.append(tokens) or 0)
     monkeypatch.setattr(torch.ops, "vllm_exl3", fake_ops, raising=False)
     weights = [[random_weights(128, 128, 2, "mcg", seed=3 * e + p) for p in range(3)] for e in range(2)]

@@ -75,9 +75,10 @@ def test_native_linear_group_arguments_fit_native_linear_group():
 
 
 def test_a_native_moe_binding_fits_native_moe(monkeypatch):
-    fake_ops = types.SimpleNamespace(  # the three load-time ops (their behaviour is the GPU suite's to check)
+    fake_ops = types.SimpleNamespace(  # the four load-time ops (their behaviour is the GPU suite's to check)
         moe_prepare=lambda words, codebook: None,
         moe_expert_keys=lambda words, codebooks: torch.zeros(len(words), dtype=torch.int32),
+        moe_plan=lambda words, codebooks: [*words, *codebooks],  # what it was given, to see what reached it
         moe_reserve=lambda device, tokens, *rest: 0)
     monkeypatch.setattr(torch.ops, "vllm_exl3", fake_ops, raising=False)
     weights = [[random_weights(128, 256, 2 + e, cb, seed=3 * e + p) for p in range(3)]
@@ -89,7 +90,8 @@ def test_a_native_moe_binding_fits_native_moe(monkeypatch):
     assert_fits(bound.args, s, per_call=4)
     named = dict(zip([a.name for a in s.arguments[4:]], bound.args))
     assert named["w13_trellis"] is stack.w13_trellis and named["w2_svh"] is stack.w2_svh
-    assert named["codebooks"] == [1, 1, 1, 2, 2, 2]  # format.CODEBOOKS order, per (expert, projection)
+    # each projection's plan from its own words and codebooks (format.CODEBOOKS order), expert by expert
+    assert named["w13_plan"] == [*stack.w13_words, 1, 1, 2, 2] and named["w2_plan"] == [*stack.w2_words, 1, 2]
     assert (named["activation"], named["router_weight_on_input"]) == ("silu", True)
     assert (named["inter_offset"], named["inter_size"]) == (stack.inter_offset, stack.inter_size)
     assert named["w13_bias"] is None and named["w2_bias"] is None  # the stack has no biases
@@ -99,6 +101,7 @@ def test_a_native_moe_binding_fits_native_moe(monkeypatch):
 def test_a_biased_swigluoai_binding_passes_its_biases_and_clamp(monkeypatch):
     fake_ops = types.SimpleNamespace(moe_prepare=lambda words, codebook: None,
                                      moe_expert_keys=lambda words, codebooks: torch.zeros(len(words), dtype=torch.int32),
+                                     moe_plan=lambda words, codebooks: [1, 2, 3],
                                      moe_reserve=lambda device, tokens, *rest: 0)
     monkeypatch.setattr(torch.ops, "vllm_exl3", fake_ops, raising=False)
     stack = expert_stack([[random_weights(128, 256, 4, "mul1", seed=p) for p in range(3)]], [0])

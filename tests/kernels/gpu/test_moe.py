@@ -7,7 +7,8 @@ with -1 entries, tensor-parallel slices inside a 128-block, every activation (gp
 clamp biting, its limit and alpha from the call), expert biases (gate/up and down, on every slice and rank), router
 weight on the input,
 fp16 / bf16, int32 / int64 ids; CUDA-graph replay bitwise equal to eager; two runs bitwise equal; no 16-bit copy
-of any expert.
+of any expert; the layer's plan made at bind (moe_plan: its kinds in launch order, its refusals) and the op's
+refusal of a list that is not a plan.
 
 Bounds: tests/support/moe_cases.py.
 """
@@ -227,6 +228,44 @@ def test_no_sixteen_bit_copy_of_the_experts():
     after = torch.cuda.memory_allocated()
     assert sum(t.numel() * t.element_size() for t in bound.keys) < 4096
     assert after - before < 0.05 * packed, (after - before, packed)
+
+
+@pytest.mark.parametrize("words,codebooks,message", [
+    ([20], [1], "expert trellis words 20 is not 16 \\* bits"),
+    ([136], [2], "expert trellis words 136 is not 16 \\* bits"),
+    ([32], [3], "codebook index 3 is not 0..2"),
+    ([24], [1], "half-integer bit widths need mul1"),
+    ([72], [2], "half-integer bit widths need mul1"),
+    ([32, 32], [1], "one codebook per weight"),
+], ids=["not-16-bits", "past-8-bits", "codebook", "half-integer-mcg", "half-integer-past-3.5", "one-codebook-short"])
+def test_the_plan_refuses_widths_no_kernel_runs(words, codebooks, message):
+    """At bind, with the messages the op gave per call when it walked every expert's width."""
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.vllm_exl3.moe_plan(words, codebooks)
+
+
+def test_the_plan_holds_each_kind_once_in_key_order():
+    # mul1 4 bits, mcg 3 bits, mul1 2.5 bits twice; key = words * 4 + codebook (csrc/moe.h moe_weight_key)
+    assert torch.ops.vllm_exl3.moe_plan([64, 48, 40, 40], [2, 1, 2, 2]) == [162, 5, 2, 193, 6, 1, 258, 8, 2]
+
+
+@pytest.mark.parametrize("plan,message", [
+    ([], "must be a moe_plan"),
+    ([256, 8], "must be a moe_plan"),
+    ([272, 17, 0], "holds width 17"),
+    ([256, 8, 3], "codebook index 3 is not 0..2"),
+    ([161, 5, 1], "half-integer bit widths need mul1"),
+    ([257, 8, 0], "is not a moe_plan"),
+    ([257, 8, 1, 256, 8, 0], "is not a moe_plan"),
+    ([257, 8, 1, 257, 8, 1], "is not a moe_plan"),
+], ids=["empty", "not-triples", "width", "codebook", "half-integer", "wrong-key", "descending", "twice"])
+def test_the_op_refuses_a_list_that_is_not_a_plan(plan, message):
+    x, tw, ti, _, _, bound, _ = run_case(tokens=4, seed=16)
+    args = list(bound.args)
+    names = [a.name for a in torch.ops.vllm_exl3.native_moe.default._schema.arguments[4:]]
+    args[names.index("w13_plan")] = plan
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.vllm_exl3.native_moe(x, tw, ti, bound.no_map, *args)
 
 
 def test_through_the_custom_op():

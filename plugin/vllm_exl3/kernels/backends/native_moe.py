@@ -2,11 +2,12 @@
 it (`BoundNativeMoE`).
 
 The packed trellis is read as stored (no 16-bit copy of any expert). Per layer the binding keeps two tiny int32
-tensors (the kernel key of each expert's gate/up and down weight, for layers that mix bit widths or codebooks); per
-device one workspace serves every MoE layer, sized for at most MOE_CHUNK_TOKENS tokens (native_moe_limits.py; longer
-calls run in chunks inside the op), and reserved at load so that CUDA-graph capture allocates nothing. Routing,
-row-chunk sizes and kernel choice happen inside the op from shapes and device-side counts: no host sync, so every
-token count captures.
+tensors (the kernel key of each expert's gate/up and down weight, for layers that mix bit widths or codebooks) and
+two plans (`moe_plan`: each projection's distinct keys, the launches a call makes, so that no call walks the
+experts' widths); per device one workspace serves every MoE layer, sized for at most MOE_CHUNK_TOKENS tokens
+(native_moe_limits.py; longer calls run in chunks inside the op), and reserved at load so that CUDA-graph capture
+allocates nothing. Routing, row-chunk sizes and kernel choice happen inside the op from shapes and device-side
+counts: no host sync, so every token count captures.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 def register_fakes() -> None:
     def moe_fake(x, topk_weights, topk_ids, expert_map, w13_trellis, w13_suh, w13_svh, w2_trellis, w2_suh, w2_svh,
-                 w13_keys, w2_keys, w13_words, w2_words, codebooks, activation, router_weight_on_input, inter_offset,
-                 inter_size, w13_bias, w2_bias, swiglu_limit, swiglu_alpha):
+                 w13_keys, w2_keys, w13_plan, w2_plan, activation, router_weight_on_input, inter_offset, inter_size,
+                 w13_bias, w2_bias, swiglu_limit, swiglu_alpha):
         return x.new_empty((x.shape[0], x.shape[1]))
 
     try:
@@ -56,18 +57,21 @@ def codebook_indices(codebooks: tuple[str, ...]) -> list[int]:
     return [CODEBOOKS.index(c) for c in codebooks]
 
 
-def expert_keys(experts: ExpertStack) -> list[torch.Tensor]:
+def expert_keys(experts: ExpertStack) -> tuple[list[torch.Tensor], list[list[int]]]:
     """The kernel key of each local expert's gate/up and down weights (csrc/moe.h moe_weight_key), on the stack's
-    device, with the kernels' shared-memory limits raised for every key present."""
+    device, and the gate/up and down plans (moe_plan: the distinct keys, checked), with the kernels' shared-memory
+    limits raised for every key present."""
     device = experts.w13_trellis.device
     local = range(experts.num_experts)
     gate_up_cb = codebook_indices(tuple(experts.codebook(e, p) for e in local for p in W13))  # as w13_words
     down_cb = codebook_indices(tuple(experts.codebook(e, W2) for e in local))
     for words, codebook in set(zip(experts.w13_words, gate_up_cb)) | set(zip(experts.w2_words, down_cb)):
         torch.ops.vllm_exl3.moe_prepare(words, codebook)
-    keys13 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w13_words), gate_up_cb).to(device)
-    keys2 = torch.ops.vllm_exl3.moe_expert_keys(list(experts.w2_words), down_cb).to(device)
-    return [keys13, keys2]
+    w13_words, w2_words = list(experts.w13_words), list(experts.w2_words)
+    keys = [torch.ops.vllm_exl3.moe_expert_keys(w13_words, gate_up_cb).to(device),
+            torch.ops.vllm_exl3.moe_expert_keys(w2_words, down_cb).to(device)]
+    plans = [torch.ops.vllm_exl3.moe_plan(w13_words, gate_up_cb), torch.ops.vllm_exl3.moe_plan(w2_words, down_cb)]
+    return keys, plans
 
 
 def reserve(experts: ExpertStack, top_k: int, max_tokens: int | None) -> int:
@@ -81,18 +85,17 @@ def reserve(experts: ExpertStack, top_k: int, max_tokens: int | None) -> int:
 
 
 class BoundNativeMoE(BoundMoE):
-    """A layer on the native op: its key tables and the op's whole argument list, made once."""
+    """A layer on the native op: its key tables, its plans and the op's whole argument list, made once."""
 
     def __init__(self, experts: ExpertStack, call: MoECall):
         super().__init__(experts, call)
-        self.keys = keys13, keys2 = expert_keys(experts)  # the binding's only tensors of its own
+        (keys13, keys2), (plan13, plan2) = expert_keys(experts)
+        self.keys = keys13, keys2  # the binding's only tensors of its own
         if call.top_k:
             reserve(experts, call.top_k, call.max_tokens)
         self.no_map = torch.empty(0, dtype=torch.int32, device=experts.w13_trellis.device)
-        # codebooks cross as the stack holds them, PROJECTIONS order per expert (csrc/moe_bindings.cpp splits them)
         self.args = (experts.w13_trellis, experts.w13_suh, experts.w13_svh, experts.w2_trellis, experts.w2_suh,
-                     experts.w2_svh, keys13, keys2, list(experts.w13_words), list(experts.w2_words),
-                     codebook_indices(experts.codebooks), call.activation, call.router_weight_on_input,
+                     experts.w2_svh, keys13, keys2, plan13, plan2, call.activation, call.router_weight_on_input,
                      experts.inter_offset, experts.inter_size, experts.w13_bias, experts.w2_bias, *call.clamp)
 
     def __call__(self, x, topk_weights, topk_ids, expert_map):
