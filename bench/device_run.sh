@@ -41,6 +41,10 @@ fi
 build() {
   local dir=$1 t0; shift
   t0=$(date +%s)
+  # The system compiler, not the GPU image's CXX/CC wrappers (/opt/gcc): a library they link carries its own static
+  # libstdc++, whose streams crash the first TORCH_CHECK message built in it (bench/notes/serving-run-16.md
+  # "Sixteenth run": a refusal segfaulted on torch 2.11 and 2.14 alike; /usr/bin/g++ builds pass).
+  CXX=${KERNEL_CXX:-/usr/bin/g++} CC=${KERNEL_CC:-/usr/bin/gcc} \
   TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=${MAX_JOBS:-8} BUILD_DIR="$dir" EXTRA_NVCC="$*" python3 - \
     > "$OUT/build$(basename "$dir").log" 2>&1 <<'PY'
 import os, shutil, sys, sysconfig
@@ -58,6 +62,11 @@ PY
   local rc=$?
   echo "build $dir ${*:-(default flags)}: rc=$rc in $(( $(date +%s) - t0 )) s"
   if [ $rc != 0 ]; then grep -E "error|Error" "$OUT/build$(basename "$dir").log" | head -40; exit 1; fi
+  if ! ldd "$dir/_C.so" | grep -q 'libstdc++\.so'; then
+    echo "build $dir: _C.so does not load libstdc++.so (a static copy linked in by the compiler); its error messages" \
+         "would crash the process. Set KERNEL_CXX/KERNEL_CC to a compiler that links it dynamically."
+    exit 1
+  fi
 }
 # One build directory per set of extra flags: a variant with the default flags reuses the first build.
 build_dir() { echo "/tmp/vx-build-$(echo "$*" | md5sum | cut -c1-8)"; }

@@ -579,11 +579,37 @@ def _gate(tmp_path, dtype: torch.dtype, out_dtype: torch.dtype | None, seed: int
     return layer, w
 
 
-def test_router_gate_is_vllms_own_by_default(tmp_path, rank, monkeypatch):
-    monkeypatch.delenv("VLLM_EXL3_ROUTER_GATE", raising=False)
+@pytest.mark.parametrize("setting", [None, "auto", "0"])
+def test_router_gate_is_vllms_own_where_the_native_backend_does_not_serve(tmp_path, rank, monkeypatch, setting):
+    """The default (auto) without the native backend (here: no CUDA GPU), and 0 anywhere: vLLM's own gate GEMM."""
+    if setting is None:
+        monkeypatch.delenv("VLLM_EXL3_ROUTER_GATE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_EXL3_ROUTER_GATE", setting)
     rank(0, 1)
     layer, _ = _gate(tmp_path, torch.bfloat16, torch.float32)
     assert type(layer.quant_method).__name__ == "UnquantizedLinearMethod" and layer.is_unquantized
+
+
+@pytest.mark.parametrize("kernel,on", [("auto", True), ("native", True), ("torch", False), ("exllamav3", False)])
+def test_router_gate_defaults_to_the_plugins_backend_where_native_serves(tmp_path, rank, monkeypatch,
+                                                                          native_stand_in, kernel, on):
+    """auto (the default) with the native backend available (a stand-in here): the gate is the plugin's where the
+    native backend serves the model (VLLM_EXL3_KERNEL auto or native), vLLM's where another backend was asked for."""
+    from support.backends import NativeStandIn
+    from vllm_exl3.integration.router_gate import RouterGateMethod
+    from vllm_exl3.kernels import selection
+
+    native_stand_in(NativeStandIn(), "fallback")
+    monkeypatch.delenv("VLLM_EXL3_ROUTER_GATE", raising=False)
+    monkeypatch.setenv("VLLM_EXL3_KERNEL", kernel)
+    assert selection.router_gate_on() is on
+    if kernel in ("auto", "native"):
+        rank(0, 1)
+        layer, w = _gate(tmp_path, torch.bfloat16, torch.float32)
+        assert isinstance(layer.quant_method, RouterGateMethod) and layer.quant_method.backend.name == "native"
+        x = torch.randn(3, 256).to(torch.bfloat16)
+        assert torch.equal(layer(x)[0], x.float() @ w.float().t())
 
 
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, None),

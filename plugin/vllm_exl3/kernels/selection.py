@@ -135,8 +135,14 @@ ROUTER_GATE_ENV = "VLLM_EXL3_ROUTER_GATE"
 
 def router_gate_on() -> bool:
     """Whether MoE router gates (16-bit, not EXL3) run on the plugin's backends (ROUTER_GATE_ENV), instead of
-    vLLM's own gate GEMM."""
-    return settings.get_bool(ROUTER_GATE_ENV)
+    vLLM's own gate GEMM. `auto` (the default): where the native backend serves the model's layers (asked for by
+    name or by `auto`, and available here: a CUDA GPU and the built kernels), the case a served A/B measured faster
+    (bench/notes/serving-run-16.md "Sixteenth run"); elsewhere vLLM's gate, since nothing measured a gain there."""
+    if settings.get(ROUTER_GATE_ENV).strip().lower() != "auto":
+        return settings.get_bool(ROUTER_GATE_ENV)
+    load_backends()
+    native = REGISTRY.get("native")
+    return requested_kernel() in ("auto", "native") and native is not None and native.unavailable_reason() is None
 
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
