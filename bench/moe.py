@@ -14,8 +14,10 @@ table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -80,7 +82,7 @@ def graph_time(calls, replays: int = 20) -> float:
 
 
 def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidth, quick,
-                backend="native") -> list[dict]:
+                backend="native", splits=((0, 0),)) -> list[dict]:
     native = get_backend(backend)
     layer_bytes = experts * 3 * hidden * inter * bits / 8
     copies = max(2, min(8, math.ceil(3 * L2_DEFEAT / layer_bytes) + 1))
@@ -98,16 +100,36 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
         calls = [lambda i=i: bound[i](xs[i], routes[i][0], routes[i][1], None) for i in range(copies)]
         nbytes = statistics.mean(routed_bytes(stacks[i], routes[i][1]) for i in range(copies))
         flops = 2 * tokens * top_k * 3 * hidden * inter
-        us_graph = graph_time(calls, replays=10 if quick else 30)
-        us_eager = time_calls(calls, iters=len(calls) * (3 if quick else 8))
-        row = {"layer": name, "bits": bits, "tokens": tokens, f"{backend}_graph_us": us_graph,
-               f"{backend}_eager_us": us_eager,
-               "routed_bytes": nbytes, "gbps": nbytes / (us_graph * 1e-6) / 1e9,
-               "floor_us": nbytes / bandwidth * 1e6, "tflops": flops / (us_graph * 1e-6) / 1e12}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for s13, s2 in splits:  # (0, 0): the op's own split choice; others force them (VLLM_EXL3_MOE_SPLITS13/2)
+            with split_env(s13, s2):
+                us_graph = graph_time(calls, replays=10 if quick else 30)
+                us_eager = time_calls(calls, iters=len(calls) * (3 if quick else 8))
+            row = {"layer": name, "bits": bits, "tokens": tokens, f"{backend}_graph_us": us_graph,
+                   f"{backend}_eager_us": us_eager,
+                   "routed_bytes": nbytes, "gbps": nbytes / (us_graph * 1e-6) / 1e9,
+                   "floor_us": nbytes / bandwidth * 1e6, "tflops": flops / (us_graph * 1e-6) / 1e12}
+            if (s13, s2) != (0, 0):
+                row |= {"splits13": s13, "splits2": s2}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     torch.cuda.empty_cache()
     return rows
+
+
+@contextlib.contextmanager
+def split_env(s13: int, s2: int):
+    """The native op's K splits forced for the calls inside (0: its own choice); the variables are read per call."""
+    names = {"VLLM_EXL3_MOE_SPLITS13": s13, "VLLM_EXL3_MOE_SPLITS2": s2}
+    saved = {n: os.environ.get(n) for n in names}
+    os.environ.update({n: str(v) for n, v in names.items()})
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
 
 
 def profile(tokens_list=(1, 8, 32, 64, 256, 1024)) -> None:
@@ -156,10 +178,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--backend", default="native", choices=("native", "exllamav3"))
     ap.add_argument("--layers", default="qwen3-30b-a3b:4,qwen3-30b-a3b:2,glm-4.5-air:4", help="name:bits,...")
+    ap.add_argument("--tokens", default="", help="token counts, comma-separated (default: the sweep's, or --quick's)")
+    ap.add_argument("--splits", default="", help="K splits to force, 'S13xS2,...' (0x0: the op's own choice), each "
+                    "timed at every token count (native backend, up to 256 routed pairs)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else None
+    splits = tuple(tuple(int(v) for v in p.split("x")) for p in args.splits.split(",")) if args.splits else ((0, 0),)
     if args.profile:
-        profile()
+        profile(*(tokens,) if tokens else ())
         return
     if args.ncu_tokens:
         ncu_target(args.ncu_tokens)
@@ -173,13 +200,15 @@ def main() -> None:
     for layer in args.layers.split(","):
         name, bits = layer.split(":")
         h, i, e, k = SHAPES[name]
-        toks = TOKENS if not args.quick else (1, 8, 64, 1024)
-        rows += bench_layer(name, h, i, e, k, int(bits), toks, bw, args.quick, args.backend)
+        toks = tokens or (TOKENS if not args.quick else (1, 8, 64, 1024))
+        rows += bench_layer(name, h, i, e, k, int(bits), toks, bw, args.quick, args.backend, splits)
     result = {"gpu": gpu, "copy_bandwidth": bw, "torch": torch.__version__, "backend": args.backend, "rows": rows}
     save_result(result, args.out, "moe")
-    print(f"\n{'layer':16} {'bits':>4} {'tokens':>6} {'graph µs':>9} {'eager µs':>9} {'GB/s':>7} {'floor µs':>8}")
+    print(f"\n{'layer':16} {'bits':>4} {'tokens':>6} {'splits':>6} {'graph µs':>9} {'eager µs':>9} {'GB/s':>7} "
+          f"{'floor µs':>8}")
     for r in rows:
-        print(f"{r['layer']:16} {r['bits']:>4} {r['tokens']:>6} {r[args.backend + '_graph_us']:>9.1f} "
+        sp = f"{r['splits13']}x{r['splits2']}" if "splits13" in r else "op"
+        print(f"{r['layer']:16} {r['bits']:>4} {r['tokens']:>6} {sp:>6} {r[args.backend + '_graph_us']:>9.1f} "
               f"{r[args.backend + '_eager_us']:>9.1f} {r['gbps']:>7.0f} {r['floor_us']:>8.1f}")
 
 

@@ -65,6 +65,13 @@ size_t reserve_bytes(int tokens, int top_k, int experts, int hidden_padded, int 
   return std::max(whole, split);
 }
 
+// A bench's split count (env.h VLLM_EXL3_MOE_SPLITS13/2) where split slots exist (reserve_bytes), within the K
+// range's 128-blocks; otherwise the op's own choice.
+int forced_splits(int forced, int pairs, int kb_count, int chosen) {
+  if (forced <= 0 || pairs > exl3::kMoeSplitMaxPairs) return chosen;
+  return std::min({forced, exl3::kMoeMaxSplits, kb_count});
+}
+
 char* workspace(const at::Device& device, size_t bytes) {
   std::lock_guard<std::mutex> lock(ws_mutex());
   at::Tensor*& t = workspaces()[device.index()];
@@ -259,8 +266,12 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     const int pairs = tc * static_cast<int>(top_k);
     const int rows = exl3::moe_rows_per_chunk(pairs, static_cast<int>(experts));
     const int chunk_bound = exl3::moe_chunk_bound(pairs, static_cast<int>(experts), rows);
-    const int splits13 = exl3::moe_k_splits(pairs, 2LL * chunk_bound * (ip / kHad), sms, static_cast<int>(hp / kHad));
-    const int splits2 = exl3::moe_k_splits(pairs, 1LL * chunk_bound * (hp / kHad), sms, static_cast<int>(ip / kHad));
+    const int splits13 = forced_splits(exl3::env::moe_splits13(), pairs, static_cast<int>(hp / kHad),
+                                       exl3::moe_k_splits(pairs, 2LL * chunk_bound * (ip / kHad), sms,
+                                                          static_cast<int>(hp / kHad)));
+    const int splits2 = forced_splits(exl3::env::moe_splits2(), pairs, static_cast<int>(ip / kHad),
+                                      exl3::moe_k_splits(pairs, 1LL * chunk_bound * (hp / kHad), sms,
+                                                         static_cast<int>(ip / kHad)));
     const exl3::MoeWorkspace L = exl3::moe_workspace_layout(tc, static_cast<int>(top_k), static_cast<int>(experts),
                                                             static_cast<int>(hp), static_cast<int>(ip), rows, splits13,
                                                             splits2);
