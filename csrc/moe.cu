@@ -284,64 +284,6 @@ MoeGemmKernel pick_gemm(int bits2, int codebook, int rows) {
 
 }  // namespace
 
-int moe_chunk_bound(int pairs, int experts, int rows_per_chunk) {
-  // Each expert's list splits into ceil(n_e / R) chunks: at most (pairs + min(E, pairs) * (R - 1)) / R in all.
-  const long long touched = std::min(experts, pairs);
-  return static_cast<int>((pairs + touched * (rows_per_chunk - 1)) / rows_per_chunk);
-}
-
-MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden_padded, int inter_padded,
-                                  int rows_per_chunk, int splits13, int splits2) {
-  const size_t pairs = static_cast<size_t>(tokens) * top_k;
-  const size_t chunks = moe_chunk_bound(static_cast<int>(pairs), experts, rows_per_chunk);
-  MoeWorkspace w{};
-  size_t at = 0;
-  auto take = [&](size_t bytes) {
-    const size_t here = at;
-    at += align256(bytes);
-    return here;
-  };
-  w.pair_expert = take(pairs * 4);
-  w.sorted_pairs = take(pairs * 4);
-  w.chunk_expert = take(chunks * 4);
-  w.chunk_start = take(chunks * 4);
-  w.chunk_count = take(chunks * 4);
-  w.num_chunks = take(4);
-  w.gu = take(pairs * splits13 * 2 * inter_padded * 4);
-  // xh13 is dead once the gate/up GEMM has run: xh2 and the slots reuse its bytes (they must not overlap each
-  // other: the down GEMM reads one and writes the other).
-  const size_t big = at;
-  const size_t xh13 = align256(pairs * 2 * hidden_padded * 2);
-  const size_t xh2 = align256(pairs * inter_padded * 2), slots = align256(pairs * splits2 * hidden_padded * 4);
-  w.xh13 = big;
-  w.xh2 = big;
-  w.slots = big + xh2;
-  w.total = big + std::max(xh13, xh2 + slots);
-  // The kDup GEMMs' copies in duplicated order (moe_xdup's row sizes), each after its plain copy: a layer of one
-  // codebook writes one of the two, a layer mixing mul1 with 3inst/mcg both.
-  if (rows_per_chunk <= 16) {
-    w.xh13_dup = big + xh13;
-    w.xh2_dup = big + xh2;
-    w.slots = big + 3 * xh2;
-    w.total = big + std::max(3 * xh13, 3 * xh2 + slots);
-  }
-  return w;
-}
-
-int moe_k_splits(int pairs, long long blocks, int sms, int kb_count) {
-  if (pairs > kMoeSplitMaxPairs) return 1;
-  int s = 1;
-  while (s < kMoeMaxSplits && s < kb_count && blocks * s < 2LL * sms) ++s;
-  return s;
-}
-
-int moe_rows_per_chunk(int pairs, int experts) {
-  // Rows per expert on average, if the routing spreads the pairs over as many experts as it can. Small chunks
-  // waste no MMA rows at decode; large ones decode each tile once for 64 rows in prefill.
-  const int avg = pairs / std::max(1, std::min(experts, pairs));
-  return avg <= 8 ? 8 : avg <= 32 ? 16 : 64;
-}
-
 cudaError_t moe_prepare(int bits2, int codebook) {
   for (int rows : {8, 16, 64}) {
     const MoeGemmKernel k = pick_gemm(bits2, codebook, rows);

@@ -21,13 +21,11 @@
 #include <cuda_runtime.h>
 
 #include "exl3_kernels.h"
+#include "moe_planner.h"
 
 namespace exl3 {
 
 constexpr int kMoeMaxExperts = 1024;  // local experts per layer: the routing kernel keeps one counter per expert
-// Tokens per internal step of the native_moe op (moe_bindings.cpp): bounds the workspace (moe_workspace_layout);
-// longer calls run chunk by chunk. Python mirrors it as kernels/backends/native_moe_limits.py MOE_CHUNK_TOKENS.
-constexpr int kMoeChunkTokens = 1024;
 
 // kActSwigluOai: gpt-oss's clamped SwiGLU, min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, ±limit) + 1)
 enum MoeActivation : int { kActSilu = 0, kActGelu = 1, kActGeluTanh = 2, kActSwigluOai = 3 };
@@ -36,27 +34,6 @@ enum MoeActivation : int { kActSilu = 0, kActGelu = 1, kActGeluTanh = 2, kActSwi
 // share one key runs one GEMM launch per projection kind; mixed layers run one launch per key, each skipping the
 // weights of other keys.
 inline int moe_weight_key(int words, int codebook) { return words * 4 + codebook; }
-
-// Workspace layout of one token chunk (bytes, 256-aligned pieces); see moe_workspace_layout.
-struct MoeWorkspace {
-  size_t pair_expert, sorted_pairs, chunk_expert, chunk_start, chunk_count, num_chunks;  // int32 arrays
-  size_t xh13;   // fp16 [pairs][2][H]            (step 2, read by step 3)
-  size_t gu;     // fp32 [pairs][splits][2][I]    (step 3, read by step 4)
-  size_t xh2;    // fp16 [pairs][I]               (step 4, read by step 5): aliases xh13, dead by then
-  size_t slots;  // fp32 [pairs][splits][H]       (step 5, read by step 6): aliases xh13 after xh2
-  size_t xh13_dup, xh2_dup;  // the kDup GEMMs' copies of xh13 and xh2 (2x bytes), each after its plain copy
-  size_t total;
-};
-// pairs = tokens * top_k; chunk_bound = most row chunks any routing of `pairs` pairs over `experts` experts can make.
-int moe_chunk_bound(int pairs, int experts, int rows_per_chunk);
-MoeWorkspace moe_workspace_layout(int tokens, int top_k, int experts, int hidden_padded, int inter_padded,
-                                  int rows_per_chunk, int splits13, int splits2);
-// K splits for a GEMM whose grid would have about `blocks` working blocks on a GPU of `sms` multiprocessors: enough
-// for two blocks per SM, at most kMoeMaxSplits and the K range's 128-blocks; none past kMoeSplitMaxPairs pairs (decode
-// sizes only, so the split slots never need more workspace than a full token chunk without splits).
-constexpr int kMoeMaxSplits = 4;
-constexpr int kMoeSplitMaxPairs = 256;
-int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 
 // The GEMMs that run the kDup form (3inst/mcg codebooks, 8/16-row chunks): their input, written by the transforms with
 // `dup` set, holds each activation row in duplicated fragment order, twice the bytes of the plain row (moe_gemm.cuh
@@ -148,8 +125,6 @@ struct MoeGemmArgs {
   long long y_row_stride, y_split_stride;
   const float* pair_weight;  // router weight per pair, or null (1: gate/up, or applied on the input)
 };
-// The row-chunk size for `pairs` pairs over `experts` experts; the caller routes with the size it launches with.
-int moe_rows_per_chunk(int pairs, int experts);
 // Once per layer at load: raises the shared-memory limits of every row size's kernel for this (width, codebook).
 cudaError_t moe_prepare(int bits2, int codebook);
 cudaError_t launch_moe_gemm(const MoeGemmArgs& a, int rows_per_chunk, bool pdl, cudaStream_t stream);

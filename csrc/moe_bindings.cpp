@@ -11,9 +11,9 @@
 //   moe_prepare(bits, codebook) -> raises the kernels' shared-memory limits (once per layer kind, at load)
 //
 // Workspace: one buffer per device for all MoE layers (they run one after another on the stream), sized for
-// kMoeChunkTokens (moe.h) tokens; longer calls run chunk by chunk. It grows only outside CUDA-graph capture (load time
-// reserves it, and vLLM's warm-up runs every size eagerly before capturing); growth requested during capture is an
-// error, never an allocation.
+// kMoeChunkTokens (moe_planner.h) tokens; longer calls run chunk by chunk. It grows only outside CUDA-graph capture
+// (load time reserves it, and vLLM's warm-up runs every size eagerly before capturing); growth requested during
+// capture is an error, never an allocation.
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -54,18 +54,7 @@ std::map<int, at::Tensor*>& workspaces() {
   return *m;
 }
 
-size_t reserve_bytes(int tokens, int top_k, int experts, int hidden_padded, int inter_padded) {
-  // Rows per chunk 8 gives the most chunks, hence the largest routing table; split slots exist only up to
-  // kMoeSplitMaxPairs pairs.
-  const int tc = std::min(tokens, kMoeChunkTokens);
-  const int split_tokens = std::max(1, std::min(tc, exl3::kMoeSplitMaxPairs / top_k));
-  const size_t whole = exl3::moe_workspace_layout(tc, top_k, experts, hidden_padded, inter_padded, 8, 1, 1).total;
-  const size_t split = exl3::moe_workspace_layout(split_tokens, top_k, experts, hidden_padded, inter_padded, 8,
-                                                  exl3::kMoeMaxSplits, exl3::kMoeMaxSplits).total;
-  return std::max(whole, split);
-}
-
-// A bench's split count (env.h VLLM_EXL3_MOE_SPLITS13/2) where split slots exist (reserve_bytes), within the K
+// A bench's split count (env.h VLLM_EXL3_MOE_SPLITS13/2) where split slots exist (moe_reserve_bytes), within the K
 // range's 128-blocks; otherwise the op's own choice.
 int forced_splits(int forced, int pairs, int kb_count, int chosen) {
   if (forced <= 0 || pairs > exl3::kMoeSplitMaxPairs) return chosen;
@@ -89,8 +78,9 @@ int64_t moe_reserve(c10::Device device, int64_t tokens, int64_t top_k, int64_t e
                     int64_t inter_padded) {
   TORCH_CHECK(device.is_cuda(), "moe_reserve needs a CUDA device");
   const c10::cuda::CUDAGuard guard(device);
-  const size_t bytes = reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k), static_cast<int>(experts),
-                                     static_cast<int>(hidden_padded), static_cast<int>(inter_padded));
+  const size_t bytes = exl3::moe_reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k),
+                                               static_cast<int>(experts), static_cast<int>(hidden_padded),
+                                               static_cast<int>(inter_padded));
   workspace(device, bytes);
   std::lock_guard<std::mutex> lock(ws_mutex());
   return workspaces()[device.index()]->numel();
@@ -255,23 +245,20 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
   const at::Tensor ids = topk_ids.contiguous();
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
   const Slices s13 = slices(w13_trellis, 2, "w13_trellis"), s2 = slices(w2_trellis, 1, "w2_trellis");
-  char* base = workspace(x.device(), reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k),
-                                                   static_cast<int>(experts), static_cast<int>(hp),
-                                                   static_cast<int>(ip)));
+  char* base = workspace(x.device(), exl3::moe_reserve_bytes(static_cast<int>(tokens), static_cast<int>(top_k),
+                                                         static_cast<int>(experts), static_cast<int>(hp),
+                                                         static_cast<int>(ip)));
   const bool pdl = use_pdl();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 
   for (int64_t t0 = 0; t0 < tokens; t0 += kMoeChunkTokens) {
     const int tc = static_cast<int>(std::min<int64_t>(kMoeChunkTokens, tokens - t0));
     const int pairs = tc * static_cast<int>(top_k);
-    const int rows = exl3::moe_rows_per_chunk(pairs, static_cast<int>(experts));
-    const int chunk_bound = exl3::moe_chunk_bound(pairs, static_cast<int>(experts), rows);
-    const int splits13 = forced_splits(exl3::env::moe_splits13(), pairs, static_cast<int>(hp / kHad),
-                                       exl3::moe_k_splits(pairs, 2LL * chunk_bound * (ip / kHad), sms,
-                                                          static_cast<int>(hp / kHad)));
-    const int splits2 = forced_splits(exl3::env::moe_splits2(), pairs, static_cast<int>(ip / kHad),
-                                      exl3::moe_k_splits(pairs, 1LL * chunk_bound * (hp / kHad), sms,
-                                                         static_cast<int>(ip / kHad)));
+    const exl3::MoeChunkPlan plan = exl3::moe_chunk_plan(pairs, static_cast<int>(experts), static_cast<int>(hp),
+                                                         static_cast<int>(ip), sms);
+    const int rows = plan.rows_per_chunk, chunk_bound = plan.chunk_bound;
+    const int splits13 = forced_splits(exl3::env::moe_splits13(), pairs, static_cast<int>(hp / kHad), plan.splits13);
+    const int splits2 = forced_splits(exl3::env::moe_splits2(), pairs, static_cast<int>(ip / kHad), plan.splits2);
     const exl3::MoeWorkspace L = exl3::moe_workspace_layout(tc, static_cast<int>(top_k), static_cast<int>(experts),
                                                             static_cast<int>(hp), static_cast<int>(ip), rows, splits13,
                                                             splits2);

@@ -1,6 +1,7 @@
 """The Python copies of the MoE op's limits (kernels/backends/native_moe_limits.py, the one place Python writes them)
-agree with csrc/moe.h (read from the source: no build, no GPU), and the places that size the op's workspace use
-them: the native backend's reservation at load when vLLM gives no token budget, and the appliance's memory plan."""
+agree with csrc/moe.h and csrc/moe_planner.h (read from the source: no build, no GPU), and the places that size the
+op's workspace use them: the native backend's reservation at load when vLLM gives no token budget, and the
+appliance's memory plan."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def cpp_constant(file: str, name: str) -> int:
 
 def test_python_limits_match_csrc():
     assert MAX_LOCAL_EXPERTS == cpp_constant("moe.h", "kMoeMaxExperts")
-    assert MOE_CHUNK_TOKENS == cpp_constant("moe.h", "kMoeChunkTokens")
-    assert "kMoeChunkTokens = " not in (CSRC / "moe_bindings.cpp").read_text()  # one C++ copy: moe.h's
+    assert MOE_CHUNK_TOKENS == cpp_constant("moe_planner.h", "kMoeChunkTokens")
+    for other in ("moe.h", "moe_bindings.cpp"):  # one C++ copy: moe_planner.h's
+        assert "kMoeChunkTokens = " not in (CSRC / other).read_text()
 
 
 def test_the_memory_plan_sizes_one_chunk():

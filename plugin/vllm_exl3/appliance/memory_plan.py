@@ -186,7 +186,7 @@ class ModelShape:
         return layers * 2 * heads_per_rank * self.head_dim * elem + draft
 
     def moe_workspace_bytes(self, tp: int, max_num_batched_tokens: int) -> int:
-        """The native MoE backend's one workspace per GPU, shared by every MoE layer (csrc/moe.cu,
+        """The native MoE backend's one workspace per GPU, shared by every MoE layer (csrc/moe_planner.cpp,
         moe_workspace_layout): for up to MOE_CHUNK_TOKENS tokens per step, fp32 gate/up outputs, then the larger of
         the fp16 gate/up inputs and the fp16 down inputs plus fp32 per-(token, k) slots. Each fp16 input is held
         three times over: the plain copy and, for the decode-size GEMMs, a copy in duplicated fragment order at

@@ -181,6 +181,45 @@ def test_planner_picks_the_documented_paths(tmp_path):
     assert overridden == [("SKINNY", "s"), ("PANEL", "p"), ("RECONSTRUCT", "-")]
 
 
+# (tokens, top-k, experts, hidden, intermediate, SMs) -> (rows per chunk, splits13 x splits2). The H100 rows are the
+# split pairs its sweep measured fastest or within 5 % of it (bench/notes/serving-run-17.md "Seventeenth run").
+MOE_PLAN_CASES = [
+    *(((t, 8, 128, 2048, 768, 132), (8, s)) for t, s in  # Qwen3-30B-A3B
+      [(1, "4x2"), (2, "4x2"), (3, "4x2"), (4, "3x2"), (5, "2x1"), (6, "2x1"), (8, "1x1"), (16, "1x1"), (32, "1x1")]),
+    *(((t, 8, 128, 4096, 1408, 132), (8, s)) for t, s in [(1, "4x3"), (2, "3x2"), (3, "2x1"), (4, "1x1")]),  # GLM-4.5-Air
+    ((33, 8, 128, 2048, 768, 132), (8, "1x1")),  # past 256 routed pairs: no split slots
+    ((1, 8, 128, 512, 256, 132), (8, "1x1")),  # K of 4 and 2 128-blocks: no split gets 3
+    ((1, 8, 128, 2048, 768, 48), (8, "4x2")),  # a GB10's 48 SMs (not measured there)
+    ((4, 8, 128, 2048, 768, 48), (8, "1x1")),
+    ((600, 8, 128, 2048, 768, 132), (64, "1x1")),
+]
+
+
+def test_moe_planner_splits_and_workspace(tmp_path):
+    """csrc/moe_planner.cpp compiled for the host: the MoE op's split choice at decode sizes, and every chunk plan's
+    workspace, with the most splits a bench may force (VLLM_EXL3_MOE_SPLITS13/2), within what moe_reserve_bytes
+    reserves for the call."""
+    nvcc = _require("nvcc")
+    exe = tmp_path / "moe_planner_host"
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "moe_planner_host.cpp"),
+                        "-x", "c++", str(CSRC / "moe_planner.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+    def run(cases):
+        stdin = "".join(" ".join(map(str, c)) + "\n" for c in cases)
+        out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout
+        return [tuple(map(int, ln.split())) for ln in out.splitlines()]
+
+    got = run([c for c, _ in MOE_PLAN_CASES])
+    assert [(rows, f"{s13}x{s2}") for rows, _, s13, s2, *_ in got] == [e for _, e in MOE_PLAN_CASES]
+    sweep = [(t, k, e, h, i, sms) for t in (*range(1, 41), 100, 257, 1024, 3000) for k in (1, 2, 4, 8)
+             for e, h, i in ((8, 256, 384), (128, 2048, 768), (128, 4096, 1408), (512, 2048, 512), (256, 7168, 2048))
+             for sms in (48, 132)]
+    for case, (rows, bound, s13, s2, planned, forced, reserved) in zip(sweep, run(sweep)):
+        assert rows in (8, 16, 64) and bound >= 1 and 1 <= s13 <= 4 and 1 <= s2 <= 4, case
+        assert planned <= reserved and forced <= reserved, case
+
+
 WIDTHS = [(cb, bits2) for cb in CODEBOOKS for bits2 in (2, 4, 6, 8, 10, 12, 14, 16)] + [
     ("mul1", 3), ("mul1", 5), ("mul1", 7)]
 

@@ -78,6 +78,22 @@ def test_experts_topk_tokens(experts, top_k, tokens):
     run_case(experts=experts, top_k=top_k, tokens=tokens, hidden=512, inter=256, seed=experts + top_k + tokens)
 
 
+@pytest.mark.parametrize("splits", ["1x1", "2x1", "2x2", "3x2", "4x2", "3x3", "4x4"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_every_k_split_against_the_reference(monkeypatch, splits, tokens):
+    """The op picks the K splits of its two GEMMs per shape at decode sizes (csrc/moe.h moe_k_splits; small layers
+    like this one's get none): forced here (VLLM_EXL3_MOE_SPLITS13/2, as bench/moe.py --splits does), each split
+    count's partial sums, with the biases and the clamp added once after them, against the reference, and the same
+    call twice bit for bit."""
+    s13, s2 = splits.split("x")
+    monkeypatch.setenv("VLLM_EXL3_MOE_SPLITS13", s13)
+    monkeypatch.setenv("VLLM_EXL3_MOE_SPLITS2", s2)
+    x, tw, ti, emap, _, bound, y = run_case(activation="swigluoai", bias=True, x_scale=4.0, hidden=1536, inter=768,
+                                            experts=16, top_k=4, tokens=tokens, seed=30 + tokens,
+                                            key=f"splits-{splits}")
+    assert torch.equal(bound(x, tw, ti, emap), y)
+
+
 @pytest.mark.parametrize("tokens", [1025, 4096])
 def test_past_the_internal_chunk(tokens):
     run_case(experts=16, top_k=4, tokens=tokens, hidden=256, inter=256, seed=tokens)

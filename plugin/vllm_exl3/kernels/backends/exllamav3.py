@@ -6,11 +6,9 @@ and produce the padded output, so the tensor-parallel offsets are handled by zer
 Up to its reconstruct threshold the layer is asked for an fp32 output: its GEMM autotunes the number of blocks per
 call shape, and a choice that splits K across blocks hands the partial sums on through the output tensor, rounded
 to fp16 between blocks when the output is fp16 (exllamav3_ext/quant/exl3_gemm_inner.cuh, `write_sum_gl`); an fp32
-output keeps them fp32 whatever the choice. The reconstruct path above the threshold is one cuBLAS GEMM. One
-candidate cause, not a proven one, of Qwen3.5's 3.5-bit fixture reading top-1 0.924 compiled and 1.0 eager on this
-profile (bench/notes/serving-run-13.md "Thirteenth run"): the layer's GPU tests pass with it, the served comparison
-has no verdict yet, and the old code's 0.924 recurred to the digit on an H100, which weighs against a choice that
-depends on timings (bench/notes/serving-run-14.md "Fourteenth run").
+output keeps them fp32 whatever the choice. The reconstruct path above the threshold is one cuBLAS GEMM. With
+fp16 outputs Qwen3.5's 3.5-bit fixture read top-1 0.924 compiled on this profile; with fp32 ones 1.0, both served
+side by side (bench/notes/serving-run-17.md "fp32 partials on exllamav3").
 Routed experts: one ExLlamaV3 `BlockSparseMLP` per layer over the stored tensors (exllamav3_moe.py).
 Imports fine without the package; `unavailable_reason()` says why it cannot run.
 
