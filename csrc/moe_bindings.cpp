@@ -54,13 +54,6 @@ std::map<int, at::Tensor*>& workspaces() {
   return *m;
 }
 
-// A bench's split count (env.h VLLM_EXL3_MOE_SPLITS13/2) where split slots exist (moe_reserve_bytes), within the K
-// range's 128-blocks; otherwise the op's own choice.
-int forced_splits(int forced, int pairs, int kb_count, int chosen) {
-  if (forced <= 0 || pairs > exl3::kMoeSplitMaxPairs) return chosen;
-  return std::min({forced, exl3::kMoeMaxSplits, kb_count});
-}
-
 char* workspace(const at::Device& device, size_t bytes) {
   std::lock_guard<std::mutex> lock(ws_mutex());
   at::Tensor*& t = workspaces()[device.index()];
@@ -257,8 +250,7 @@ at::Tensor native_moe(const at::Tensor& x_in, const at::Tensor& topk_weights, co
     const exl3::MoeChunkPlan plan = exl3::moe_chunk_plan(pairs, static_cast<int>(experts), static_cast<int>(hp),
                                                          static_cast<int>(ip), sms);
     const int rows = plan.rows_per_chunk, chunk_bound = plan.chunk_bound;
-    const int splits13 = forced_splits(exl3::env::moe_splits13(), pairs, static_cast<int>(hp / kHad), plan.splits13);
-    const int splits2 = forced_splits(exl3::env::moe_splits2(), pairs, static_cast<int>(ip / kHad), plan.splits2);
+    const int splits13 = plan.splits13, splits2 = plan.splits2;
     const exl3::MoeWorkspace L = exl3::moe_workspace_layout(tc, static_cast<int>(top_k), static_cast<int>(experts),
                                                             static_cast<int>(hp), static_cast<int>(ip), rows, splits13,
                                                             splits2);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "env.h"
 #include "exl3_decode.cuh"  // kHadBlock
 #include "exl3_kernels.h"  // align256
 
@@ -71,14 +72,28 @@ int moe_rows_per_chunk(int pairs, int experts) {
   return avg <= 8 ? 8 : avg <= 32 ? 16 : 64;
 }
 
+namespace {
+
+// A bench's split count (env.h VLLM_EXL3_MOE_SPLITS13/2) where split slots exist (moe_reserve_bytes), within the K
+// range's 128-blocks; otherwise the rule's.
+int forced_or(int forced, int pairs, int kb_count, int chosen) {
+  if (forced <= 0 || pairs > kMoeSplitMaxPairs) return chosen;
+  return std::min({forced, kMoeMaxSplits, kb_count});
+}
+
+}  // namespace
+
 MoeChunkPlan moe_chunk_plan(int pairs, int experts, int hidden_padded, int inter_padded, int sms) {
   MoeChunkPlan p{};
   p.rows_per_chunk = moe_rows_per_chunk(pairs, experts);
   p.chunk_bound = moe_chunk_bound(pairs, experts, p.rows_per_chunk);
   // Grid blocks: one per (chunk, 128-column group, projection); gate and up are two projections of N = I, down one
   // of N = H.
-  p.splits13 = moe_k_splits(pairs, 2LL * p.chunk_bound * (inter_padded / kHadBlock), sms, hidden_padded / kHadBlock);
-  p.splits2 = moe_k_splits(pairs, 1LL * p.chunk_bound * (hidden_padded / kHadBlock), sms, inter_padded / kHadBlock);
+  const int kb13 = hidden_padded / kHadBlock, kb2 = inter_padded / kHadBlock;
+  p.splits13 = forced_or(env::moe_splits13(), pairs, kb13,
+                         moe_k_splits(pairs, 2LL * p.chunk_bound * (inter_padded / kHadBlock), sms, kb13));
+  p.splits2 = forced_or(env::moe_splits2(), pairs, kb2,
+                        moe_k_splits(pairs, 1LL * p.chunk_bound * (hidden_padded / kHadBlock), sms, kb2));
   return p;
 }
 

@@ -41,7 +41,8 @@ int moe_k_splits(int pairs, long long blocks, int sms, int kb_count);
 // The row-chunk size for `pairs` pairs over `experts` experts; the caller routes with the size it launches with.
 int moe_rows_per_chunk(int pairs, int experts);
 
-// One chunk's launch shape: what moe_bindings.cpp routes, sizes its grids and carves its workspace with.
+// One chunk's launch shape: what moe_bindings.cpp routes, sizes its grids and carves its workspace with. A bench may
+// force the split counts (env.h VLLM_EXL3_MOE_SPLITS13/2, read per call) up to 256 pairs.
 struct MoeChunkPlan {
   int rows_per_chunk, chunk_bound;
   int splits13, splits2;  // K splits of the gate/up GEMM (K = hidden) and of the down GEMM (K = intermediate)

@@ -205,13 +205,20 @@ def test_moe_planner_splits_and_workspace(tmp_path):
                         "-x", "c++", str(CSRC / "moe_planner.cpp"), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
 
-    def run(cases):
+    def run(cases, **env):
         stdin = "".join(" ".join(map(str, c)) + "\n" for c in cases)
-        out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EXL3_")} | env
+        out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True, env=environ).stdout
         return [tuple(map(int, ln.split())) for ln in out.splitlines()]
 
-    got = run([c for c, _ in MOE_PLAN_CASES])
-    assert [(rows, f"{s13}x{s2}") for rows, _, s13, s2, *_ in got] == [e for _, e in MOE_PLAN_CASES]
+    def splits(plans):
+        return [(rows, f"{s13}x{s2}") for rows, _, s13, s2, *_ in plans]
+
+    assert splits(run([c for c, _ in MOE_PLAN_CASES])) == [e for _, e in MOE_PLAN_CASES]
+    # a bench's forced splits: clamped to 4 and to the K range's 128-blocks, none past 256 pairs
+    forced = run([(3, 8, 128, 2048, 768, 132), (1, 8, 128, 512, 256, 132), (33, 8, 128, 2048, 768, 132)],
+                 VLLM_EXL3_MOE_SPLITS13="3", VLLM_EXL3_MOE_SPLITS2="9")
+    assert splits(forced) == [(8, "3x4"), (8, "3x2"), (8, "1x1")]
     sweep = [(t, k, e, h, i, sms) for t in (*range(1, 41), 100, 257, 1024, 3000) for k in (1, 2, 4, 8)
              for e, h, i in ((8, 256, 384), (128, 2048, 768), (128, 4096, 1408), (512, 2048, 512), (256, 7168, 2048))
              for sms in (48, 132)]
