@@ -256,7 +256,11 @@ def stop_vllm(pid: int, log, timeout: float = STOP_TIMEOUT_S) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    # A SIGKILLed process is gone only once the kernel has torn it down, which is not at once: return when the
+    # group is, so that a restart does not meet the old engine still holding its memory.
+    if not wait_group_gone(pid, LEFTOVER_GRACE_S):
+        log(f"stop: process group {pid} still has {', '.join(map(str, group_members(pid)))} after SIGKILL")
 
 
 def process_state(pid: int) -> str | None:
@@ -286,6 +290,16 @@ def group_members(pgid: int) -> list[int]:
 LEFTOVER_GRACE_S = 10.0
 
 
+def wait_group_gone(pgid: int, seconds: float) -> bool:
+    """Whether process group `pgid` has no live member, waiting up to `seconds` for that."""
+    deadline = time.monotonic() + seconds
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def stop_leftovers(pgid: int, log, grace: float = LEFTOVER_GRACE_S) -> int:
     """Stop what is left of an earlier vLLM whose main process is gone: a `kill -9` of vLLM's API server (or the
     OOM killer) leaves its engine core and workers running in its process group, holding the weights and the KV
@@ -304,10 +318,7 @@ def stop_leftovers(pgid: int, log, grace: float = LEFTOVER_GRACE_S) -> int:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and group_members(pgid):
-            time.sleep(0.2)
-        if not group_members(pgid):
+        if wait_group_gone(pgid, wait):
             break
     left = group_members(pgid)
     if left:
