@@ -12,6 +12,7 @@ writes everything to JSON (bench/results/<gpu>-kernels.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -93,18 +94,25 @@ class Case:
         return f"{self.k}x{self.n} {self.bits:g}b {self.codebook}"
 
 
-def bench_native(case: Case, rows: int, iters: int, path: int = NativePath.AUTO, env: dict | None = None) -> float:
-    x = torch.randn(rows, case.k, device=DEV, dtype=torch.float16)
+@contextlib.contextmanager
+def env_set(env: dict[str, str] | None):
+    """These environment variables set for the calls inside, restored after (the kernels read theirs per call)."""
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        return time_calls([lambda w=w: native.linear(x, w, 0, 0, case.n, path) for w in case.ws], iters)
+        yield
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def bench_native(case: Case, rows: int, iters: int, path: int = NativePath.AUTO, env: dict | None = None) -> float:
+    x = torch.randn(rows, case.k, device=DEV, dtype=torch.float16)
+    with env_set(env):
+        return time_calls([lambda w=w: native.linear(x, w, 0, 0, case.n, path) for w in case.ws], iters)
 
 
 def bench_group(spec: str, rows_list: list[int], iters: int) -> None:

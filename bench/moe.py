@@ -14,10 +14,8 @@ table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import copy_bandwidth, save_result, time_calls  # noqa: E402  (bench/kernels.py)
+from kernels import copy_bandwidth, env_set, save_result, time_calls  # noqa: E402  (bench/kernels.py)
 from vllm_exl3.dev.cuda_graph import capture  # noqa: E402
 from vllm_exl3.format.constants import TILE  # noqa: E402
 from vllm_exl3.kernels.backend import get_backend  # noqa: E402
@@ -101,7 +99,7 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
         nbytes = statistics.mean(routed_bytes(stacks[i], routes[i][1]) for i in range(copies))
         flops = 2 * tokens * top_k * 3 * hidden * inter
         for s13, s2 in splits:  # (0, 0): the op's own split choice; others force them (VLLM_EXL3_MOE_SPLITS13/2)
-            with split_env(s13, s2):
+            with env_set({"VLLM_EXL3_MOE_SPLITS13": str(s13), "VLLM_EXL3_MOE_SPLITS2": str(s2)}):
                 us_graph = graph_time(calls, replays=10 if quick else 30)
                 us_eager = time_calls(calls, iters=len(calls) * (3 if quick else 8))
             row = {"layer": name, "bits": bits, "tokens": tokens, f"{backend}_graph_us": us_graph,
@@ -114,22 +112,6 @@ def bench_layer(name, hidden, inter, experts, top_k, bits, tokens_list, bandwidt
             rows.append(row)
     torch.cuda.empty_cache()
     return rows
-
-
-@contextlib.contextmanager
-def split_env(s13: int, s2: int):
-    """The native op's K splits forced for the calls inside (0: its own choice); the variables are read per call."""
-    names = {"VLLM_EXL3_MOE_SPLITS13": s13, "VLLM_EXL3_MOE_SPLITS2": s2}
-    saved = {n: os.environ.get(n) for n in names}
-    os.environ.update({n: str(v) for n, v in names.items()})
-    try:
-        yield
-    finally:
-        for n, v in saved.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
 
 
 def profile(tokens_list=(1, 8, 32, 64, 256, 1024)) -> None:

@@ -87,13 +87,13 @@ MoeChunkPlan moe_chunk_plan(int pairs, int experts, int hidden_padded, int inter
   MoeChunkPlan p{};
   p.rows_per_chunk = moe_rows_per_chunk(pairs, experts);
   p.chunk_bound = moe_chunk_bound(pairs, experts, p.rows_per_chunk);
-  // Grid blocks: one per (chunk, 128-column group, projection); gate and up are two projections of N = I, down one
-  // of N = H.
+  // Grid blocks: one per (chunk, 128-column group, projection); gate and up are two projections of N = I (kb2
+  // groups), down one of N = H (kb13 groups). K is the other dimension.
   const int kb13 = hidden_padded / kHadBlock, kb2 = inter_padded / kHadBlock;
   p.splits13 = forced_or(env::moe_splits13(), pairs, kb13,
-                         moe_k_splits(pairs, 2LL * p.chunk_bound * (inter_padded / kHadBlock), sms, kb13));
+                         moe_k_splits(pairs, 2LL * p.chunk_bound * kb2, sms, kb13));
   p.splits2 = forced_or(env::moe_splits2(), pairs, kb2,
-                        moe_k_splits(pairs, 1LL * p.chunk_bound * (hidden_padded / kHadBlock), sms, kb2));
+                        moe_k_splits(pairs, 1LL * p.chunk_bound * kb13, sms, kb2));
   return p;
 }
 

@@ -157,22 +157,33 @@ PLANNER_CASES = [  # (arch major, L2 bytes, rows, W' bytes, active columns, skin
 ]
 
 
-def test_planner_picks_the_documented_paths(tmp_path):
-    """csrc/planner.cpp compiled for the host: `auto`'s choice per architecture, layer size and row count, the
-    per-device fit asked only for a kernel the rows would take, and the environment overrides."""
-    from vllm_exl3.kernels.backends.native import NativePath
-
+def host_planner(tmp_path, harness: str, source: str):
+    """tests/kernels/csrc/`harness` linked with csrc/`source` for the host: a function of cases (one stdin line
+    each) and environment overrides (every other VLLM_EXL3_ variable unset) to the output lines' fields."""
     nvcc = _require("nvcc")
-    exe = tmp_path / "planner_host"
-    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "planner_host.cpp"),
-                        "-x", "c++", str(CSRC / "planner.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    exe = tmp_path / Path(harness).stem
+    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / harness),
+                        "-x", "c++", str(CSRC / source), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
 
     def run(cases, **env):
         stdin = "".join(" ".join(map(str, c)) + "\n" for c in cases)
         environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EXL3_")} | env
         out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True, env=environ).stdout
-        return [(NativePath(int(p)).name, asked) for p, asked in (ln.split() for ln in out.splitlines())]
+        return [ln.split() for ln in out.splitlines()]
+
+    return run
+
+
+def test_planner_picks_the_documented_paths(tmp_path):
+    """csrc/planner.cpp compiled for the host: `auto`'s choice per architecture, layer size and row count, the
+    per-device fit asked only for a kernel the rows would take, and the environment overrides."""
+    from vllm_exl3.kernels.backends.native import NativePath
+
+    host = host_planner(tmp_path, "planner_host.cpp", "planner.cpp")
+
+    def run(cases, **env):
+        return [(NativePath(int(p)).name, asked) for p, asked in host(cases, **env)]
 
     assert run([c for c, _ in PLANNER_CASES]) == [e for _, e in PLANNER_CASES]
     overridden = run([(9, 50 * MB, 40, 117 * MB, 14336, 1, 1), (9, 50 * MB, 100, 117 * MB, 14336, 1, 1),
@@ -199,17 +210,10 @@ def test_moe_planner_splits_and_workspace(tmp_path):
     """csrc/moe_planner.cpp compiled for the host: the MoE op's split choice at decode sizes, and every chunk plan's
     workspace, with the most splits a bench may force (VLLM_EXL3_MOE_SPLITS13/2), within what moe_reserve_bytes
     reserves for the call."""
-    nvcc = _require("nvcc")
-    exe = tmp_path / "moe_planner_host"
-    r = subprocess.run([nvcc, *NVCC_FLAGS, "-x", "c++", str(ROOT / "tests" / "kernels" / "csrc" / "moe_planner_host.cpp"),
-                        "-x", "c++", str(CSRC / "moe_planner.cpp"), "-o", str(exe)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
+    host = host_planner(tmp_path, "moe_planner_host.cpp", "moe_planner.cpp")
 
     def run(cases, **env):
-        stdin = "".join(" ".join(map(str, c)) + "\n" for c in cases)
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EXL3_")} | env
-        out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True, env=environ).stdout
-        return [tuple(map(int, ln.split())) for ln in out.splitlines()]
+        return [tuple(map(int, fields)) for fields in host(cases, **env)]
 
     def splits(plans):
         return [(rows, f"{s13}x{s2}") for rows, _, s13, s2, *_ in plans]
