@@ -196,20 +196,17 @@ def profile_kernels(exllamav3: bool = False) -> list[dict]:
 
 
 def trace_skinny(spec: str) -> dict:
-    """Per-warp timeline of one skinny launch (VLLM_EXL3_SKINNY_TRACE): where the kernel's time goes."""
+    """Per-warp timeline of one skinny launch (the native_linear_traced op): where the kernel's time goes."""
     k, n, bits, cb, rows = spec.split(",")
     case = Case(int(k), int(n), float(bits), cb)
     x = torch.randn(int(rows), int(k), device=DEV, dtype=torch.float16)
     for w in case.ws[1:]:
         native.linear(x, w, 0, 0, int(n))
     torch.cuda.synchronize()
-    os.environ["VLLM_EXL3_SKINNY_TRACE"] = "1"
-    try:
-        native.linear(x, case.ws[0], 0, 0, int(n))
-        torch.cuda.synchronize()
-    finally:
-        del os.environ["VLLM_EXL3_SKINNY_TRACE"]
-    t = torch.ops.vllm_exl3.skinny_trace().cpu().double()  # [blocks, warps, {smid, entry, data, loop end, exit}]
+    _, t = torch.ops.vllm_exl3.native_linear_traced(x, *native.linear_args(case.ws[0], 0, 0, int(n), 0))
+    t = t.cpu().double()  # [blocks, warps, {smid, entry, data, loop end, exit}]
+    if t.shape[0] == 0:
+        raise SystemExit(f"--trace {spec}: the call took no skinny launch (the planner chose another path)")
     t0 = t[..., 1].min()
     phases = {"start": t[..., 1] - t0, "prologue": t[..., 2] - t[..., 1], "loop": t[..., 3] - t[..., 2],
               "epilogue": t[..., 4] - t[..., 3], "end": t[..., 4] - t0}

@@ -9,7 +9,9 @@
 //   reconstruct(trellis, codebook, suh?, svh?, bf16) -> Ŵ (no suh/svh; bit-exact) or W (original basis)
 //   small_linear(x, weight, out_fp32) -> x W^T for a 16-bit weight at up to 16 rows (a MoE router's gate)
 //   build_info() -> str ; device_check() -> str ("" when the current device can run the kernels)
-//   skinny_trace() -> per-warp timestamps of the last skinny launch under VLLM_EXL3_SKINNY_TRACE=1 (bench)
+//   native_linear_traced(same as native_linear) -> (y, trace): bench/kernels.py --trace only, never on the serving
+//       path; trace [blocks, warps, {smid, entry, first data, loop end, exit}] per-warp timestamps of the skinny
+//       launch ([0, warps, 5] when the call took another path)
 // The module object is all this file asks of Python, so it builds against the stable ABI: one `_C.abi3.so` per
 // torch build, whatever the Python (setup.py's LIMITED_API_TAG; tools/build-kernels builds it without that Python).
 #define Py_LIMITED_API 0x030A0000
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -39,14 +42,6 @@ using exl3::glue::check_cuda, exl3::glue::kHad, exl3::glue::kTile, exl3::glue::u
 using exl3::Path;
 using exl3::kAuto, exl3::kSkinny, exl3::kReconstruct, exl3::kSkinnySplit, exl3::kSkinnyDirect,
     exl3::kSkinnyPlain, exl3::kPanel, exl3::kReconOriginal;
-
-// Diagnostics for bench/kernels.py --trace: with VLLM_EXL3_SKINNY_TRACE=1 each skinny launch records per-warp
-// timestamps (exl3::GemmArgs::trace) into a fresh tensor, which skinny_trace() returns until the next launch.
-at::Tensor& last_skinny_trace() {
-  static at::Tensor t;
-  return t;
-}
-at::Tensor skinny_trace() { return last_skinny_trace(); }
 
 exl3::TrellisView trellis_view(const at::Tensor& t, int64_t codebook) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kShort && t.dim() == 3, "trellis must be a CUDA int16 [K/16, N/16, 16*bits] tensor");
@@ -104,8 +99,11 @@ at::Tensor skinny_workspace(const at::Tensor& like, size_t xh_bytes, size_t rs_b
   return ws;
 }
 
-at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
-                         int64_t codebook, int64_t in_offset, int64_t out_offset, int64_t out_features, int64_t path) {
+// native_linear's body. `trace`: null on the serving path; native_linear_traced passes a tensor that a skinny launch
+// fills with per-warp timestamps (exl3::GemmArgs::trace).
+at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
+                       int64_t codebook, int64_t in_offset, int64_t out_offset, int64_t out_features, int64_t path,
+                       at::Tensor* trace) {
   TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "x must be a 2-D CUDA tensor");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int xdt = act_dtype(x);
@@ -218,13 +216,27 @@ at::Tensor native_linear(const at::Tensor& x_in, const at::Tensor& trellis, cons
   it.xh_rows = static_cast<int>(xh_rows);
   const at::Tensor ws = skinny_workspace(x, align256(xh_rows * ka * 2), rowsums ? align256(rows * parts * 4) : 0,
                                          plan, parts, it, sa);
-  if (exl3::env::skinny_trace() && !plan.panel) {
-    last_skinny_trace() = at::zeros({plan.grid, exl3::kGemmWarps, 5}, x.options().dtype(at::kLong));
-    sa.trace = reinterpret_cast<unsigned long long*>(last_skinny_trace().data_ptr());
+  if (trace != nullptr && !plan.panel) {
+    *trace = at::zeros({plan.grid, exl3::kGemmWarps, 5}, x.options().dtype(at::kLong));
+    sa.trace = reinterpret_cast<unsigned long long*>(trace->data_ptr());
   }
   check_cuda(exl3::launch_input_transform(it, false, stream), "input transform");
   check_cuda(exl3::launch_gemm(sa, plan, use_pdl(), stream), plan.panel ? "panel GEMM" : "skinny GEMM");
   return y;
+}
+
+at::Tensor native_linear(const at::Tensor& x, const at::Tensor& trellis, const at::Tensor& suh, const at::Tensor& svh,
+                         int64_t codebook, int64_t in_offset, int64_t out_offset, int64_t out_features, int64_t path) {
+  return linear_impl(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> native_linear_traced(const at::Tensor& x, const at::Tensor& trellis,
+                                                        const at::Tensor& suh, const at::Tensor& svh, int64_t codebook,
+                                                        int64_t in_offset, int64_t out_offset, int64_t out_features,
+                                                        int64_t path) {
+  at::Tensor trace = at::zeros({0, exl3::kGemmWarps, 5}, x.options().dtype(at::kLong));
+  at::Tensor y = linear_impl(x, trellis, suh, svh, codebook, in_offset, out_offset, out_features, path, &trace);
+  return {y, trace};
 }
 
 // y [rows, sum N_s] = the shards' native_linear outputs side by side, for 2..kMaxGroupShards whole linears that share
@@ -430,11 +442,13 @@ TORCH_LIBRARY_FRAGMENT(vllm_exl3, m) {
   m.def("small_linear(Tensor x, Tensor weight, bool out_fp32) -> Tensor");
   m.def("build_info() -> str", &build_info);
   m.def("device_check() -> str", &device_check);
-  m.def("skinny_trace() -> Tensor", &skinny_trace);
+  m.def("native_linear_traced(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int in_offset, "
+        "int out_offset, int out_features, int path=0) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vllm_exl3, CUDA, m) {
   m.impl("native_linear", &native_linear);
+  m.impl("native_linear_traced", &native_linear_traced);
   m.impl("native_linear_group", &native_linear_group);
   m.impl("reconstruct", &reconstruct);
   m.impl("small_linear", &small_linear);

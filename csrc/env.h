@@ -29,7 +29,6 @@ inline bool recon_first() { return get_int("VLLM_EXL3_RECON_FIRST", 1) != 0; }  
 
 // --- Bench-only diagnostics (bench/kernels.py): no serving configuration sets these.
 inline int skinny_grid() { return static_cast<int>(get_int("VLLM_EXL3_SKINNY_GRID", 0)); }  // 0: the planner's
-inline bool skinny_trace() { return get_int("VLLM_EXL3_SKINNY_TRACE", 0) != 0; }  // per-warp timestamps
 // The MoE GEMMs' K splits at decode sizes (bench/moe.py --splits; moe_planner.cpp): 0 takes moe_k_splits' choice.
 inline int moe_splits13() { return static_cast<int>(get_int("VLLM_EXL3_MOE_SPLITS13", 0)); }
 inline int moe_splits2() { return static_cast<int>(get_int("VLLM_EXL3_MOE_SPLITS2", 0)); }

@@ -24,6 +24,7 @@ single-threaded imports, so two take about one boot's wait on a 2-core CI box.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,6 +50,12 @@ MLA_LATENT = 576  # the only latent width (kv_lora_rank + qk_rope_head_dim) vLLM
 # config asks for values vLLM ignores; both families are checked against transformers below)
 GOLDEN_PACKS = ["mixtral-a-exl3-mul1-b4", "minimaxm2-a-exl3-mcg-b3", "glm4moelite-a-exl3-mcg-b4",
                 "qwen3next-a-exl3-mul1-b4", "qwen35moe-a-exl3-mul1-b3.5"]
+# Held-out packs, not in the repository: ExLlamaV3-made packs of these families at other geometries and bit widths
+# (tools/exl3-packs, geometry b), each a folder with its golden/ beside the model, checked with the same bounds when
+# this variable names the folder that holds them (docs/packs.md "Checking a pack against ExLlamaV3").
+HELD_OUT = Path(os.environ.get("VLLM_EXL3_HELD_OUT_PACKS", "")) if os.environ.get("VLLM_EXL3_HELD_OUT_PACKS") else None
+HELD_OUT_PACKS = sorted(p.name for p in HELD_OUT.iterdir() if (p / "golden" / "logits.safetensors").is_file()) \
+    if HELD_OUT is not None and HELD_OUT.is_dir() else []
 
 
 def _server_env(pack: Path) -> dict[str, str]:
@@ -102,22 +109,25 @@ def oracle_packs(tmp_path_factory):
 
 # The single-rank cases, in the order of the tests below: each boots beside the next one not yet done (two servers
 # side by side, one boot's wait on a 2-core box). The tensor-parallel ones boot alone.
-PAIRED = [("golden", name) for name in GOLDEN_PACKS] + [("oracle", a) for a in family_oracle.ORACLE_ARCHITECTURES]
+PAIRED = ([("golden", name) for name in GOLDEN_PACKS] + [("oracle", a) for a in family_oracle.ORACLE_ARCHITECTURES]
+          + [("held-out", name) for name in HELD_OUT_PACKS])
 
 
 @pytest.fixture(scope="module")
 def agreements(oracle_packs, tmp_path_factory):
     """(kind, name) -> the server's golden_logprobs.ParityReport against its oracle: ("golden", pack) ExLlamaV3's
-    goldens, ("oracle", architecture) transformers', ("tp2", architecture) transformers' at -tp 2."""
+    goldens, ("held-out", pack) the same for a pack under HELD_OUT, ("oracle", architecture) transformers',
+    ("tp2", architecture) transformers' at -tp 2."""
 
     def spec(key):
         kind, name = key
-        if kind == "golden":
-            golden = load_file(FAMILIES / name / "golden" / "logits.safetensors")
-            pack, ids, logits, extra = FAMILIES / name, golden["input_ids"], golden["logits"], ()
+        if kind in ("golden", "held-out"):
+            pack = (FAMILIES if kind == "golden" else HELD_OUT) / name
+            golden = load_file(pack / "golden" / "logits.safetensors")
+            ids, logits, extra = golden["input_ids"], golden["logits"], ()
         else:
             (pack, ids, logits), extra = oracle_packs(name), (("-tp", "2") if kind == "tp2" else ())
-        options, margin = _options(_architecture(pack), against_goldens=kind == "golden")
+        options, margin = _options(_architecture(pack), against_goldens=kind in ("golden", "held-out"))
         return (pack, tmp_path_factory.mktemp("server"), (*options, *extra), _server_env(pack)), (ids, logits, margin)
 
     def measure(key, server, context):
@@ -130,6 +140,11 @@ def agreements(oracle_packs, tmp_path_factory):
 @pytest.mark.parametrize("name", GOLDEN_PACKS)
 def test_exllamav3_pack_matches_exllamav3(name, agreements):
     _check(agreements(("golden", name)), _architecture(FAMILIES / name))
+
+
+@pytest.mark.parametrize("name", HELD_OUT_PACKS)
+def test_held_out_exllamav3_pack_matches_exllamav3(name, agreements):
+    _check(agreements(("held-out", name)), _architecture(HELD_OUT / name))
 
 
 @pytest.mark.parametrize("arch", family_oracle.ORACLE_ARCHITECTURES)

@@ -65,6 +65,16 @@ def test_a_native_linear_binding_fits_native_linear(monkeypatch):
     assert bound.args[0] is w.trellis and bound.handle is w.trellis
 
 
+def test_the_bench_trace_op_takes_native_linears_arguments():
+    """bench/kernels.py --trace calls native_linear_traced with linear_args, as the serving path calls
+    native_linear."""
+    w = random_weights(256, 384, 3, "mul1", seed=1)
+    s = schema("bindings.cpp", "native_linear_traced")
+    assert [a.name for a in s.arguments[:1]] == ["x"] and len(s.returns) == 2
+    assert_fits(native.linear_args(w, 0, 0, 384, native.NativePath.SKINNY_SPLIT), s, per_call=1)
+    assert [str(a.type) for a in s.arguments] == [str(a.type) for a in schema("bindings.cpp", "native_linear").arguments]
+
+
 def test_native_linear_group_arguments_fit_native_linear_group():
     ws = [random_weights(256, n, 3, "mul1", seed=i) for i, n in enumerate((128, 256, 384))]
     args = native.linear_group_args(ws, native.NativePath.AUTO)

@@ -46,7 +46,6 @@ kernels   | VLLM_EXL3_RECON_FIRST          | 1              | 0: run the input t
 kernels   | VLLM_EXL3_SKINNY_DUP           | 1              | 0: the skinny kernel without duplicated-activation codewords (A/B only)
 kernels   | VLLM_EXL3_PDL                  | 1              | 0: launch without programmatic dependent launch (A/B only)
 kernels   | VLLM_EXL3_SKINNY_GRID          | 0              | bench: override the skinny kernel's block count (0 = the planner's)
-kernels   | VLLM_EXL3_SKINNY_TRACE         | 0              | bench: 1 records per-warp timestamps of each skinny launch
 kernels   | VLLM_EXL3_MOE_SPLITS13         | 0              | bench: the MoE gate/up GEMM's K splits up to 256 pairs (0 = the op's choice)
 kernels   | VLLM_EXL3_MOE_SPLITS2          | 0              | bench: the MoE down GEMM's K splits up to 256 pairs (0 = the op's choice)
 appliance | VLLM_EXL3_ROLE                 | -              | single | head | worker

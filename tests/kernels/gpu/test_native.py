@@ -172,16 +172,15 @@ def test_auto_takes_the_original_basis_from_a_quarter_of_the_output_columns(monk
     assert torch.equal(run(x, w, P.AUTO), run(x, w, PATHS["recon"]))
 
 
-def test_skinny_trace_is_a_consistent_timeline(monkeypatch):
-    """VLLM_EXL3_SKINNY_TRACE (bench --trace): every warp of the launch leaves entry <= first data <= last item
-    <= exit on one SM of this device, and tracing leaves the result bitwise unchanged."""
+def test_skinny_trace_is_a_consistent_timeline():
+    """native_linear_traced (bench --trace): every warp of the launch leaves entry <= first data <= last item <= exit
+    on one SM of this device, and tracing leaves the result bitwise unchanged."""
     w = random_weights(1024, 2048, 4, "mul1", seed=21, device=DEV)
     x = torch.randn(3, 1024, device=DEV, dtype=torch.float16)
     plain = run(x, w, P.SKINNY_SPLIT)
-    monkeypatch.setenv("VLLM_EXL3_SKINNY_TRACE", "1")
-    traced = run(x, w, P.SKINNY_SPLIT)
+    traced, t = torch.ops.vllm_exl3.native_linear_traced(x, *native.linear_args(w, 0, 0, w.out_padded, P.SKINNY_SPLIT))
     torch.cuda.synchronize()
-    t = torch.ops.vllm_exl3.skinny_trace().cpu()  # [blocks, warps, {smid, entry, data, loop end, exit}]
+    t = t.cpu()  # [blocks, warps, {smid, entry, data, loop end, exit}]
     assert torch.equal(plain, traced)
     assert t.dim() == 3 and t.shape[2] == 5 and t.shape[0] >= 1
     sms = torch.cuda.get_device_properties(0).multi_processor_count
