@@ -9,8 +9,11 @@ lent GPU machine, in as few device calls as its time allows. What it runs is ben
   quality  every fixture pack (ExLlamaV3-made, with golden logits) served by `vllm serve` with the appliance's
            preset flags on each kernel profile, side by side; prompt log-probabilities against the goldens with the
            CPU test's bounds
-  families the MoE families' packs (ExLlamaV3-made, and transformers-oracle ones made here by oracle_packs.py) the
-           same way, on each kernel profile, in rounds of a few servers
+  heldout  held-out packs of the [heldout] families made here by ExLlamaV3's own converter (tools/exl3-packs, on the
+           carried ExLlamaV3 extension: heldout.py), returned as archives for the CPU check
+  families the MoE families' packs (ExLlamaV3-made, and transformers-oracle ones made here by oracle_packs.py, and
+           with [families] heldout = true those the heldout step made) the same way, on each kernel profile, in
+           rounds of a few servers
   spec     speculative decoding: each [[spec.case]]'s fixture pack served plain and with its speculative config
            on each kernel profile, side by side; the greedy tokens compared (lossless), the drafts counted
   switch   the compile-cache switch: one pack booted on each backend in turn with one VLLM_CACHE_ROOT (its first
@@ -53,6 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "plugin"))
 sys.path.insert(0, str(HERE))
 import exl_prebuilt  # noqa: E402  (beside this file)
+import heldout  # noqa: E402
 import stepprofile  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/vgpu-out"))
@@ -71,6 +75,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "exl3"
 # may copy them onto the machine first and name the copies here.
 FAMILY_FIXTURES = Path(os.environ.get("VGPU_FAMILY_FIXTURES", ROOT / "tests" / "fixtures" / "exl3-families"))
 ORACLE = Path(os.environ.get("VGPU_ORACLE", ROOT / ".vgpu" / "oracle"))  # bench/gpu/oracle_packs.py's packs
+HELDOUT = WORK / "heldout"  # the heldout step's tools/exl3-packs folder (EXL), its packs under work/arch/
 T0 = time.monotonic()
 BUDGET = 560.0
 
@@ -460,6 +465,22 @@ def quality(plan: dict, exl_build, with_switch: bool) -> None:
     run_round(plan, boots, results)
 
 
+def heldout_packs(plan: dict, exl_build) -> None:
+    """The [heldout] packs, made by ExLlamaV3's converter once its extension is in place (heldout.py says why it
+    must wait), then archived into $OUT beside results.tgz (ERNIE's and gpt-oss's first: they would replace fixture
+    packs that cannot show their routing or config): heldout.json."""
+    results = load_result("heldout.json")
+    if not exl_ready(exl_build, max(0.0, min(420.0, left() - 200))):
+        results["error"] = "ExLlamaV3's extension was not built in time"
+        save("heldout.json", results)
+        return
+    results["status"] = heldout.make(plan["heldout"]["make"], HELDOUT, exl_env(), max(0.0, left() - 90), log)
+    parts, left_out = heldout.export(heldout.packs(HELDOUT), OUT, first=("ernie45moe-a", "gptoss-a"))
+    results.update(archives=[p.name for p in parts], not_returned=left_out)
+    log(f"heldout: {len(heldout.packs(HELDOUT))} packs made, {len(parts)} archives, not returned: {left_out}")
+    save("heldout.json", results)
+
+
 def families(plan: dict, exl_build) -> None:
     """The MoE families' packs ([families]: ExLlamaV3-made ones from tests/fixtures/exl3-families and the
     transformers-oracle ones bench/gpu/oracle_packs.py made into ORACLE) on each kernel profile of [quality], in
@@ -467,6 +488,9 @@ def families(plan: dict, exl_build) -> None:
     f, q = plan["families"], plan["quality"]
     results = load_result("families.json")
     packs = [(FAMILY_FIXTURES, p) for p in f["packs"]] + [(ORACLE, p) for p in f["oracle"]]
+    held = {str(pack): heldout.setting(f.get("per-pack", {}), pack)
+            for pack in (heldout.packs(HELDOUT) if f.get("heldout") else [])}
+    packs += [(Path(pack).parent, Path(pack).name) for pack in held]
     # A/B rows: one fixture pack served once more under its own label with other flags or environment
     # ([families.variants.NAME]: pack, env, flags), e.g. --enforce-eager beside the compiled server.
     variants = f.get("variants", {})
@@ -485,7 +509,7 @@ def families(plan: dict, exl_build) -> None:
             results["exllamav3-skipped"] = {"ok": False, "error": "ExLlamaV3's extension was not built in time"}
             continue
         boots = [(f"{kernel}-{p}", where / p, kernel, WORK / "cache-families" / f"{kernel}-{p}",
-                  f.get("per-pack", {}).get(p, {})) for where, p in packs]
+                  held.get(str(where / p), f.get("per-pack", {}).get(p, {}))) for where, p in packs]
         boots += [(f"{kernel}-{name}", FAMILY_FIXTURES / v["pack"], kernel, WORK / "cache-families" / f"{kernel}-{name}",
                    v) for name, v in variants.items()]
         boots += [(f"vllm-unquantized-{p}", pack, kernel, WORK / "cache-families" / f"unquantized-{p}",
@@ -959,7 +983,7 @@ def main() -> int:
         save("native.json", setup_native())
         log(f"native: {json.loads((RESULTS / 'native.json').read_text()).get('check')}")
     chosen = [e for e in plan["serve"] if not a.serve or e["label"] in a.serve.split(",")]
-    wants_exl = ("kernels" in steps or "exlgen" in steps or "exlbuild" in steps
+    wants_exl = ("kernels" in steps or "exlgen" in steps or "exlbuild" in steps or "heldout" in steps
                  or ("serve" in steps and any(e.get("env", {}).get("VLLM_EXL3_KERNEL") == "exllamav3" for e in chosen))
                  or ({"quality", "families", "spec"} & set(steps) and "exllamav3" in plan["quality"]["kernels"])
                  or ("switch" in steps and "exllamav3" in plan["quality"]["switch-kernels"]))
@@ -978,6 +1002,8 @@ def main() -> int:
         quality(plan, exl_build, with_switch="switch" in steps)
     if "switch" in steps:
         switch(plan, exl_build, first_done="quality" in steps)
+    if "heldout" in steps:
+        heldout_packs(plan, exl_build)
     if "families" in steps:
         families(plan, exl_build)
     if "spec" in steps:

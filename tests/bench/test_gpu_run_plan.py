@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import sys
 import tomllib
 from pathlib import Path
@@ -218,3 +219,85 @@ def test_spec_cases_of_one_pack_share_its_plain_server(run, plan):
         ("qwen3moe-a-exl3-mul1-b4", "qwen3moe-a-exl3-mul1-b4-ngram"),
         ("qwen3moe-a-exl3-mul1-b4", "qwen3moe-a-exl3-mul1-b4-eagle3"),
         ("glm4moe-a-exl3-mcg-b4-mtp", "glm4moe-a-exl3-mcg-b4-mtp-mtp")]
+
+
+def _tool_families() -> set[str]:
+    """tools/exl3-packs/families.py's ARGS keys, read without importing it (its import opens the tool's log)."""
+    import ast
+
+    tree = ast.parse((ROOT / "tools" / "exl3-packs" / "families.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ARGS")
+    return {k.value for k in node.value.keys}
+
+
+def test_the_heldout_step_asks_the_tool_for_families_it_makes(plan):
+    for entry in plan["heldout"]["make"]:
+        assert set(entry["families"]) <= _tool_families(), entry
+        assert entry["variants"] and set(entry["variants"]) <= {"a", "b"}, entry
+
+
+def _pack(root: Path, name: str, config: dict, files: dict[str, int] | None = None) -> Path:
+    pack = root / name
+    (pack / "golden").mkdir(parents=True)
+    (pack / "config.json").write_text(json.dumps(config))
+    rng = random.Random(name)  # incompressible, as trellis words are
+    for rel, size in {"golden/logits.safetensors": 64, **(files or {})}.items():
+        (pack / rel).write_bytes(rng.randbytes(size))
+    return pack
+
+
+def test_a_heldout_pack_gets_its_names_or_its_architectures_settings(run, plan, tmp_path):
+    """heldout.setting: the pack's own [families.per-pack] entry, else its architecture's (the oracle packs'); an
+    MLA latent other than 576 adds vLLM's per-head attention, whatever else applies."""
+    per_pack = plan["families"]["per-pack"]
+    nxt = _pack(tmp_path, "qwen3next-b-exl3-mcg-b3", {"architectures": ["Qwen3NextForCausalLM"]})
+    assert run.heldout.setting(per_pack, nxt) == per_pack["Qwen3NextForCausalLM"]
+    oss = _pack(tmp_path, "gptoss-b-exl3-mul1-b3", {"architectures": ["GptOssForCausalLM"]})
+    assert run.heldout.setting(per_pack, oss)["flags"] == ["--dtype", "bfloat16"]
+    mla = {"architectures": ["Glm4MoeLiteForCausalLM"], "kv_lora_rank": 128, "qk_rope_head_dim": 32}
+    assert run.heldout.setting(per_pack, _pack(tmp_path, "glm-b", mla)) == {"env": {"VLLM_MLA_DISABLE": "1"}}
+    real = {**mla, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert run.heldout.setting(per_pack, _pack(tmp_path, "glm-real", real)) == {}
+    mixtral = _pack(tmp_path, "mixtral-b", {"architectures": ["MixtralForCausalLM"]})
+    assert run.heldout.setting({"mixtral-b": {"env": {"X": "1"}}}, mixtral) == {"env": {"X": "1"}}
+
+
+def test_the_families_step_serves_the_packs_the_heldout_step_made(run, plan, monkeypatch):
+    """With [families] heldout, every pack the heldout step finished (goldens written) boots on each profile under
+    its own name with heldout.setting's settings; an unfinished one does not."""
+    booted = []
+    monkeypatch.setattr(run, "run_round", lambda plan, boots, *a, **k: booted.extend(boots))
+    f = plan["families"]
+    f["packs"], f["oracle"], f["unquantized"], f["variants"] = [], [], [], {}
+    arch = run.HELDOUT / "work" / "arch"
+    _pack(arch / "b", "qwen35moe-b-exl3-mcg-b4", {"architectures": ["Qwen3_5MoeForCausalLM"]})
+    _pack(arch / "a", "ernie45moe-a-exl3-mul1-b4", {"architectures": ["Ernie4_5_MoeForCausalLM"]})
+    (arch / "b" / "mixtral-b-exl3-3inst-b2.5").mkdir()  # converted, goldens not written
+    plan["quality"]["kernels"] = ["native", "exllamav3"]
+    monkeypatch.setattr(run, "exl_ready", lambda build, wait=0: True)
+    run.families(plan, None)
+    rows = {label: (path, setting) for label, path, kernel, cache, setting in booted}
+    assert sorted(rows) == ["exllamav3-ernie45moe-a-exl3-mul1-b4", "exllamav3-qwen35moe-b-exl3-mcg-b4",
+                            "native-ernie45moe-a-exl3-mul1-b4", "native-qwen35moe-b-exl3-mcg-b4"]
+    assert rows["native-qwen35moe-b-exl3-mcg-b4"] == (arch / "b" / "qwen35moe-b-exl3-mcg-b4",
+                                                      f["per-pack"]["Qwen3_5MoeForCausalLM"])
+    assert rows["native-ernie45moe-a-exl3-mul1-b4"][1] == {}
+
+
+def test_heldout_archives_keep_within_the_device_tools_limits(run, tmp_path, monkeypatch):
+    """heldout.export: packs grouped into archives of at most PART_BYTES, MAX_PARTS of them, the reconstructed
+    weights left out, the packs named first archived first; what does not fit is named, not dropped silently."""
+    monkeypatch.setattr(run.heldout, "PART_BYTES", 6000)
+    monkeypatch.setattr(run.heldout, "MAX_PARTS", 2)
+    src = tmp_path / "packs"
+    made = [_pack(src, name, {"architectures": ["X"]}, {"model.safetensors": 2500, "golden/recon_full.safetensors": 9000})
+            for name in ("mixtral-b", "minimaxm2-b", "gptoss-a", "qwen3next-b", "ernie45moe-a")]
+    parts, left_out = run.heldout.export(made, tmp_path / "out", first=("ernie45moe-a", "gptoss-a"))
+    assert len(parts) == 2 and all(p.stat().st_size <= 6000 for p in parts)
+    import tarfile
+
+    names = [[m.name for m in tarfile.open(p).getmembers() if m.isfile()] for p in parts]
+    assert {n.split("/")[0] for n in names[0]} == {"ernie45moe-a", "gptoss-a"}
+    assert not any("recon_" in n for part in names for n in part)
+    archived = {n.split("/")[0] for part in names for n in part}
+    assert archived | set(left_out) == {p.name for p in made} and not archived & set(left_out)
