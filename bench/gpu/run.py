@@ -826,6 +826,9 @@ def start_server(plan: dict, entry: dict, profiled: bool = False) -> tuple[Serve
                                "gpu-memory-utilization": srv["gpu-memory-utilization"], "load-format": load_format,
                                "served-model-name": label})
     flags += entry.get("flags", [])  # the row's own vLLM flags (an architecture's backend choice)
+    sizes = entry.get("capture-sizes", srv.get("capture-sizes"))  # the row's own list replaces the plan's
+    if sizes:
+        flags += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": sizes})]
     if profiled:
         flags += stepprofile.profiler_flags(trace_dir(label))
     env = {**srv.get("env", {}), **entry.get("env", {})}  # the plan's server-wide settings, then the row's own

@@ -90,12 +90,29 @@ def table(rows: dict[str, dict], bases: list[str]) -> list[str]:
     return lines + ([""] + beside if beside else []) + (["", "Not measured:"] + not_run if not_run else [])
 
 
+def graph_rows(row: dict, n: int) -> int | None:
+    """The CUDA graph a decode step of n sequences ran on this server: the smallest capture size >= n, from its
+    --compilation-config, else vLLM's default list for its --max-num-seqs (1, 2, 4, then multiples of 8 up to 256 and
+    of 16 up to twice the sequences, 512 at most). None where no graph holds n rows (the step ran eagerly)."""
+    argv = row.get("argv", [])
+    sizes = None
+    if "--compilation-config" in argv:
+        sizes = json.loads(argv[argv.index("--compilation-config") + 1]).get("cudagraph_capture_sizes")
+    if sizes is None:
+        seqs = int(argv[argv.index("--max-num-seqs") + 1]) if "--max-num-seqs" in argv else 256
+        top = min(seqs * 2, 512)
+        sizes = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)] if s <= top]
+    return min((s for s in sizes if s >= n), default=None)
+
+
 def verify_table(rows: dict[str, dict]) -> list[str]:
     """Speculative decoding's verify shapes (issue #45): a step that verifies k drafts of one sequence runs k + 1 rows
     through every layer, as a plain step of k + 1 sequences does (the KV cache read differs: k + 1 short contexts
     instead of one). Per server measured at 1 and k + 1 sequences: that step over the 1-sequence step, and the
     acceptance rate at which k free drafts (n-gram lookup; a draft model adds its own cost) pay for it
-    (spark_model.break_even). [] when no server ran 2-5 sequences."""
+    (spark_model.break_even). A server whose CUDA graphs padded k + 1 sequences to more rows (graph_rows) measured
+    that many rows: the cell says so, since a real verify step runs exactly k + 1 (vLLM rounds its graph sizes to
+    multiples of k + 1 under speculative decoding). [] when no server ran 2-5 sequences."""
     ks = sorted({c - 1 for r in rows.values() if r["run"] for c in decode(r["run"]) if 2 <= c <= 5})
     lines = []
     for label, r in rows.items():
@@ -107,7 +124,9 @@ def verify_table(rows: dict[str, dict]) -> list[str]:
         for k in ks:
             ms = dec.get(k + 1, {}).get("ms_per_step")
             a = break_even(k, ms / one) if ms else None
-            cells.append("–" if not ms else f"{ms / one:.3f} ({'never' if a is None else f'{a:.2f}'})")
+            ran = graph_rows(r["row"], k + 1)
+            padded = f", padded to {ran} rows" if ran not in (None, k + 1) else ""
+            cells.append("–" if not ms else f"{ms / one:.3f} ({'never' if a is None else f'{a:.2f}'}{padded})")
         lines.append("| " + " | ".join(cells) + " |")
     if not lines:
         return []

@@ -301,3 +301,28 @@ def test_heldout_archives_keep_within_the_device_tools_limits(run, tmp_path, mon
     assert not any("recon_" in n for part in names for n in part)
     archived = {n.split("/")[0] for part in names for n in part}
     assert archived | set(left_out) == {p.name for p in made} and not archived & set(left_out)
+
+
+def test_a_server_captures_the_plans_graph_sizes_unless_its_row_names_its_own(run, plan, monkeypatch):
+    """[server] capture-sizes reach `vllm serve` as --compilation-config's cudagraph_capture_sizes (every batch of
+    1-8 sequences: no padded 3- or 5-row steps); a row's own list replaces it, once."""
+    started = []
+
+    class Recorder:
+        def __init__(self, label, model, flags, env, cache):
+            started.append(flags)
+            self.argv = ["python", "-m", "vllm", *flags]
+
+    monkeypatch.setattr(run, "Server", Recorder)
+    pack = run.pack_dir("qwen3-30b-a3b-4b")  # the written pack the EXL3 row serves
+    pack.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "done.json"):
+        (pack / name).write_text("{}")
+    run.start_server(plan, serve_row(plan, "gptq-4b-vllm"))
+    run.start_server(plan, serve_row(plan, "exl3-4b-native-default-graphs"))
+    sizes = []
+    for flags in started:
+        assert flags.count("--compilation-config") == 1
+        sizes.append(json.loads(flags[flags.index("--compilation-config") + 1])["cudagraph_capture_sizes"])
+    assert sizes[0][:8] == list(range(1, 9)) and sizes[0] == plan["server"]["capture-sizes"]
+    assert 3 not in sizes[1] and 5 not in sizes[1] and sizes[1][-1] == sizes[0][-1]
