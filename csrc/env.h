@@ -2,8 +2,8 @@
 // plugin/vllm_exl3/base/settings.py, which says what it does; docs/settings.md is generated from that table).
 //
 // All are read per call, not once: the benchmarks (bench/kernels.py --variants, bench/moe.py --splits) and the GPU
-// tests toggle them between calls in one process. None changes a result except by choosing another kernel path; unset, each
-// takes the default written here (or the planner's, for the -1 "not set" overrides).
+// tests toggle them between calls in one process. None changes a result except by choosing another kernel path;
+// unset, each takes the default written here (or the planner's, for the -1 "not set" overrides).
 #pragma once
 
 #include <cstdint>
