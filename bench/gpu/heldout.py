@@ -54,8 +54,9 @@ def make(entries: list[dict], root: Path, env: dict, seconds: float, log) -> dic
         run_env = {**env, "EXL": str(root), "OUT": str(root / "out"), "VARIANTS": entry["variants"]}
         t = time.monotonic()
         try:
-            subprocess.run([sys.executable, str(TOOL / "families.py"), "make", fams], env=run_env, cwd=ROOT,
-                           stdout=open(root / "make.log", "a"), stderr=subprocess.STDOUT, timeout=left)
+            with open(root / "make.log", "a") as out:
+                subprocess.run([sys.executable, str(TOOL / "families.py"), "make", fams], env=run_env, cwd=ROOT,
+                               stdout=out, stderr=subprocess.STDOUT, timeout=left)
         except subprocess.TimeoutExpired:
             status[fams] = f"timed out after {left:.0f} s"
         log(f"heldout: {fams} ({entry['variants']}) in {time.monotonic() - t:.0f} s")

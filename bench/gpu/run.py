@@ -476,7 +476,9 @@ def heldout_packs(plan: dict, exl_build) -> None:
         return
     results["status"] = heldout.make(plan["heldout"]["make"], HELDOUT, exl_env(), max(0.0, left() - 90), log)
     parts, left_out = heldout.export(heldout.packs(HELDOUT), OUT, first=("ernie45moe-a", "gptoss-a"))
-    results.update(archives=[p.name for p in parts], not_returned=left_out)
+    log_file = HELDOUT / "make.log"  # the converter's and the tool's own output, for a pack that failed
+    results.update(archives=[p.name for p in parts], not_returned=left_out,
+                   make_log_tail=log_file.read_text(errors="replace")[-4000:] if log_file.exists() else "")
     log(f"heldout: {len(heldout.packs(HELDOUT))} packs made, {len(parts)} archives, not returned: {left_out}")
     save("heldout.json", results)
 
