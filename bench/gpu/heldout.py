@@ -18,11 +18,10 @@ import tarfile
 import time
 from pathlib import Path
 
+from vllm_exl3.format.families.glm4_moe_lite import mla_kernels_take
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "exl3-packs"
-# The only MLA latent width (kv_lora_rank + qk_rope_head_dim) vLLM's MLA kernels take; a pack with another latent
-# (the tool's GLM-4.7-Flash geometries: 128 + 32) runs vLLM's per-head attention instead (plan.toml [families]).
-MLA_LATENT = 576
 PART_BYTES = 15 * 1024 * 1024  # under the device tool's 16 MiB per returned file
 MAX_PARTS = 3                  # beside results.tgz, within its 8 files and 64 MiB a call
 
@@ -106,7 +105,7 @@ def setting(per_pack: dict, pack: Path) -> dict:
     latent vLLM's MLA kernels do not take."""
     config = json.loads((pack / "config.json").read_text())
     chosen = dict(per_pack.get(pack.name) or per_pack.get(config["architectures"][0]) or {})
-    if "kv_lora_rank" in config and config["kv_lora_rank"] + config.get("qk_rope_head_dim", 0) != MLA_LATENT:
+    if not mla_kernels_take(config):
         chosen["env"] = {**chosen.get("env", {}), "VLLM_MLA_DISABLE": "1"}
     return chosen
 

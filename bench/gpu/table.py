@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,8 +32,17 @@ def load_rows(results: Path) -> dict[str, dict]:
     rows = {}
     for f in sorted(results.glob("serve-*.json")):
         row = json.loads(f.read_text())
-        rows[row["label"]] = {"row": row, "run": _saved_run(results / f"bench-{row['label']}")}
+        rows[row["label"]] = {"row": row, "run": _saved_run(results / f"bench-{row['label']}"),
+                              "graphs": _logged_graph_sizes(results / f"server-{row['label']}.log")}
     return rows
+
+
+def _logged_graph_sizes(log: Path) -> list[int] | None:
+    """The CUDA graph sizes the server captured, as vLLM logged its compilation config (the last one logged, the
+    engine's own); None without a log that says."""
+    logged = re.findall(r"'cudagraph_capture_sizes': \[([0-9, ]+)\]", log.read_text(errors="replace")) \
+        if log.is_file() else []
+    return [int(v) for v in logged[-1].split(",")] if logged else None
 
 
 def _saved_run(folder: Path) -> dict | None:
@@ -90,19 +100,15 @@ def table(rows: dict[str, dict], bases: list[str]) -> list[str]:
     return lines + ([""] + beside if beside else []) + (["", "Not measured:"] + not_run if not_run else [])
 
 
-def graph_rows(row: dict, n: int) -> int | None:
-    """The CUDA graph a decode step of n sequences ran on this server: the smallest capture size >= n, from its
-    --compilation-config, else vLLM's default list for its --max-num-seqs (1, 2, 4, then multiples of 8 up to 256 and
-    of 16 up to twice the sequences, 512 at most). None where no graph holds n rows (the step ran eagerly)."""
-    argv = row.get("argv", [])
-    sizes = None
-    if "--compilation-config" in argv:
+def graph_rows(r: dict, n: int) -> int | None:
+    """The CUDA graph a decode step of n sequences ran on a server (a load_rows entry): the smallest captured size
+    >= n, from the sizes its log names, else from the --compilation-config it was given. None where no graph holds n
+    rows (the step ran eagerly) or neither says which graphs it captured."""
+    sizes = r.get("graphs")
+    argv = r["row"].get("argv", [])
+    if sizes is None and "--compilation-config" in argv:
         sizes = json.loads(argv[argv.index("--compilation-config") + 1]).get("cudagraph_capture_sizes")
-    if sizes is None:
-        seqs = int(argv[argv.index("--max-num-seqs") + 1]) if "--max-num-seqs" in argv else 256
-        top = min(seqs * 2, 512)
-        sizes = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)] if s <= top]
-    return min((s for s in sizes if s >= n), default=None)
+    return min((s for s in sizes if s >= n), default=None) if sizes else None
 
 
 def verify_table(rows: dict[str, dict]) -> list[str]:
@@ -124,7 +130,7 @@ def verify_table(rows: dict[str, dict]) -> list[str]:
         for k in ks:
             ms = dec.get(k + 1, {}).get("ms_per_step")
             a = break_even(k, ms / one) if ms else None
-            ran = graph_rows(r["row"], k + 1)
+            ran = graph_rows(r, k + 1)
             padded = f", padded to {ran} rows" if ran not in (None, k + 1) else ""
             cells.append("–" if not ms else f"{ms / one:.3f} ({'never' if a is None else f'{a:.2f}'}{padded})")
         lines.append("| " + " | ".join(cells) + " |")

@@ -109,19 +109,17 @@ def test_steps_at_two_to_five_sequences_read_as_verify_steps_with_their_break_ev
     assert not any(ln.startswith("| only-batch-1 | 5.00 |") for ln in lines)
 
 
-def test_the_graph_a_step_ran_is_named_from_the_servers_flags():
-    """graph_rows: with no --compilation-config, vLLM's default sizes for the server's --max-num-seqs, as the
-    eighteenth run's server logged them (3 sequences ran the 4-row graph, 5 the 8-row one); with one, its sizes."""
-    import re
-
+def test_the_graph_a_step_ran_is_named_from_the_servers_log():
+    """graph_rows: the sizes the server logged it captured (the eighteenth run's default list: 3 sequences ran the
+    4-row graph, 5 the 8-row one); without a log, the --compilation-config it was given; with neither, unknown."""
     sys.path.insert(0, str(ROOT / "bench" / "gpu"))
     import table
 
-    served = ROOT / "bench" / "results" / "s18-h100" / "serve"
-    row = json.loads((served / "serve-exl3-4b-native.json").read_text())
-    logged = re.findall(r"'cudagraph_capture_sizes': \[([0-9, ]+)\]", (served / "server-exl3-4b-native.log").read_text())
-    sizes = [int(v) for v in logged[-1].split(",")]
-    assert [table.graph_rows(row, n) for n in sizes] == sizes
-    assert [table.graph_rows(row, n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
-    exact = {"argv": ["--max-num-seqs", "64", "--compilation-config", json.dumps({"cudagraph_capture_sizes": [1, 2, 3, 5]})]}
+    r = table.load_rows(ROOT / "bench" / "results" / "s18-h100" / "serve")["exl3-4b-native"]
+    assert r["graphs"][:5] == [1, 2, 4, 8, 16] and r["graphs"][-1] == 128
+    assert [table.graph_rows(r, n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert [table.graph_rows(r, n) for n in r["graphs"]] == r["graphs"]
+    given = json.dumps({"cudagraph_capture_sizes": [1, 2, 3, 5]})
+    exact = {"graphs": None, "row": {"argv": ["--compilation-config", given]}}
     assert [table.graph_rows(exact, n) for n in (3, 4, 5, 6)] == [3, 5, 5, None]
+    assert table.graph_rows({"graphs": None, "row": {"argv": ["--max-num-seqs", "64"]}}, 3) is None

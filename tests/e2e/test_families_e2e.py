@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from support import qwen3_vl
 from support.servers import BOOT_TIMEOUT_S, SideBySide, cpu_env, free_port, server_argv, stop
 from vllm_exl3.dev import family_oracle, golden_logprobs
+from vllm_exl3.format.families.glm4_moe_lite import mla_kernels_take
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +45,6 @@ BF16 = ("--dtype", "bfloat16", "--enforce-eager")
 HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # gated delta net: bf16 only on vLLM's CPU build
 TOP1, MEDIAN = 0.97, 0.05
 HYBRID_GOLDEN_MARGIN = 0.1  # above the largest golden margin a bf16 server reversed (0.083 nats, docstring)
-MLA_LATENT = 576  # the only latent width (kv_lora_rank + qk_rope_head_dim) vLLM's CPU MLA backend takes
 
 # ExLlamaV3-made packs with goldens worth agreeing with (PROVENANCE.md: ERNIE's router ties everywhere, gpt-oss's
 # config asks for values vLLM ignores; both families are checked against transformers below)
@@ -54,8 +54,21 @@ GOLDEN_PACKS = ["mixtral-a-exl3-mul1-b4", "minimaxm2-a-exl3-mcg-b3", "glm4moelit
 # (tools/exl3-packs, geometry b), each a folder with its golden/ beside the model, checked with the same bounds when
 # this variable names the folder that holds them (docs/packs.md "Checking a pack against ExLlamaV3").
 HELD_OUT = Path(os.environ.get("VLLM_EXL3_HELD_OUT_PACKS", "")) if os.environ.get("VLLM_EXL3_HELD_OUT_PACKS") else None
-HELD_OUT_PACKS = sorted(p.name for p in HELD_OUT.iterdir() if (p / "golden" / "logits.safetensors").is_file()) \
-    if HELD_OUT is not None and HELD_OUT.is_dir() else []
+
+
+def _held_out_packs() -> list[str]:
+    """The packs under HELD_OUT; a folder named but missing or holding none is a mistake, not a pass."""
+    if HELD_OUT is None:
+        return []
+    packs = sorted(p.name for p in HELD_OUT.iterdir() if (p / "golden" / "logits.safetensors").is_file()) \
+        if HELD_OUT.is_dir() else []
+    if not packs:
+        pytest.fail(f"VLLM_EXL3_HELD_OUT_PACKS={HELD_OUT}: no pack folder with golden/logits.safetensors there "
+                    "(docs/packs.md \"Checking a pack against ExLlamaV3\")", pytrace=False)
+    return packs
+
+
+HELD_OUT_PACKS = _held_out_packs()
 
 
 def _server_env(pack: Path) -> dict[str, str]:
@@ -65,7 +78,7 @@ def _server_env(pack: Path) -> dict[str, str]:
     extra = {}
     if config["architectures"][0].startswith("Qwen3_5") and qwen3_vl.needed():
         extra["PYTHONPATH"] = qwen3_vl.pythonpath()
-    if "kv_lora_rank" in config and config["kv_lora_rank"] + config["qk_rope_head_dim"] != MLA_LATENT:
+    if not mla_kernels_take(config):
         extra["VLLM_MLA_DISABLE"] = "1"
     return cpu_env(**extra)
 

@@ -31,3 +31,15 @@ FAMILY = Family(
               Key("v_head_dim", least=1, required=True, reads="vLLM's MLA attention")),
     examples=("GLM-4.7-Flash",),
     rules=(GroupedRouting("n_routed_experts"),))
+
+# The only latent width (kv_lora_rank + qk_rope_head_dim: 512 + 64, the released models') vLLM 0.33's MLA kernels
+# take, on the GPU and in its CPU build. A pack with another latent (tools/exl3-packs' tiny GLM-4.7-Flash models:
+# 128 + 32) is served by vLLM's per-head attention instead (VLLM_MLA_DISABLE=1).
+MLA_KERNEL_LATENT = 576
+
+
+def mla_kernels_take(config: dict) -> bool:
+    """Whether vLLM's MLA kernels take this config's latent (true for a config without MLA)."""
+    if "kv_lora_rank" not in config:
+        return True
+    return config["kv_lora_rank"] + config.get("qk_rope_head_dim", 0) == MLA_KERNEL_LATENT
