@@ -18,9 +18,11 @@ import tarfile
 import time
 from pathlib import Path
 
-from vllm_exl3.format.families.glm4_moe_lite import mla_kernels_take
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "plugin"))
+
+from vllm_exl3.format.families.glm4_moe_lite import mla_kernels_take  # noqa: E402
+
 TOOL = ROOT / "tools" / "exl3-packs"
 PART_BYTES = 15 * 1024 * 1024  # under the device tool's 16 MiB per returned file
 MAX_PARTS = 3                  # beside results.tgz, within its 8 files and 64 MiB a call

@@ -373,6 +373,14 @@ class Server:
             time.sleep(1)
         return False
 
+    def unhealthy(self) -> str:
+        """Why wait() gave up: the server exited (its log says why), or it was still booting when its wait ended
+        (the round's boot wait or the call's time ran out, not the server: its log ends mid-boot)."""
+        rc = self.proc.poll()
+        if rc is not None:
+            return f"not healthy: exited ({rc}) while booting"
+        return f"not healthy: still booting when its wait ended, {time.monotonic() - self.t0:.0f} s after its start"
+
     def stop(self) -> None:
         (SERVER_PIDS / self.label).unlink(missing_ok=True)
         if self.proc.poll() is None:
@@ -430,7 +438,7 @@ def run_round(plan: dict, boots: list[tuple], results: dict, result_file: str = 
         for (label, pack, kernel, cache, setting), s in zip(boots, servers):
             row = {"pack": pack.name, "kernel": kernel, "cache_root": str(cache), "argv": s.argv[3:]}
             if not s.wait(max(1.0, deadline - time.monotonic())):
-                row.update(ok=False, error="not healthy", log_tail=s.tail())
+                row.update(ok=False, error=s.unhealthy(), log_tail=s.tail())
             else:
                 row.update(boot_s=s.boot_s, backends=s.lines("EXL3 linear:", "EXL3 moe:", "-> "))
                 try:
@@ -467,15 +475,15 @@ def quality(plan: dict, exl_build, with_switch: bool) -> None:
 
 def heldout_packs(plan: dict, exl_build) -> None:
     """The [heldout] packs, made by ExLlamaV3's converter once its extension is in place (heldout.py says why it
-    must wait), then archived into $OUT beside results.tgz (ERNIE's and gpt-oss's first: they would replace fixture
-    packs that cannot show their routing or config): heldout.json."""
+    must wait), then archived into $OUT beside results.tgz, the plan's `return-first` packs first (not all fit one
+    call's files): heldout.json."""
     results = load_result("heldout.json")
     if not exl_ready(exl_build, max(0.0, min(420.0, left() - 200))):
         results["error"] = "ExLlamaV3's extension was not built in time"
         save("heldout.json", results)
         return
     results["status"] = heldout.make(plan["heldout"]["make"], HELDOUT, exl_env(), max(0.0, left() - 90), log)
-    parts, left_out = heldout.export(heldout.packs(HELDOUT), OUT, first=("ernie45moe-a", "gptoss-a"))
+    parts, left_out = heldout.export(heldout.packs(HELDOUT), OUT, first=tuple(plan["heldout"].get("return-first", ())))
     log_file = HELDOUT / "make.log"  # the converter's and the tool's own output, for a pack that failed
     results.update(archives=[p.name for p in parts], not_returned=left_out,
                    make_log_tail=log_file.read_text(errors="replace")[-4000:] if log_file.exists() else "")
@@ -852,8 +860,7 @@ def bench_server(plan: dict, s: Server, row: dict, boot_deadline: float, others:
     label = s.label
     try:
         if not s.wait(boot_wait_s(boot_deadline)):
-            row.update(ok=False, error="not healthy" if s.proc.poll() is not None or left() > 80
-                       else "not healthy before the call's end", log_tail=s.tail(),
+            row.update(ok=False, error=s.unhealthy(), log_tail=s.tail(),
                        memory=s.lines("Model loading took", "KV cache", "CUDA graph", "torch.compile", "Available"))
             return row
         if left() < 90:

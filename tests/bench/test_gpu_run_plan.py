@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -326,3 +328,19 @@ def test_a_server_captures_the_plans_graph_sizes_unless_its_row_names_its_own(ru
         sizes.append(json.loads(flags[flags.index("--compilation-config") + 1])["cudagraph_capture_sizes"])
     assert sizes[0][:8] == list(range(1, 9)) and sizes[0] == plan["server"]["capture-sizes"]
     assert 3 not in sizes[1] and 5 not in sizes[1] and sizes[1][-1] == sizes[0][-1]
+
+
+def test_a_server_that_did_not_come_up_says_whether_it_exited_or_was_still_booting(run):
+    """The nineteenth run's exllamav3 Qwen3-Next row read "not healthy" while its log ended mid-boot (its round's
+    wait had run out): the row names the two cases apart."""
+    s = object.__new__(run.Server)
+    s.t0 = time.monotonic()
+    s.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    s.proc.wait()
+    assert s.unhealthy() == "not healthy: exited (3) while booting"
+    s.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert s.unhealthy().startswith("not healthy: still booting when its wait ended, ")
+    finally:
+        s.proc.kill()
+        s.proc.wait()

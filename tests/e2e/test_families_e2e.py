@@ -46,10 +46,8 @@ HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")  # gated delta net: b
 TOP1, MEDIAN = 0.97, 0.05
 HYBRID_GOLDEN_MARGIN = 0.1  # above the largest golden margin a bf16 server reversed (0.083 nats, docstring)
 
-# ExLlamaV3-made packs with goldens worth agreeing with (PROVENANCE.md: ERNIE's router ties everywhere, gpt-oss's
-# config asks for values vLLM ignores; both families are checked against transformers below)
-GOLDEN_PACKS = ["mixtral-a-exl3-mul1-b4", "minimaxm2-a-exl3-mcg-b3", "glm4moelite-a-exl3-mcg-b4",
-                "qwen3next-a-exl3-mul1-b4", "qwen35moe-a-exl3-mul1-b3.5"]
+# Every ExLlamaV3-made fixture pack, with its goldens (PROVENANCE.md)
+GOLDEN_PACKS = sorted(p.name for p in FAMILIES.iterdir() if (p / "golden" / "logits.safetensors").is_file())
 # Held-out packs, not in the repository: ExLlamaV3-made packs of these families at other geometries and bit widths
 # (tools/exl3-packs, geometry b), each a folder with its golden/ beside the model, checked with the same bounds when
 # this variable names the folder that holds them (docs/packs.md "Checking a pack against ExLlamaV3").
@@ -173,10 +171,12 @@ def test_tensor_parallel_two_matches_transformers(arch, agreements):
 
 
 def test_plain_vllm_serve_refuses_a_config_vllm_would_not_follow(tmp_path):
-    """The gpt-oss fixture's rms_norm_eps (1e-6) is one vLLM's GptOss ignores (it uses 1e-5): plain `vllm serve`
-    stops while building its config, naming the key, before any weight is read."""
+    """transformers' default rms_norm_eps for gpt-oss (1e-6) is one vLLM's GptOss ignores (it uses 1e-5): plain
+    `vllm serve` stops while building its config, naming the key, before any weight is read."""
     pack = tmp_path / "gptoss"
     shutil.copytree(FAMILIES / "gptoss-a-exl3-mul1-b4", pack, ignore=shutil.ignore_patterns("golden"))
+    config = json.loads((pack / "config.json").read_text())
+    (pack / "config.json").write_text(json.dumps(dict(config, rms_norm_eps=1e-6)))
     proc = subprocess.Popen(server_argv(pack, free_port(), *FP32), env=cpu_env(), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -12,7 +12,7 @@ with another model. The families themselves are modules of format/families/.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,8 @@ class Key:
     """A config value the family's model reads. `kinds`: the JSON types it may have (an int is a float too);
     `least` / `above`: inclusive / exclusive lower bounds; `choices`: the values it may take; `required`: vLLM's
     model reads it with no default (the config must carry it); `reads`: who reads it, for the message; `within`: the
-    key is inside that object of the config (transformers 5 keeps rope_theta inside rope_parameters), when present."""
+    key is inside that object of the config (transformers 5 keeps rope_theta inside rope_parameters), when present;
+    `missing`: for a required key the config lacks, what its other values say it should be (the fix to add)."""
 
     name: str
     kinds: tuple[type, ...] = (int,)
@@ -39,6 +40,7 @@ class Key:
     required: bool = False
     reads: str = ""
     within: str | None = None
+    missing: Callable[[Mapping[str, Any]], str | None] | None = None
 
     def problem(self, config: Mapping[str, Any], path: Path, where: str) -> Exl3FormatError | None:
         if self.within is not None:
@@ -49,9 +51,10 @@ class Key:
         if self.name not in config or config[self.name] is None:
             if not self.required:
                 return None
+            found = self.missing(config) if self.missing is not None else None
             return Exl3FormatError(path, None, f"{where}{self.name}, which {self.reads} reads with no default",
-                                   "none (a config written for another reader; add the value the released "
-                                   "checkpoint's config.json has)")
+                                   found or "none (a config written for another reader; add the value the "
+                                   "released checkpoint's config.json has)")
         value = config[self.name]
         kinds = self.kinds + ((int,) if float in self.kinds and int not in self.kinds else ())
         if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):

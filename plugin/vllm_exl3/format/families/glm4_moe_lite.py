@@ -12,6 +12,22 @@ from ..family import COMMON, GROUPED, TOP_K, Family, GroupedRouting, Key
 from .common import GATED, HEAD, MLP, MTP_MARKS, NORMS
 
 _Q_LORA = Flag("q_lora_rank")
+
+
+def _dense_layers_from_types(config) -> str | None:
+    """A config saved by newer transformers lists each layer's MLP kind (`mlp_layer_types`) where the released
+    checkpoints and vLLM 0.33's Glm4MoeLite have `first_k_dense_replace` (that many dense layers, then sparse ones):
+    the value to add, or why none fits."""
+    types = config.get("mlp_layer_types")
+    if not isinstance(types, list) or not types:
+        return None
+    dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if any(t != "sparse" for t in types[dense:]):
+        return (f"none, and its mlp_layer_types {types!r} is not dense layers followed by sparse ones, the only "
+                "layout vLLM's Glm4MoeLite builds")
+    return (f"none; its mlp_layer_types (newer transformers' form, which vLLM's Glm4MoeLite does not read) has "
+            f'{dense} leading dense layer{"s" if dense != 1 else ""}: add "first_k_dense_replace": {dense}')
+
 MLA = (linear("self_attn.q_a_proj", present=_Q_LORA), plain("self_attn.q_a_layernorm", present=_Q_LORA),
        linear("self_attn.q_b_proj", present=_Q_LORA), linear("self_attn.q_proj", present=Not(_Q_LORA)),
        linear("self_attn.kv_a_proj_with_mqa"), plain("self_attn.kv_a_layernorm"), linear("self_attn.kv_b_proj"),
@@ -24,7 +40,8 @@ FAMILY = Family(
                     *(linear(f"mlp.shared_experts.{p}", present=Flag("n_shared_experts")) for p in GATED)),
         expert=GATED, experts_keys=("n_routed_experts",), dense_first_key="first_k_dense_replace",
         spare_layers_key="num_nextn_predict_layers", spare_layer_marks=MTP_MARKS)},
-    COMMON + GROUPED + (TOP_K, Key("first_k_dense_replace", least=0, required=True, reads="vLLM's Glm4MoeLite"),
+    COMMON + GROUPED + (TOP_K, Key("first_k_dense_replace", least=0, required=True, reads="vLLM's Glm4MoeLite",
+                             missing=_dense_layers_from_types),
               Key("kv_lora_rank", least=1, required=True, reads="vLLM's MLA attention"),
               Key("qk_nope_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
               Key("qk_rope_head_dim", least=1, required=True, reads="vLLM's MLA attention"),
