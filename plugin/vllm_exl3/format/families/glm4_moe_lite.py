@@ -28,6 +28,7 @@ def _dense_layers_from_types(config) -> str | None:
     return (f"none; its mlp_layer_types (newer transformers' form, which vLLM's Glm4MoeLite does not read) has "
             f'{dense} leading dense layer{"s" if dense != 1 else ""}: add "first_k_dense_replace": {dense}')
 
+
 MLA = (linear("self_attn.q_a_proj", present=_Q_LORA), plain("self_attn.q_a_layernorm", present=_Q_LORA),
        linear("self_attn.q_b_proj", present=_Q_LORA), linear("self_attn.q_proj", present=Not(_Q_LORA)),
        linear("self_attn.kv_a_proj_with_mqa"), plain("self_attn.kv_a_layernorm"), linear("self_attn.kv_b_proj"),
