@@ -836,7 +836,8 @@ def start_server(plan: dict, entry: dict, profiled: bool = False) -> tuple[Serve
                                "gpu-memory-utilization": srv["gpu-memory-utilization"], "load-format": load_format,
                                "served-model-name": label})
     flags += entry.get("flags", [])  # the row's own vLLM flags (an architecture's backend choice)
-    sizes = entry.get("capture-sizes", srv.get("capture-sizes"))  # the row's own list replaces the plan's
+    # the row's own list replaces the plan's; an empty one passes none (vLLM's own list)
+    sizes = entry.get("capture-sizes", srv.get("capture-sizes"))
     if sizes:
         flags += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": sizes})]
     if profiled:

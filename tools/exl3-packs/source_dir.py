@@ -2,6 +2,11 @@
 import json
 import os
 import shutil
+import sys
+
+# the plugin's format package (no torch, no vLLM): one rule for GLM-4.7-Flash's leading dense layers
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "plugin"))
+from vllm_exl3.format.families.glm4_moe_lite import leading_dense_layers  # noqa: E402
 
 
 def finish(d, tokdir):
@@ -16,8 +21,8 @@ def finish(d, tokdir):
     if "rope_theta" not in c and "rope_theta" in rp:
         c["rope_theta"] = rp["rope_theta"]
     types = c.get("mlp_layer_types")  # GLM-4.7-Flash: the released config's count of leading dense layers
-    if isinstance(types, list) and "first_k_dense_replace" not in c:
-        c["first_k_dense_replace"] = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    if isinstance(types, list) and "first_k_dense_replace" not in c and leading_dense_layers(types) is not None:
+        c["first_k_dense_replace"] = leading_dense_layers(types)
     json.dump(c, open(cp, "w"), indent=2)
     vis = c.get("vision_config")
     if vis and not os.path.exists(os.path.join(d, "preprocessor_config.json")):

@@ -14,15 +14,21 @@ from .common import GATED, HEAD, MLP, MTP_MARKS, NORMS
 _Q_LORA = Flag("q_lora_rank")
 
 
+def leading_dense_layers(types: list) -> int | None:
+    """`first_k_dense_replace` (that many dense layers, then sparse ones: the released checkpoints' key, the one vLLM
+    0.33's Glm4MoeLite reads) from newer transformers' per-layer `mlp_layer_types`; None where the list is not
+    dense layers followed by sparse ones, a layout Glm4MoeLite does not build."""
+    dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    return dense if all(t == "sparse" for t in types[dense:]) else None
+
+
 def _dense_layers_from_types(config) -> str | None:
-    """A config saved by newer transformers lists each layer's MLP kind (`mlp_layer_types`) where the released
-    checkpoints and vLLM 0.33's Glm4MoeLite have `first_k_dense_replace` (that many dense layers, then sparse ones):
-    the value to add, or why none fits."""
+    """For a config without `first_k_dense_replace`: the value to add, or why none fits."""
     types = config.get("mlp_layer_types")
     if not isinstance(types, list) or not types:
         return None
-    dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
-    if any(t != "sparse" for t in types[dense:]):
+    dense = leading_dense_layers(types)
+    if dense is None:
         return (f"none, and its mlp_layer_types {types!r} is not dense layers followed by sparse ones, the only "
                 "layout vLLM's Glm4MoeLite builds")
     return (f"none; its mlp_layer_types (newer transformers' form, which vLLM's Glm4MoeLite does not read) has "
