@@ -21,8 +21,9 @@ def finish(d, tokdir):
     if "rope_theta" not in c and "rope_theta" in rp:
         c["rope_theta"] = rp["rope_theta"]
     types = c.get("mlp_layer_types")  # GLM-4.7-Flash: the released config's count of leading dense layers
-    if isinstance(types, list) and "first_k_dense_replace" not in c and leading_dense_layers(types) is not None:
-        c["first_k_dense_replace"] = leading_dense_layers(types)
+    dense = leading_dense_layers(types) if isinstance(types, list) else None
+    if dense is not None and "first_k_dense_replace" not in c:
+        c["first_k_dense_replace"] = dense
     json.dump(c, open(cp, "w"), indent=2)
     vis = c.get("vision_config")
     if vis and not os.path.exists(os.path.join(d, "preprocessor_config.json")):
